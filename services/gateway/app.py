@@ -1,0 +1,119 @@
+"""The gateway's HTTP API (FastAPI): /generate, request status and cancel, health and readiness."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.core import GatewayCore
+from services.gateway.errors import (BodyTooLarge, GatewayError, InvalidRequest, NotFound, Unavailable,
+                                     error_response, gateway_error_handler, validation_error_handler)
+from services.gateway.responses import collect, stream
+from services.gateway.schemas import GenerateRequest
+from shared.model_files import model_display_name, resolve_model_dir
+from shared.redis_client import async_client
+from shared.settings import GatewaySettings
+from shared.tokenization import load_tokenizer, model_info
+
+logger = logging.getLogger(__name__)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over the limit (413) before anything parses them."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_large = BodyTooLarge(f"the body exceeds {self.max_bytes} bytes", None, "body_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except BodyTooLarge as e:
+            await error_response(e)(scope, receive, send)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
+        app.state.max_len = info.max_len
+        app.state.core = GatewayCore(settings, async_client(settings), load_tokenizer(info.model_dir),
+                                     settings.model_name or model_display_name(settings.model))
+        await app.state.core.start()
+        logger.info("gateway %s ready for requests", app.state.core.id)
+        yield
+        await app.state.core.stop()
+
+    app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
+    app.add_exception_handler(GatewayError, gateway_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        core: GatewayCore = request.app.state.core
+        max_tokens = body.max_tokens or settings.default_max_tokens
+        limit = min(settings.max_tokens_limit, request.app.state.max_len - 1)
+        if max_tokens > limit:
+            raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
+                                 "max_tokens_too_large")
+        handle = await core.submit(body, max_tokens)
+        headers = {"X-Request-Id": handle.request_id}
+        if body.stream:
+            return StreamingResponse(stream(core, handle, request), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await collect(core, handle, request), headers=headers)
+
+    @app.get("/v1/requests/{request_id}")
+    async def get_request(request_id: str, request: Request):
+        core: GatewayCore = request.app.state.core
+        snap = await core.store.aread(core.r, request_id)
+        if snap is None:
+            raise NotFound(f"no request {request_id} (unknown, or its context expired)", "request_id", "not_found")
+        return snap.to_dict()
+
+    @app.delete("/v1/requests/{request_id}")
+    async def cancel_request(request_id: str, request: Request):
+        core: GatewayCore = request.app.state.core
+        snap = await core.store.aread(core.r, request_id)
+        if snap is None:
+            raise NotFound(f"no request {request_id}", "request_id", "not_found")
+        cancelled = await core.cancel(request_id, "client_cancel", snap.layers["meta"].get("reply_to", ""))
+        after = await core.store.aread(core.r, request_id)
+        return {"request_id": request_id, "cancelled": cancelled,
+                "state": after.state.value if after and after.state else None}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request):
+        try:
+            found = await request.app.state.core.ready()
+        except Exception as e:  # any Redis failure means not ready
+            raise Unavailable(f"redis unreachable: {e}", None, "redis_unavailable") from e
+        missing = [s for s, n in found.items() if n == 0]
+        if missing:
+            raise Unavailable(f"no live {', '.join(missing)}", None, "not_ready", extra={"live": found})
+        return {"status": "ready", "live": found}
+
+    return app

@@ -1,0 +1,77 @@
+"""Client-facing errors: one JSON shape, {"error": {message, type, param, code}} (OpenAI's)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+class GatewayError(Exception):
+    """Base of the gateway's errors; each maps to one HTTP status."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, extra: dict | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+        self.extra = extra or {}
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+
+class InvalidRequest(GatewayError):
+    status, type = 400, "invalid_request_error"
+
+
+class NotFound(GatewayError):
+    status, type = 404, "not_found_error"
+
+
+class BodyTooLarge(GatewayError):
+    status, type = 413, "invalid_request_error"
+
+
+class Unavailable(GatewayError):
+    status, type = 503, "service_unavailable"
+
+
+class RequestTimedOut(GatewayError):
+    status, type = 504, "timeout"
+
+
+class RequestFailed(GatewayError):
+    status, type = 500, "server_error"
+
+
+class RequestCancelled(GatewayError):
+    status, type = 499, "cancelled"
+
+
+def error_response(e: GatewayError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def gateway_error_handler(_request: Request, e: GatewayError) -> JSONResponse:
+    return error_response(e)
+
+
+async def validation_error_handler(_request: Request, e: RequestValidationError) -> JSONResponse:
+    """Pydantic's errors, reduced to the first one, naming the field and the rule it broke."""
+    err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request", "type": "invalid"}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return error_response(InvalidRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
+                                             None, "invalid_json"))
+    msg = err.get("msg", "invalid value")
+    given = err.get("input")
+    detail = f"{param}: {msg}" if param else msg
+    if param and not isinstance(given, (dict, list)) and given is not None:
+        detail += f" (got {given!r})"
+    return error_response(InvalidRequest(detail, param, err.get("type", "invalid_value")))

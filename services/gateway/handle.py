@@ -1,0 +1,92 @@
+"""One in-flight request as the gateway sees it: token deltas in, text chunks out.
+
+Token deltas carry their index in the output, so a delta seen twice (a redelivery, or a
+request moved to another worker that recomputed) is dropped, never shown twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from services.gateway.detokenizer import IncrementalDetokenizer
+from shared.events import AnyEvent, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    text: str  # newly complete text
+    token_ids: list[int]  # new token ids
+    index: int  # position of token_ids[0] in the output
+    end: AnyEvent | None = None  # the terminal event, on the last chunk
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    reply_to: str
+    detok: IncrementalDetokenizer
+    deadline: float  # epoch seconds
+    t0: float  # perf_counter at receipt: every client-side interval is measured from it
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter per delivered delta
+    first_token_at: float | None = None
+    ended: AnyEvent | None = None
+    ended_at: float | None = None
+
+    def deliver(self, item: TokenDelta | AnyEvent) -> None:
+        self.queue.put_nowait(item)
+
+    def _accept(self, delta: TokenDelta) -> list[int]:
+        have = len(self.token_ids)
+        if delta.index > have:
+            logger.error("request %s: token gap (have %d, got index %d)", self.request_id, have, delta.index)
+        new = list(delta.token_ids[max(0, have - delta.index):])
+        self.token_ids.extend(new)
+        return new
+
+    async def next_chunk(self, timeout: float) -> Chunk | None:
+        """The next piece of output; None when nothing came within `timeout` seconds."""
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout=max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, TokenDelta):
+            index = len(self.token_ids)
+            new = self._accept(item)
+            if not new:
+                return Chunk("", [], index)
+            now = time.perf_counter()
+            self.first_token_at = self.first_token_at or now
+            self.token_times.append(now)
+            text = self.detok.push(new)
+            self.text.append(text)
+            return Chunk(text, new, index)
+        return self.finish(item)
+
+    def finish(self, end: AnyEvent) -> Chunk:
+        tail = self.detok.flush()
+        self.text.append(tail)
+        self.ended, self.ended_at = end, time.perf_counter()
+        return Chunk(tail, [], len(self.token_ids), end=end)
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+    def client_metrics(self) -> dict:
+        """Intervals on the gateway's clock, from receipt to what the client was sent."""
+        end = self.ended_at or time.perf_counter()
+        n = len(self.token_ids)
+        ttft = (self.first_token_at - self.t0) if self.first_token_at else None
+        tpot = (self.token_times[-1] - self.first_token_at) / (n - 1) if n > 1 and self.first_token_at else 0.0
+        return {"ttft": ttft, "tpot": tpot, "e2e": end - self.t0}

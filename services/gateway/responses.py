@@ -1,0 +1,122 @@
+"""Driving one request to its end and shaping what the client gets (JSON or SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from services.gateway.core import GatewayCore
+from services.gateway.errors import (GatewayError, InvalidRequest, RequestCancelled, RequestFailed, RequestTimedOut,
+                                     Unavailable)
+from services.gateway.handle import Chunk, RequestHandle
+from shared.events import Cancelled, Completed, Failed, TimedOut
+from shared.lifecycle import State, parse_history
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a waiting request checks its client and its deadline
+DEADLINE_GRACE_S = 2.0  # the scheduler/worker report timeouts; the gateway settles only if they did not
+
+
+async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[Chunk]:
+    """Chunks until the terminal one; cancels on client disconnect, times out as a backstop."""
+    asked_cancel = asked_timeout = False
+    while True:
+        chunk = await handle.next_chunk(POLL_S)
+        if chunk is not None:
+            yield chunk
+            if chunk.end is not None:
+                return
+            continue
+        if not asked_cancel and await request.is_disconnected():
+            asked_cancel = True
+            await core.cancel(handle.request_id, "client_disconnect", handle.reply_to)
+        elif not asked_timeout and handle.remaining() < -DEADLINE_GRACE_S:
+            asked_timeout = True
+            await core.time_out(handle)
+
+
+async def queue_wait(core: GatewayCore, request_id: str) -> float:
+    """Time spent QUEUED, from the history's timestamps (Redis's clock), summed over every pass."""
+    history = parse_history(await core.r.lrange(core.names.history(request_id), 0, -1))
+    total, since = 0.0, None
+    for h in history:
+        if h["state"] == State.QUEUED.value:
+            since = h["t"]
+        elif since is not None and h["from"] == State.QUEUED.value:
+            total, since = total + (h["t"] - since), None
+    return total
+
+
+async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
+    """The success body, or raise the GatewayError the terminal event calls for."""
+    end = handle.ended
+    partial = {"text": handle.full_text, "token_ids": handle.token_ids}
+    if isinstance(end, Completed):
+        metrics = {"queue_wait": await queue_wait(core, handle.request_id), **handle.client_metrics()}
+        body = {"request_id": handle.request_id, "text": handle.full_text, "token_ids": handle.token_ids,
+                "finish_reason": end.finish_reason,
+                "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": len(handle.token_ids),
+                          "total_tokens": end.prompt_tokens + len(handle.token_ids),
+                          "cached_tokens": end.cached_tokens},
+                "metrics": metrics}
+        await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
+        return body
+    if isinstance(end, Failed):
+        if end.reason in ("invalid", "too_long"):
+            raise InvalidRequest(end.message, end.param or None, end.reason)
+        if end.reason == "worker_lost":
+            raise Unavailable(end.message, None, end.reason, extra={"partial": partial})
+        raise RequestFailed(end.message, None, end.reason, extra={"partial": partial})
+    if isinstance(end, TimedOut):
+        raise RequestTimedOut(f"the request did not finish within its timeout (it was {end.where})", "timeout",
+                              "timeout", extra={"partial": partial})
+    if isinstance(end, Cancelled):
+        raise RequestCancelled(f"the request was cancelled ({end.reason})", None, end.reason,
+                               extra={"partial": partial})
+    raise RequestFailed(f"unexpected end event {type(end).__name__}", None, "internal")
+
+
+async def collect(core: GatewayCore, handle: RequestHandle, request: Request) -> dict:
+    try:
+        async for _chunk in drive(core, handle, request):
+            pass
+        return await final_body(core, handle)
+    finally:
+        core.release(handle)
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[bytes]:
+    """SSE: one event per text delta (with its token ids), then one final event, then [DONE]."""
+    try:
+        async for chunk in drive(core, handle, request):
+            if chunk.end is None:
+                if chunk.token_ids or chunk.text:
+                    yield sse({"request_id": handle.request_id, "index": chunk.index, "text": chunk.text,
+                               "token_ids": chunk.token_ids})
+                continue
+            yield sse(await final_event(core, handle, chunk))
+            yield sse("[DONE]")
+    finally:
+        if handle.ended is None:  # the client went away mid-stream
+            await asyncio.shield(core.cancel(handle.request_id, "client_disconnect", handle.reply_to))
+        core.release(handle)
+
+
+async def final_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
+    out = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": []}
+    try:
+        body = await final_body(core, handle)
+    except GatewayError as e:
+        reason = {504: "timeout", 499: "cancelled"}.get(e.status, "error")
+        return {**out, "finish_reason": reason, "error": e.body()["error"]}
+    return {**out, "finish_reason": body["finish_reason"], "usage": body["usage"], "metrics": body["metrics"]}

@@ -1,0 +1,39 @@
+"""The native API's request body, validated strictly (a wrong type is an error, not a guess)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1_000_000)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    prompt: str | None = Field(None, min_length=1, description="raw prompt; exactly one of prompt/messages")
+    messages: list[Message] | None = Field(None, min_length=1, description="chat turns, templated by the model")
+    max_tokens: int | None = Field(None, ge=1, description="most new tokens (1..4096, within the context window)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
+    timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self

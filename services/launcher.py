@@ -1,0 +1,124 @@
+"""`conveyor up`: Redis, then one tokenizer, scheduler, gateway and N workers as child processes.
+
+Children that die are restarted (with a growing delay), so a local cluster heals itself.
+SIGINT or SIGTERM stops every child (SIGTERM first, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.model_files import resolve_model_dir
+from shared.redis_server import RedisServer
+from shared.runtime import StopFlag, setup_logging
+from shared.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 35.0  # a worker drains held requests on SIGTERM
+
+
+@dataclass
+class Child:
+    name: str
+    env: dict
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = field(default=0.0)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env)
+        logger.info("started %s (pid %d)", self.name, self.proc.pid)
+
+
+class Launcher:
+    def __init__(self, args):
+        self.args = args
+        self.settings = CommonSettings()
+        setup_logging(self.settings.log_level)
+        self.redis: RedisServer | None = None
+        self.children: list[Child] = []
+
+    def run(self) -> int:
+        stop = StopFlag()
+        url = self.args.redis_url or self._start_redis()
+        resolve_model_dir(self.settings.model, self.settings.cache_dir)  # convert once, before the children start
+        base = {**os.environ, "CONVEYOR_REDIS_URL": url}
+        names = ["tokenizer", "scheduler"] + [f"worker#{i}" for i in range(self.args.workers)] + ["gateway"]
+        for name in names:
+            env = dict(base)
+            if name == "gateway":
+                env.update(CONVEYOR_PORT=str(self.args.port), CONVEYOR_HOST=self.args.host)
+            self.children.append(Child(name, env))
+            self.children[-1].start()
+        try:
+            if self._wait_ready(stop):
+                gateway = f"http://{self.args.host}:{self.args.port}"
+                sys.stdout.write(f"Conveyor is ready: {gateway} (Ctrl-C to stop)\n")
+                sys.stdout.flush()
+                self._supervise(stop)
+        finally:
+            self._stop_all()
+        return 0
+
+    def _start_redis(self) -> str:
+        data = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+        self.redis = RedisServer(data, appendonly=True).start()
+        logger.info("redis-server on %s (data in %s)", self.redis.url, data)
+        return self.redis.url
+
+    def _wait_ready(self, stop: StopFlag) -> bool:
+        url = f"http://{self.args.host}:{self.args.port}/ready"
+        deadline = time.monotonic() + self.args.ready_timeout
+        while not stop.stopped and time.monotonic() < deadline:
+            self._restart_dead()
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError as e:
+                logger.debug("gateway not answering yet: %s", e)
+            time.sleep(0.5)
+        if not stop.stopped:
+            logger.error("the cluster was not ready within %.0f s", self.args.ready_timeout)
+        return False
+
+    def _supervise(self, stop: StopFlag) -> None:
+        while not stop.stopped:
+            self._restart_dead()
+            time.sleep(0.5)
+
+    def _restart_dead(self) -> None:
+        now = time.monotonic()
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                delay = min(30.0, 2.0 ** c.restarts)
+                logger.error("%s exited with %s; restarting in %.0f s", c.name, c.proc.returncode, delay)
+                c.proc, c.restarts, c.next_start = None, c.restarts + 1, now + delay
+            if c.proc is None and now >= c.next_start:
+                c.start()
+
+    def _stop_all(self) -> None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        if self.redis is not None:
+            self.redis.stop()

@@ -1,0 +1,1 @@
+"""The cluster scheduler: admission queue by (priority, arrival), worker choice, cancel routing."""

@@ -1,0 +1,104 @@
+"""The scheduler's internal objects: its queue and its view of the workers.
+
+Built from events, never the events themselves: a QueuedRequest keeps the Preprocessed
+event it came from only to re-emit its fields in `scheduled`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from shared.events import Heartbeat, Preprocessed
+
+
+def entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(order=True)
+class QueuedRequest:
+    sort_key: tuple[int, float, int]  # (priority, received_at, tie-breaker): lower goes first
+    request_id: str = field(compare=False)
+    event: Preprocessed = field(compare=False)
+    attempt: int = field(default=1, compare=False)
+    output_token_ids: tuple[int, ...] = field(default=(), compare=False)
+
+
+class RequestQueue:
+    """A priority queue with removal by id (lazy deletion)."""
+
+    def __init__(self) -> None:
+        self._heap: list[QueuedRequest] = []
+        self._live: dict[str, QueuedRequest] = {}
+        self._tie = itertools.count()
+
+    def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = ()) -> bool:
+        if ev.request_id in self._live:
+            return False
+        item = QueuedRequest((ev.priority, ev.received_at, next(self._tie)), ev.request_id, ev, attempt,
+                             output_token_ids)
+        self._live[ev.request_id] = item
+        heapq.heappush(self._heap, item)
+        return True
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        return self._live.pop(request_id, None)  # its heap entry is skipped when reached
+
+    def peek(self) -> QueuedRequest | None:
+        while self._heap and self._heap[0].request_id not in self._live:
+            heapq.heappop(self._heap)
+        return self._heap[0] if self._heap else None
+
+    def pop(self) -> QueuedRequest:
+        item = self.peek()
+        assert item is not None
+        heapq.heappop(self._heap)
+        del self._live[item.request_id]
+        return item
+
+    def expired(self, now: float) -> list[QueuedRequest]:
+        return [q for q in self._live.values() if q.event.deadline <= now]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler knows of one worker: its last heartbeat plus what it sent since."""
+
+    worker_id: str
+    hb: Heartbeat
+    seen_at: float  # scheduler's monotonic time of the last heartbeat
+    inflight: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (entry id, blocks needed)
+
+    def observe(self, hb: Heartbeat) -> None:
+        self.hb, self.seen_at = hb, time.monotonic()
+        read = entry_key(hb.last_read_id) if hb.last_read_id else (0, 0)
+        # Entries the worker has read are counted in its own figures now.
+        self.inflight = {r: v for r, v in self.inflight.items() if entry_key(v[0]) > read}
+
+    def alive(self, ttl_s: float) -> bool:
+        return time.monotonic() - self.seen_at <= ttl_s
+
+    def free_slots(self, slack: int) -> int:
+        return self.hb.max_num_seqs + slack - self.hb.num_running - self.hb.num_waiting - len(self.inflight)
+
+    def free_blocks(self) -> int:
+        return self.hb.free_blocks + self.hb.cached_blocks - sum(b for _, b in self.inflight.values())
+
+    def score(self) -> float:
+        """Higher is better: share of the KV pool still free after what is in flight."""
+        return self.free_blocks() / max(1, self.hb.total_blocks)
+
+
+def blocks_needed(prompt_len: int, block_size: int) -> int:
+    return math.ceil((prompt_len + 1) / max(1, block_size))

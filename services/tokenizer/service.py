@@ -1,0 +1,126 @@
+"""Tokenizer service: turns request_received into preprocessed (or a clear failure).
+
+Idempotent: the PREPROCESSED transition is a compare-and-set published atomically with the
+preprocessed event, so a redelivered request_received (this process died before XACK)
+finds the request already past RECEIVED and is only acknowledged. A request cancelled
+before it got here is not tokenized at all: its transition is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shared.bus import Bus, Delivery
+from shared.constants import GROUP_TOKENIZER, Names
+from shared.context_store import ContextStore
+from shared.errors import InvalidTransition
+from shared.events import Failed, Preprocessed, RequestReceived
+from shared.lifecycle import Lifecycle, Publish, State
+from shared.model_files import resolve_model_dir
+from shared.redis_client import sync_client
+from shared.runtime import Liveness, StopFlag, instance_id
+from shared.settings import TokenizerSettings
+from shared.tokenization import load_tokenizer, model_info
+
+logger = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served as given; carries the failure reason and offending field."""
+
+    def __init__(self, reason: str, param: str, message: str):
+        super().__init__(message)
+        self.reason, self.param = reason, param
+
+
+class Preprocessor:
+    """Chat template + tokenization + context-window check, independent of the bus."""
+
+    def __init__(self, tokenizer, max_len: int):
+        self.tok = tokenizer
+        self.max_len = max_len
+
+    def token_ids(self, ev: RequestReceived) -> list[int]:
+        if ev.messages is not None:
+            chat = [{"role": m.role, "content": m.content} for m in ev.messages]
+            text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            ids = self.tok.encode(text, add_special_tokens=False)
+            field = "messages"
+        else:
+            ids = self.tok.encode(ev.prompt or "")
+            field = "prompt"
+        if not ids:
+            raise PromptError("invalid", field, f"{field} tokenizes to no tokens")
+        if len(ids) >= self.max_len:
+            raise PromptError("too_long", field, f"{field} is {len(ids)} tokens; the context window is "
+                              f"{self.max_len} tokens and at least 1 must be left for output")
+        if len(ids) + ev.sampling.max_tokens > self.max_len:
+            raise PromptError("invalid", "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
+                              f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
+                              f"{self.max_len - len(ids)}")
+        return ids
+
+
+class TokenizerService:
+    def __init__(self, settings: TokenizerSettings):
+        self.s = settings
+        self.names = Names(settings.namespace)
+        self.r = sync_client(settings)
+        self.id = instance_id(settings, "tokenizer")
+        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
+                       settings.max_deliveries, on_dead=self._on_dead)
+        self.lifecycle = Lifecycle(self.r, self.names, "tokenizer", settings.context_ttl_s)
+        self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
+        info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
+        self.pre = Preprocessor(load_tokenizer(info.model_dir), info.max_len)
+        self.live = Liveness(self.names, "tokenizer", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+
+    def run(self) -> None:
+        stop = StopFlag()
+        stream = self.names.received_stream
+        self.bus.ensure_group(stream, GROUP_TOKENIZER)
+        logger.info("tokenizer %s reading %s", self.id, stream)
+        while not stop.stopped:
+            deliveries = self.bus.read([stream], GROUP_TOKENIZER)
+            if self.live.due():
+                deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
+                self.live.refresh(self.r)
+            for d in deliveries:
+                self.handle(d)
+        self.live.clear(self.r)
+
+    def handle(self, d: Delivery) -> None:
+        ev = d.event
+        if not isinstance(ev, RequestReceived):
+            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            self.bus.ack(d)
+            return
+        try:
+            ids = self.pre.token_ids(ev)
+        except PromptError as e:
+            fail = Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param,
+                          service="tokenizer", traceparent=ev.traceparent)
+            self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
+        else:
+            self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
+            out = Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
+                               sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
+                               received_at=ev.received_at, traceparent=ev.traceparent)
+            self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(self.names.preprocessed_stream, out)])
+        self.bus.ack(d)
+
+    def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]) -> None:
+        try:
+            res = self.lifecycle.transition(request_id, to, reason, publish)
+        except InvalidTransition as e:  # already further along: a redelivery
+            logger.info("skipping %s: %s", request_id, e)
+            return
+        if not res.applied:
+            logger.info("request %s not moved to %s: it is %s", request_id, to.value,
+                        res.previous.value if res.previous else "gone")
+
+    def _on_dead(self, stream: str, event, why: str) -> None:
+        if isinstance(event, RequestReceived):
+            fail = Failed(request_id=event.request_id, reason="internal", service="tokenizer",
+                          message=f"the tokenizer could not process this request ({why})")
+            self._settle(event.request_id, State.FAILED, "internal", [Publish(event.reply_to, fail)])

@@ -1,0 +1,1 @@
+"""The worker: an engine (paged KV cache, continuous batching) behind a Redis stream."""

@@ -1,0 +1,102 @@
+"""Turns one engine step's results into events and lifecycle transitions, in one round trip.
+
+Per step: one token_generated per reply destination (never one message per token), then the
+state changes, then each ended request's settlement (FINISHED + completed, or FAILED +
+failed), all in one pipeline so their order on every reply stream is the order they happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from shared.constants import EVENT_FIELD, Names
+from shared.context_store import ContextStore
+from shared.errors import InvalidTransition
+from shared.events import Completed, Failed, TokenDelta, TokenGenerated, encode
+from shared.lifecycle import Lifecycle, Publish, State
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Active:
+    """The worker's record of a request it holds (built from its Scheduled event)."""
+
+    request_id: str
+    reply_to: str
+    traceparent: str
+    prompt_len: int
+    deadline: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class StepPublisher:
+    def __init__(self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore):
+        self.r = client
+        self.names = names
+        self.worker_id = worker_id
+        self.lifecycle = lifecycle
+        self.store = store
+
+    def publish(self, step: int, result, active: dict[str, Active], kv_info) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        by_reply: dict[str, list[TokenDelta]] = defaultdict(list)
+        for out in result.outputs:
+            a = active.get(out.request_id)
+            if a is None or not out.new_token_ids:
+                continue
+            a.output_token_ids.extend(out.new_token_ids)
+            by_reply[a.reply_to].append(TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids)))
+        for reply_to, items in by_reply.items():
+            ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
+            pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=100_000, approximate=True)
+        queued: list[tuple[str, State]] = []
+        for rid, status in result.transitions:
+            if rid in active:
+                if status == "PREEMPTED":
+                    active[rid].num_preemptions += 1
+                if status == "DECODING":
+                    self._queue_kv(pipe, rid, kv_info(rid))
+                self.lifecycle.queue(pipe, rid, State(status))
+                queued.append((rid, State(status)))
+        for out in result.outputs:
+            a = active.get(out.request_id)
+            if a is not None and out.finished:
+                queued.append((a.request_id, self._queue_end(pipe, a, out, kv_info(a.request_id))))
+        self._check(pipe.execute()[len(by_reply):], queued)
+
+    def _queue_kv(self, pipe, rid: str, info) -> None:
+        if info is not None:
+            self.store.update(pipe, rid, "kv", {"blocks": info[0], "cached_tokens": info[1]})
+
+    def _queue_end(self, pipe, a: Active, out, info) -> State:
+        cached = info[1] if info else 0
+        if out.error_reason:
+            ev = Failed(request_id=a.request_id, reason=out.error_reason, message=out.error or out.error_reason,
+                        service="worker", traceparent=a.traceparent)
+            self.lifecycle.queue(pipe, a.request_id, State.FAILED, out.error_reason, [Publish(a.reply_to, ev)])
+            return State.FAILED
+        self.store.update(pipe, a.request_id, "output", {
+            "token_ids": a.output_token_ids, "finish_reason": out.finish_reason,
+            "output_tokens": len(a.output_token_ids), "num_preemptions": a.num_preemptions})
+        ev = Completed(request_id=a.request_id, worker_id=self.worker_id, finish_reason=out.finish_reason or "stop",
+                       prompt_tokens=a.prompt_len, output_tokens=len(a.output_token_ids), cached_tokens=cached,
+                       num_preemptions=a.num_preemptions, traceparent=a.traceparent)
+        self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
+                             [Publish(a.reply_to, ev)])
+        return State.FINISHED
+
+    def _check(self, replies: list, queued: list[tuple[str, State]]) -> None:
+        """Pipeline replies of the transitions (HSETs interleave; keep only script replies)."""
+        scripts = [r for r in replies if isinstance(r, list)]
+        for (rid, to), raw in zip(queued, scripts):
+            try:
+                res = self.lifecycle.interpret(rid, to, raw)
+            except InvalidTransition as e:
+                logger.warning("%s", e)
+                continue
+            if not res.applied and to in (State.FINISHED, State.FAILED):
+                logger.info("request %s already settled as %s", rid, res.previous)

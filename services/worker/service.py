@@ -1,0 +1,133 @@
+"""Worker service: reads its stream between engine steps, steps, publishes, heartbeats.
+
+Requests join and leave the running batch at every step (continuous batching): new
+`scheduled` events are read without blocking while the engine has work, and only block
+(up to read_block_ms) when it is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.publisher import Active, StepPublisher
+from shared.bus import Bus, Delivery
+from shared.constants import GROUP_WORKER, HEARTBEAT_MAXLEN, Names
+from shared.context_store import ContextStore
+from shared.events import CancelRequested, Heartbeat, Sampling, Scheduled, TimedOut
+from shared.lifecycle import Lifecycle, Publish, State
+from shared.model_files import resolve_model_dir
+from shared.redis_client import sync_client
+from shared.runtime import Liveness, StopFlag, instance_id
+from shared.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def engine_config(s: WorkerSettings) -> EngineConfig:
+    return EngineConfig(block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
+                        gpu_memory_fraction=s.gpu_memory_fraction, max_num_seqs=s.max_num_seqs,
+                        max_num_batched_tokens=s.max_num_batched_tokens,
+                        enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype)
+
+
+def sampling_options(s: Sampling) -> SamplingOptions:
+    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                           repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
+                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings):
+        self.s = settings
+        self.names = Names(settings.namespace)
+        self.r = sync_client(settings)
+        self.id = instance_id(settings, "worker")
+        self.stream = self.names.worker_stream(self.id)
+        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
+                       settings.max_deliveries)
+        self.lifecycle = Lifecycle(self.r, self.names, "worker", settings.context_ttl_s)
+        self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
+        self.engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
+                                               engine_config(settings))
+        self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store)
+        self.active: dict[str, Active] = {}
+        self.live = Liveness(self.names, "worker", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.last_read_id = ""
+        self.step_no = 0
+        self.step_time_avg = 0.0
+
+    def run(self) -> None:
+        stop = StopFlag()
+        self.bus.ensure_group(self.stream, GROUP_WORKER)
+        logger.info("worker %s ready on %s (%s)", self.id, self.stream, self.engine.stats())
+        while not stop.stopped:
+            busy = self.engine.has_unfinished()
+            for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
+                self.dispatch(d)
+            self.expire_deadlines()
+            if self.engine.has_unfinished():
+                self.step()
+            if self.live.due():
+                self.heartbeat()
+        self.drain()
+
+    def dispatch(self, d: Delivery) -> None:
+        ev = d.event
+        self.last_read_id = d.entry_id
+        if isinstance(ev, Scheduled):
+            self.admit(ev)
+        elif isinstance(ev, CancelRequested):
+            if self.active.pop(ev.request_id, None) is not None:
+                self.engine.abort_request(ev.request_id)
+        else:
+            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+        self.bus.ack(d)  # the engine holds it now; a lost worker's requests are recovered by the scheduler
+
+    def admit(self, ev: Scheduled) -> None:
+        if ev.request_id in self.active:
+            return  # redelivered
+        self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, ev.traceparent, len(ev.prompt_token_ids),
+                                            ev.deadline, list(ev.output_token_ids))
+        self.engine.add_request(EngineRequest(request_id=ev.request_id, prompt_token_ids=list(ev.prompt_token_ids),
+                                              sampling=sampling_options(ev.sampling), priority=ev.priority,
+                                              output_token_ids=list(ev.output_token_ids)))
+
+    def step(self) -> None:
+        result = self.engine.step()
+        self.step_no += 1
+        self.step_time_avg = 0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 \
+            else result.step_time_s
+        self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
+        for out in result.outputs:
+            if out.finished:
+                self.active.pop(out.request_id, None)
+
+    def expire_deadlines(self) -> None:
+        now = time.time()
+        for a in [a for a in self.active.values() if a.deadline <= now]:
+            self.engine.abort_request(a.request_id)
+            del self.active[a.request_id]
+            ev = TimedOut(request_id=a.request_id, where="worker", service="worker", traceparent=a.traceparent)
+            self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)])
+
+    def heartbeat(self) -> None:
+        st = self.engine.stats()
+        hb = Heartbeat(worker_id=self.id, sent_at=time.time(), max_num_seqs=st.max_num_seqs,
+                       num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
+                       last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
+                       cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
+                       prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
+                       num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
+                       prefix_cache_hits=st.prefix_cache_hits)
+        self.bus.publish(self.names.heartbeat_stream, hb, maxlen=HEARTBEAT_MAXLEN)
+        self.live.refresh(self.r, {"at": hb.sent_at, "running": st.num_running, "free_blocks": st.free_blocks})
+
+    def drain(self) -> None:
+        """On SIGTERM: take no new work, finish what is held within the drain timeout."""
+        deadline = time.monotonic() + self.s.drain_timeout_s
+        logger.info("worker %s draining %d requests", self.id, len(self.active))
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            self.step()
+        self.live.clear(self.r)

@@ -1,0 +1,1 @@
+"""Code every Conveyor service imports: events, bus, context store, lifecycle, settings, telemetry."""

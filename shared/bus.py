@@ -1,0 +1,121 @@
+"""The event bus: Redis Streams with consumer groups (the arq/taskiq-redis recipe).
+
+- Groups are created at start (MKSTREAM), reading from the stream's beginning.
+- XREADGROUP blocks for less than the client's socket timeout.
+- A consumer XACKs only after the event's effect is durable (its transition/publish ran).
+- Consumers are idempotent: lifecycle transitions are compare-and-set, so a redelivered
+  event whose effect already happened is acknowledged and dropped.
+- `sweep` claims (XAUTOCLAIM) entries left pending by a dead or failing consumer; entries
+  delivered `max_deliveries` times go to the dead-letter stream instead, and the service
+  is told so it can fail the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import redis
+
+from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names
+from shared.events import AnyEvent, Event, SchemaError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    stream: str  # stream it came from
+    group: str  # consumer group it was read through
+    entry_id: str  # stream entry id
+    event: AnyEvent  # decoded event
+
+
+DeadHandler = Callable[[str, AnyEvent | None, str], None]  # (stream, event or None, why)
+
+
+class Bus:
+    def __init__(self, client: redis.Redis, names: Names, consumer: str, block_ms: int,
+                 claim_idle_ms: int, max_deliveries: int, on_dead: DeadHandler | None = None):
+        self.r = client
+        self.names = names
+        self.consumer = consumer
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.on_dead = on_dead
+
+    def ensure_group(self, stream: str, group: str) -> None:
+        try:
+            self.r.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def publish(self, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> str:
+        return _s(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
+
+    def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:
+        """New entries of `streams` for this consumer; block_ms=0 means do not block."""
+        block = self.block_ms if block_ms is None else block_ms
+        reply = self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
+                                  block=block if block > 0 else None)
+        out: list[Delivery] = []
+        for stream, entries in reply or []:
+            out.extend(self._decode_entries(_s(stream), group, entries))
+        return out
+
+    def ack(self, d: Delivery) -> None:
+        self.r.xack(d.stream, d.group, d.entry_id)
+
+    def sweep(self, stream: str, group: str, count: int = 64) -> list[Delivery]:
+        """Claim entries idle longer than claim_idle_ms; dead-letter the over-delivered ones."""
+        pending = self.r.xpending_range(stream, group, min="-", max="+", count=count, idle=self.claim_idle_ms)
+        for p in pending:
+            if p["times_delivered"] >= self.max_deliveries:
+                self._dead_letter(stream, group, _s(p["message_id"]), f"delivered {p['times_delivered']} times")
+        if not pending:
+            return []
+        # Reply: [next-id, entries] (Redis 6.2) or [next-id, entries, deleted-ids] (7.0+).
+        entries = self.r.xautoclaim(stream, group, self.consumer, self.claim_idle_ms, start_id="0-0",
+                                    count=count)[1]
+        if entries:
+            logger.warning("claimed %d idle entries of %s/%s", len(entries), stream, group)
+        return self._decode_entries(stream, group, entries)
+
+    def _decode_entries(self, stream: str, group: str, entries) -> list[Delivery]:
+        out = []
+        for entry_id, fields in entries:
+            eid = _s(entry_id)
+            if fields is None:  # trimmed away while pending
+                self.r.xack(stream, group, eid)
+                continue
+            try:
+                out.append(Delivery(stream, group, eid, decode(fields[EVENT_FIELD])))
+            except (SchemaError, KeyError) as e:
+                self._dead_letter(stream, group, eid, f"poison entry: {e}", raw=fields)
+        return out
+
+    def _dead_letter(self, stream: str, group: str, entry_id: str, why: str, raw: dict | None = None) -> None:
+        if raw is None:
+            found = self.r.xrange(stream, min=entry_id, max=entry_id)
+            raw = found[0][1] if found else {}
+        event = None
+        try:
+            event = decode(raw[EVENT_FIELD]) if EVENT_FIELD in raw else None
+        except SchemaError:
+            event = None
+        logger.error("dead-lettering %s entry %s (group %s): %s", stream, entry_id, group, why)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.names.dead_letter_stream, {**raw, b"stream": stream, b"group": group,
+                                                  b"entry_id": entry_id, b"why": why}, maxlen=STREAM_MAXLEN)
+        pipe.xack(stream, group, entry_id)
+        pipe.hincrby(self.names.counters, "dead_letters", 1)
+        pipe.execute()
+        if self.on_dead is not None:
+            self.on_dead(stream, event, why)
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,89 @@
+"""Every stream, consumer-group and key name, in one place.
+
+All names live under a namespace (setting CONVEYOR_NAMESPACE), so tests and several
+clusters can share one Redis without seeing each other. Request keys carry the request id
+in a hash tag ({id}) so one request's layers would sit in one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer groups: one per kind of consumer. Replicas of a service share their group.
+GROUP_TOKENIZER = "tokenizer"
+GROUP_SCHEDULER = "scheduler"
+GROUP_WORKER = "worker"
+GROUP_GATEWAY = "gateway"
+
+# The five layers of a request's context, one Redis hash each.
+LAYERS = ("meta", "input", "exec", "kv", "output")
+
+# Field of a stream entry holding the msgpack-encoded event.
+EVENT_FIELD = b"e"
+
+# Streams are trimmed (approximately) to this many entries; consumers are far faster.
+STREAM_MAXLEN = 100_000
+HEARTBEAT_MAXLEN = 1_000
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
+
+
+@dataclass(frozen=True)
+class Names:
+    """Stream and key names of one namespace."""
+
+    ns: str = "conveyor"
+
+    @property
+    def received_stream(self) -> str:  # request_received: gateway -> tokenizer
+        return f"{self.ns}:stream:received"
+
+    @property
+    def preprocessed_stream(self) -> str:  # preprocessed: tokenizer -> scheduler
+        return f"{self.ns}:stream:preprocessed"
+
+    @property
+    def control_stream(self) -> str:  # cancel requests: gateway -> scheduler
+        return f"{self.ns}:stream:control"
+
+    @property
+    def heartbeat_stream(self) -> str:  # worker heartbeats -> scheduler
+        return f"{self.ns}:stream:heartbeat"
+
+    @property
+    def dead_letter_stream(self) -> str:  # events that failed max_deliveries times
+        return f"{self.ns}:stream:dead"
+
+    def worker_stream(self, worker_id: str) -> str:  # scheduled + cancel: scheduler -> one worker
+        return f"{self.ns}:stream:worker:{worker_id}"
+
+    def reply_stream(self, gateway_id: str) -> str:  # tokens and endings -> one gateway
+        return f"{self.ns}:stream:reply:{gateway_id}"
+
+    def layer(self, request_id: str, layer: str) -> str:
+        return f"{self.ns}:req:{{{request_id}}}:{layer}"
+
+    def history(self, request_id: str) -> str:
+        return f"{self.ns}:req:{{{request_id}}}:history"
+
+    def request_keys(self, request_id: str) -> list[str]:
+        """meta, input, exec, kv, output, history: the order the lifecycle script expects."""
+        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id)]
+
+    def live(self, service: str, instance: str) -> str:  # liveness key, expires when the process stops
+        return f"{self.ns}:live:{service}:{instance}"
+
+    def live_pattern(self, service: str) -> str:
+        return f"{self.ns}:live:{service}:*"
+
+    @property
+    def requests_index(self) -> str:  # sorted set: request id -> creation time (listing, eviction)
+        return f"{self.ns}:requests"
+
+    @property
+    def queue(self) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
+        return f"{self.ns}:queue"
+
+    @property
+    def counters(self) -> str:  # hash of cluster-wide counters (settlement no-ops, dead letters)
+        return f"{self.ns}:counters"

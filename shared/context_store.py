@@ -1,0 +1,124 @@
+"""The context store: each request's layered state in Redis.
+
+Five hashes per request, one per layer (vLLM article in the seeds, "hierarchical context"):
+  meta    state, timestamps, priority, deadline, reply destination, trace id
+  input   prompt or messages, sampling parameters, prompt token ids
+  exec    worker, attempt, step progress
+  kv      blocks held, prompt tokens served from the prefix cache
+  output  token ids, text, finish reason, metrics
+plus a history list (one JSON entry per transition, written by shared.lifecycle).
+Field values are JSON, so types survive the round trip. Keys expire `context_ttl_s` after
+the request ends; until then a generous TTL bounds what an abandoned request can leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.constants import LAYERS, Names
+from shared.events import Event, encode
+from shared.lifecycle import State, parse_history
+
+_json = msgspec.json.Encoder()
+
+# KEYS: meta, input, exec, kv, output, history, index, stream.  ARGV: ttl, request_id, payload,
+# n_meta, meta k/v pairs..., input k/v pairs...
+_CREATE_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+local n = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
+for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 5 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
+for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
+redis.call('ZADD', KEYS[7], now, ARGV[2])
+redis.call('XADD', KEYS[8], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
+return {'ok', now}
+"""
+
+
+@dataclass
+class Snapshot:
+    """One request's context as read back."""
+
+    request_id: str
+    state: State | None
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "state": self.state.value if self.state else None,
+                "history": self.history, **self.layers}
+
+
+class ContextStore:
+    def __init__(self, client, names: Names, live_ttl_s: int):
+        self.names = names
+        self.live_ttl_s = live_ttl_s  # bound on an unfinished request's keys
+        self._create = client.register_script(_CREATE_LUA)
+
+    def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event):
+        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream]
+        argv: list = [str(self.live_ttl_s), request_id, encode(event), str(len(meta))]
+        for k, v in meta.items():
+            argv += [k, _json.encode(v)]
+        for k, v in input_.items():
+            argv += [k, _json.encode(v)]
+        return keys, argv
+
+    async def acreate(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event) -> float:
+        """Write meta and input, state RECEIVED, and publish `event`, atomically. Returns Redis time."""
+        keys, argv = self.create_args(request_id, meta, input_, stream, event)
+        res = await self._create(keys=keys, args=argv)
+        if _s(res[0]) != "ok":
+            raise ValueError(f"request id {request_id} exists already")
+        return float(_s(res[1]))
+
+    def update(self, client, request_id: str, layer: str, fields: dict):
+        """HSET fields of one layer; returns what the client returns (await it on asyncio)."""
+        assert layer in LAYERS, layer
+        return client.hset(self.names.layer(request_id, layer),
+                           mapping={k: _json.encode(v) for k, v in fields.items()})
+
+    def queue_read(self, pipe, request_id: str) -> None:
+        for layer in LAYERS:
+            pipe.hgetall(self.names.layer(request_id, layer))
+        pipe.lrange(self.names.history(request_id), 0, -1)
+
+    def decode_read(self, request_id: str, results: list) -> Snapshot | None:
+        layer_maps, history = results[: len(LAYERS)], results[len(LAYERS)]
+        if not layer_maps[0]:
+            return None
+        layers = {name: {_s(k): msgspec.json.decode(v) if _looks_json(v) else _s(v) for k, v in m.items()}
+                  for name, m in zip(LAYERS, layer_maps)}
+        state = layers["meta"].get("state")
+        return Snapshot(request_id, State(state) if state else None, layers, parse_history(history))
+
+    def read(self, client, request_id: str) -> Snapshot | None:
+        pipe = client.pipeline(transaction=False)
+        self.queue_read(pipe, request_id)
+        return self.decode_read(request_id, pipe.execute())
+
+    async def aread(self, client, request_id: str) -> Snapshot | None:
+        pipe = client.pipeline(transaction=False)
+        self.queue_read(pipe, request_id)
+        return self.decode_read(request_id, await pipe.execute())
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _looks_json(v) -> bool:
+    # The lifecycle script writes plain strings (state as a bare word, timestamps as numbers).
+    try:
+        msgspec.json.decode(v)
+        return True
+    except msgspec.DecodeError:
+        return False

@@ -1,0 +1,171 @@
+"""Every event on the bus: one frozen struct per event, msgpack on the wire.
+
+Wire structs only: services build their own internal objects from them and never mutate
+them. Each struct carries `schema_version` (bumped on an incompatible change; consumers
+reject versions they do not know) and `traceparent` (W3C trace context of the producer).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str  # system | user | assistant
+    content: str  # the message text
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """Generation parameters as the client gave them (validated by the gateway)."""
+
+    max_tokens: int  # most new tokens, 1..4096 and within the context window
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, (0, 1]
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None  # per-request RNG seed; same seed, same tokens
+    min_tokens: int = 0  # stop tokens are masked until this many were generated
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
+    ignore_eos: bool = False  # keep generating past EOS
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    schema_version: int = SCHEMA_VERSION  # wire schema of this event
+    traceparent: str = ""  # W3C trace context of the producing span ("" = none)
+
+
+class RequestReceived(Event, tag="request_received", kw_only=True):
+    request_id: str  # 128-bit random hex id given by the gateway
+    reply_to: str  # reply stream of the gateway holding the client
+    prompt: str | None = None  # raw prompt (exactly one of prompt/messages)
+    messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the tokenizer
+    sampling: Sampling  # generation parameters
+    priority: int = 0  # lower value = served first
+    deadline: float  # epoch seconds after which the request times out
+    received_at: float  # epoch seconds at the gateway's receipt
+
+
+class Preprocessed(Event, tag="preprocessed", kw_only=True):
+    request_id: str  # request id
+    reply_to: str  # reply stream of the gateway holding the client
+    prompt_token_ids: tuple[int, ...]  # templated, tokenized prompt
+    sampling: Sampling  # generation parameters
+    priority: int  # lower value = served first
+    deadline: float  # epoch seconds
+    received_at: float  # epoch seconds at the gateway's receipt
+
+
+class Scheduled(Event, tag="scheduled", kw_only=True):
+    request_id: str  # request id
+    worker_id: str  # worker chosen by the scheduler
+    reply_to: str  # where the worker sends tokens
+    prompt_token_ids: tuple[int, ...]  # tokenized prompt
+    output_token_ids: tuple[int, ...] = ()  # tokens already generated (resume after a move)
+    sampling: Sampling  # generation parameters
+    priority: int  # lower value = served first
+    deadline: float  # epoch seconds
+    attempt: int = 1  # 1 for the first placement, +1 per move to another worker
+
+
+class CancelRequested(Event, tag="cancel", kw_only=True):
+    request_id: str  # request to stop
+    reason: str  # client_cancel | client_disconnect | shutdown | timeout | stop_string
+    worker_id: str = ""  # set when the scheduler forwards it to the worker holding the request
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str  # request the tokens belong to
+    index: int  # position of token_ids[0] in the request's output (duplicates are dropped by it)
+    token_ids: tuple[int, ...]  # new tokens of this step
+
+
+class TokenGenerated(Event, tag="token_generated", kw_only=True):
+    worker_id: str  # producing worker
+    step: int  # worker's step counter
+    items: tuple[TokenDelta, ...]  # every request of this reply stream that got tokens this step
+
+
+class Completed(Event, tag="completed", kw_only=True):
+    request_id: str  # request id
+    worker_id: str  # worker that finished it
+    finish_reason: str  # stop | length
+    prompt_tokens: int  # prompt length
+    output_tokens: int  # generated tokens (including a final EOS)
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    num_preemptions: int  # times the request was preempted on the worker
+
+
+class Failed(Event, tag="failed", kw_only=True):
+    request_id: str  # request id
+    reason: str  # invalid | too_long | oom | worker_error | worker_lost | internal
+    message: str  # what a person can act on
+    param: str = ""  # offending request field, when the client's input is at fault
+    service: str = ""  # service that failed it
+
+
+class Cancelled(Event, tag="cancelled", kw_only=True):
+    request_id: str  # request id
+    reason: str  # client_cancel | client_disconnect | shutdown
+    service: str = ""  # service that settled it
+
+
+class TimedOut(Event, tag="timed_out", kw_only=True):
+    request_id: str  # request id
+    where: str  # state the request was in when its deadline passed
+    service: str = ""  # service that settled it
+
+
+class Heartbeat(Event, tag="heartbeat", kw_only=True):
+    worker_id: str  # worker id
+    sent_at: float  # worker's epoch seconds
+    max_num_seqs: int  # most sequences per step
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences waiting or preempted inside the worker
+    request_ids: tuple[str, ...]  # every request the worker holds
+    last_read_id: str  # last entry id read from its stream (later ones are in flight)
+    total_blocks: int  # KV pool size in blocks
+    free_blocks: int  # blocks never used or released
+    cached_blocks: int  # unreferenced blocks kept for prefix reuse (evictable)
+    block_size: int  # tokens per block
+    step_time_s: float  # moving average of a step's wall time
+    prefill_s_per_token: float  # measured prefill cost per token
+    decode_s_per_token: float  # measured decode cost per token (per sequence-step)
+    num_preemptions: int  # preemptions since start
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of those, tokens found
+
+
+AnyEvent = Union[
+    RequestReceived, Preprocessed, Scheduled, CancelRequested, TokenGenerated,
+    Completed, Failed, Cancelled, TimedOut, Heartbeat,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+
+
+class SchemaError(ValueError):
+    """An entry that is not a known event of a known schema version."""
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(payload: bytes) -> AnyEvent:
+    try:
+        event = _decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise SchemaError(f"undecodable event: {e}") from e
+    if event.schema_version != SCHEMA_VERSION:
+        raise SchemaError(f"unknown schema_version {event.schema_version} of {type(event).__name__}")
+    return event
+
+
+def event_type(event: Event) -> str:
+    return type(event).__struct_config__.tag

@@ -1,0 +1,167 @@
+"""The request lifecycle: states, the allowed-transitions table, and the one transition function.
+
+Every transition runs as one Lua script in Redis, so it is atomic across processes:
+it checks the current state against the table, records the new state with Redis's own
+clock (one clock for every interval metric), appends to the request's history, and, in the
+same step, publishes the events that must follow it (so "state changed" and "event sent"
+can never disagree after a crash). Terminal states have no way out: the first terminal
+transition wins, every later attempt is a counted no-op.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from shared.constants import Names
+from shared.errors import InvalidTransition
+from shared.events import Event, encode
+
+logger = logging.getLogger(__name__)
+
+
+class State(str, enum.Enum):
+    RECEIVED = "RECEIVED"  # gateway accepted it
+    PREPROCESSED = "PREPROCESSED"  # tokenizer produced the prompt's token ids
+    QUEUED = "QUEUED"  # in the scheduler's queue
+    SCHEDULED = "SCHEDULED"  # sent to a worker
+    PREFILLING = "PREFILLING"  # the worker is computing the prompt
+    DECODING = "DECODING"  # first token produced; generating
+    PREEMPTED = "PREEMPTED"  # blocks taken back; will recompute
+    FINISHED = "FINISHED"  # terminal: stop or length
+    FAILED = "FAILED"  # terminal: with a reason
+    CANCELLED = "CANCELLED"  # terminal: client, disconnect or shutdown
+    TIMED_OUT = "TIMED_OUT"  # terminal: deadline passed
+
+
+TERMINAL = frozenset({State.FINISHED, State.FAILED, State.CANCELLED, State.TIMED_OUT})
+_ABORT = frozenset({State.FAILED, State.CANCELLED, State.TIMED_OUT})
+
+# from-state -> states it may move to. Anything not listed is a bug and raises.
+ALLOWED: dict[State, frozenset[State]] = {
+    State.RECEIVED: frozenset({State.PREPROCESSED}) | _ABORT,
+    State.PREPROCESSED: frozenset({State.QUEUED}) | _ABORT,
+    State.QUEUED: frozenset({State.SCHEDULED}) | _ABORT,
+    # QUEUED again: the worker was lost or handed the request back.
+    State.SCHEDULED: frozenset({State.PREFILLING, State.QUEUED}) | _ABORT,
+    State.PREFILLING: frozenset({State.DECODING, State.PREEMPTED, State.QUEUED}) | _ABORT,
+    State.DECODING: frozenset({State.FINISHED, State.PREEMPTED, State.QUEUED}) | _ABORT,
+    State.PREEMPTED: frozenset({State.PREFILLING, State.QUEUED}) | _ABORT,
+    State.FINISHED: frozenset(),
+    State.FAILED: frozenset(),
+    State.CANCELLED: frozenset(),
+    State.TIMED_OUT: frozenset(),
+}
+
+
+def predecessors(to: State) -> list[str]:
+    return [s.value for s, nxt in ALLOWED.items() if to in nxt]
+
+
+def check_transition(current: State, to: State) -> None:
+    """Raise InvalidTransition unless the table allows current -> to."""
+    if to not in ALLOWED[current]:
+        raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
+
+
+# KEYS: meta, input, exec, kv, output, history, counters, then one key per stream to publish to.
+# ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, then one payload per stream.
+_TRANSITION_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {'missing', ''} end
+local ok = false
+for s in string.gmatch(ARGV[2], '[^,]+') do if s == cur then ok = true end end
+if not ok then
+  if ARGV[5] == '1' and (cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT') then
+    redis.call('HINCRBY', KEYS[7], 'settle_noop', 1)
+  end
+  return {'rejected', cur}
+end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'state_since', now, 'updated_at', now)
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'reason', ARGV[4]) end
+redis.call('RPUSH', KEYS[6], cjson.encode({state=ARGV[1], from=cur, t=tonumber(now), service=ARGV[3], reason=ARGV[4]}))
+if ARGV[5] == '1' then
+  redis.call('HSET', KEYS[1], 'ended_at', now)
+  for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
+end
+local out = {'ok', cur, now}
+for i = 8, #KEYS do
+  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i - 1])
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class TransitionResult:
+    applied: bool  # the state changed
+    previous: State | None  # state before the attempt (None: unknown request)
+    at: float = 0.0  # Redis time of the change
+    entry_ids: tuple[str, ...] = ()  # stream entry ids of the events published with it
+
+
+@dataclass(frozen=True)
+class Publish:
+    """An event to publish atomically with a transition."""
+
+    stream: str
+    event: Event
+
+
+class Lifecycle:
+    """Performs transitions for one service of one namespace, on a sync or asyncio client."""
+
+    def __init__(self, client, names: Names, service: str, context_ttl_s: int):
+        self.names = names
+        self.service = service
+        self.ttl = context_ttl_s
+        self._script = client.register_script(_TRANSITION_LUA)
+
+    def transition(self, request_id: str, to: State, reason: str = "",
+                   publish: Sequence[Publish] = ()) -> TransitionResult:
+        keys, argv = self.args(request_id, to, reason, publish)
+        return self.interpret(request_id, to, self._script(keys=keys, args=argv))
+
+    async def atransition(self, request_id: str, to: State, reason: str = "",
+                          publish: Sequence[Publish] = ()) -> TransitionResult:
+        keys, argv = self.args(request_id, to, reason, publish)
+        return self.interpret(request_id, to, await self._script(keys=keys, args=argv))
+
+    def queue(self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = ()) -> None:
+        """Add the transition to a pipeline; pass its reply to interpret()."""
+        keys, argv = self.args(request_id, to, reason, publish)
+        self._script(keys=keys, args=argv, client=pipe)
+
+    def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish]) -> tuple[list, list]:
+        keys = self.names.request_keys(request_id) + [self.names.counters] + [p.stream for p in publish]
+        argv = [to.value, ",".join(predecessors(to)), self.service, reason,
+                "1" if to in TERMINAL else "0", str(self.ttl)] + [encode(p.event) for p in publish]
+        return keys, argv
+
+    def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
+        status, cur = _s(raw[0]), _s(raw[1])
+        if status == "ok":
+            return TransitionResult(True, State(cur), float(_s(raw[2])), tuple(_s(x) for x in raw[3:]))
+        if status == "missing":
+            logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
+            return TransitionResult(False, None)
+        current = State(cur)
+        if current in TERMINAL:
+            return TransitionResult(False, current)  # settled already: a no-op, counted by the caller
+        if current == to:
+            return TransitionResult(False, current)  # a redelivered event did this already
+        raise InvalidTransition(f"request {request_id}: {current.value} -> {to.value} is not allowed")
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def parse_history(raw: list) -> list[dict]:
+    return [json.loads(_s(x)) for x in raw]

@@ -1,0 +1,67 @@
+"""Validated settings, read once from the environment (prefix CONVEYOR_).
+
+Every service has exactly one settings class here (a subclass of CommonSettings); nothing
+else in the project reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "conveyor"
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service shares."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the streams and contexts")
+    namespace: str = Field("conveyor", description="prefix of every stream and key; tests use a fresh one")
+    model: str = Field("", description="local HF model folder or .gguf file; empty = bundled SmolLM2-135M GGUF")
+    model_name: str = Field("", description="name reported to clients; empty = derived from the model path")
+    cache_dir: Path = Field(default_factory=_default_cache_dir, description="where converted models are cached")
+    log_level: str = Field("INFO", description="logging level of the process")
+    instance_id: str = Field("", description="consumer/instance name; empty = host-pid-random")
+    liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness key is older")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness keys are refreshed")
+    read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
+    socket_timeout_s: float = Field(10.0, gt=0, description="Redis client socket timeout")
+    claim_idle_ms: int = Field(10_000, ge=100, description="pending entries idle this long are claimed")
+    max_deliveries: int = Field(5, ge=1, description="deliveries before an event goes to the dead-letter stream")
+    context_ttl_s: int = Field(3600, ge=1, description="seconds an ended request's context stays readable")
+    otel_enabled: bool = Field(True, description="export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set")
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="address the HTTP server binds")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
+
+
+class TokenizerSettings(CommonSettings):
+    pass
+
+
+class SchedulerSettings(CommonSettings):
+    queue_slack: int = Field(2, ge=0, description="requests sent to a worker beyond its free sequence slots")
+
+
+class WorkerSettings(CommonSettings):
+    device: str = Field("auto", description="auto (cuda when present), cpu or cuda[:N]")
+    dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV pool size on CPU, in bytes")
+    gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free CUDA memory for the KV pool")
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
+    enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")

@@ -1,0 +1,41 @@
+"""Tokenizer loading and facts about the model every service agrees on."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: Path  # folder from_pretrained loads
+    max_len: int  # context window in tokens (prompt + output)
+    eos_token_ids: tuple[int, ...]  # tokens that end generation
+
+
+def model_info(model_dir: Path) -> ModelInfo:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+    max_len = cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("max_sequence_length")
+    if not max_len:
+        raise ModelLoadError(f"{model_dir}: config.json names no context window")
+    eos = cfg.get("eos_token_id")
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelInfo(model_dir, int(max_len), eos_ids)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {e}") from e

@@ -1,0 +1,123 @@
+"""The lifecycle state machine: the table, the transition function, and settlement races."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from shared.context_store import ContextStore
+from shared.errors import InvalidTransition
+from shared.lifecycle import ALLOWED, TERMINAL, Lifecycle, State, check_transition
+from tests.factories import request_received
+
+# A path through the table that reaches every non-terminal state.
+PATH_TO = {
+    State.RECEIVED: [],
+    State.PREPROCESSED: [State.PREPROCESSED],
+    State.QUEUED: [State.PREPROCESSED, State.QUEUED],
+    State.SCHEDULED: [State.PREPROCESSED, State.QUEUED, State.SCHEDULED],
+    State.PREFILLING: [State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING],
+    State.DECODING: [State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING, State.DECODING],
+    State.PREEMPTED: [State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING, State.PREEMPTED],
+}
+
+
+def _create(client, names, ttl=60):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    ev = request_received()
+    url = client.connection_pool.connection_kwargs
+    aclient = aioredis.Redis(host=url["host"], port=url["port"])
+    store = ContextStore(aclient, names, ttl)
+    asyncio.run(store.acreate(ev.request_id, {"priority": 0}, {"prompt": ev.prompt}, names.received_stream, ev))
+    return ev.request_id
+
+
+def _at(client, names, state: State) -> tuple[Lifecycle, str]:
+    lc = Lifecycle(client, names, "test", 60)
+    rid = _create(client, names)
+    for s in PATH_TO[state]:
+        assert lc.transition(rid, s).applied
+    return lc, rid
+
+
+ALL_PAIRS = [(a, b) for a in State for b in State]
+
+
+def test_table_covers_every_state():
+    assert set(ALLOWED) == set(State)
+    assert all(not ALLOWED[t] for t in TERMINAL)
+
+
+@pytest.mark.parametrize("src,dst", [p for p in ALL_PAIRS if p[0] not in TERMINAL and p[1] in ALLOWED[p[0]]])
+def test_allowed_transition_is_applied_and_recorded(redis_client, names, src, dst):
+    lc, rid = _at(redis_client, names, src)
+    res = lc.transition(rid, dst, "why")
+    assert res.applied and res.previous == src
+    snap = ContextStore(redis_client, names, 60).read(redis_client, rid)
+    assert snap.state == dst
+    last = snap.history[-1]
+    assert (last["state"], last["from"], last["service"], last["reason"]) == (dst.value, src.value, "test", "why")
+    assert last["t"] >= snap.history[-2]["t"]
+
+
+@pytest.mark.parametrize("src,dst", [p for p in ALL_PAIRS if p[0] not in TERMINAL and p[1] not in ALLOWED[p[0]]
+                                     and p[0] != p[1]])
+def test_forbidden_transition_raises(redis_client, names, src, dst):
+    with pytest.raises(InvalidTransition):
+        check_transition(src, dst)
+    lc, rid = _at(redis_client, names, src)
+    with pytest.raises(InvalidTransition):
+        lc.transition(rid, dst)
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL))
+def test_terminal_state_refuses_everything_and_counts_noop(redis_client, names, terminal):
+    lc, rid = _at(redis_client, names, State.DECODING)
+    assert lc.transition(rid, terminal).applied
+    for other in State:
+        res = lc.transition(rid, other)
+        assert not res.applied and res.previous == terminal
+    assert int(redis_client.hget(names.counters, "settle_noop")) == len(TERMINAL)
+
+
+def test_terminal_transition_sets_ttl_on_every_layer(redis_client, names):
+    lc, rid = _at(redis_client, names, State.DECODING)
+    lc.ttl = 7
+    lc.transition(rid, State.FINISHED)
+    for key in names.request_keys(rid):
+        if redis_client.exists(key):
+            assert 0 < redis_client.ttl(key) <= 7
+
+
+def _racer(url, ns, rid, state, barrier, results):
+    import redis
+
+    from shared.constants import Names
+
+    client = redis.Redis.from_url(url)
+    lc = Lifecycle(client, Names(ns), f"racer-{state}", 60)
+    barrier.wait()
+    results.put((state, lc.transition(rid, State(state)).applied))
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_two_processes_settling_one_request_give_one_terminal_state(redis_server, redis_client, names, round_):
+    _lc, rid = _at(redis_client, names, State.DECODING)
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_racer, args=(redis_server.url, names.ns, rid, s, barrier, results))
+             for s in ("FINISHED", "CANCELLED")]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    winners = [s for s, applied in outcomes if applied]
+    assert len(winners) == 1
+    snap = ContextStore(redis_client, names, 60).read(redis_client, rid)
+    assert snap.state.value == winners[0]
+    assert sum(1 for h in snap.history if State(h["state"]) in TERMINAL) == 1
