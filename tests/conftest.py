@@ -46,3 +46,44 @@ def names():
     from shared.constants import Names
 
     return Names(f"t{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir):
+    """transformers' own greedy generation, one prompt at a time, for token-for-token comparisons."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    cache: dict = {}
+
+    def prompt_ids(prompt: str | None = None, messages: list | None = None) -> list[int]:
+        if messages is not None:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(prompt)
+
+    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(ids), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_new_tokens, do_sample=False)
+            cache[key] = out[0, len(ids):].tolist()
+        return cache[key]
+
+    generate.prompt_ids = prompt_ids
+    generate.tokenizer = tok
+    return generate
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, model_dir):
+    """One worker and one of each other service, shared by the end-to-end tests that harm nothing.
+    Tests that kill or stop processes start a cluster of their own."""
+    from tests.cluster import Cluster
+
+    c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR).start()
+    yield c
+    c.stop()

@@ -35,20 +35,27 @@ class BodyLimit:
         too_large = BodyTooLarge(f"the body exceeds {self.max_bytes} bytes", None, "body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await error_response(too_large)(scope, receive, send)
-        seen = 0
+        seen, exceeded, replaced = 0, False, False
 
         async def limited():
-            nonlocal seen
+            nonlocal seen, exceeded
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise too_large
+                # End the body here; the app's answer to the truncated body is replaced below.
+                exceeded = True
+                return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        try:
-            await self.app(scope, limited, send)
-        except BodyTooLarge as e:
-            await error_response(e)(scope, receive, send)
+        async def guarded_send(message):
+            nonlocal replaced
+            if not exceeded:
+                return await send(message)
+            if not replaced:
+                replaced = True
+                await error_response(too_large)(scope, receive, send)
+
+        await self.app(scope, limited, guarded_send)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -71,6 +78,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         core: GatewayCore = request.app.state.core
+        if (body.prompt is None) == (body.messages is None):
+            which = "both were given" if body.prompt is not None else "neither was given"
+            raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
         max_tokens = body.max_tokens or settings.default_max_tokens
         limit = min(settings.max_tokens_limit, request.app.state.max_len - 1)
         if max_tokens > limit:

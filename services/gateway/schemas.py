@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Message(BaseModel):
@@ -31,9 +31,3 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
     stream: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "GenerateRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self

@@ -1,0 +1,59 @@
+"""A consumer killed after reading an event and before acknowledging it: another takes it over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.cluster import Cluster
+from tests.conftest import CACHE_DIR
+
+
+def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis.url)
+    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
+
+
+def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir):
+    c = Cluster(tmp_path, CACHE_DIR).start()
+    try:
+        victim = c.procs["tokenizer"]
+        stream = f"{c.ns}:stream:received"
+        result: dict = {}
+        for _attempt in range(20):
+            os.kill(victim.pid, signal.SIGSTOP)  # frozen inside XREADGROUP BLOCK: Redis still hands it the entry
+            t = threading.Thread(target=lambda: result.update(
+                r=httpx.post(f"{c.url}/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                             timeout=120)))
+            t.start()
+            time.sleep(0.5)
+            if any(n > 0 for n in _pending_for(c, stream, "tokenizer").values()):
+                break
+            os.kill(victim.pid, signal.SIGCONT)  # it was between two reads; try again
+            t.join()
+        else:
+            pytest.fail("could not catch the tokenizer inside a blocking read")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        c.start_service("tokenizer2")  # a replacement claims the idle entry after CONVEYOR_CLAIM_IDLE_MS
+        t.join(timeout=120)
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        snap = httpx.get(f"{c.url}/v1/requests/{r.json()['request_id']}").json()
+        states = [h["state"] for h in snap["history"]]
+        assert states.count("PREPROCESSED") == 1 and states.count("FINISHED") == 1
+        assert states[-1] == "FINISHED"
+        import redis
+
+        rc = redis.Redis.from_url(c.redis.url)
+        assert rc.xlen(f"{c.ns}:stream:preprocessed") >= 1
+        assert rc.xpending(stream, "tokenizer")["pending"] == 0
+    finally:
+        c.stop()
