@@ -37,7 +37,9 @@ class Child:
     next_start: float = field(default=0.0)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env)
+        # Children log to stderr: stdout carries only the launcher's one "ready" line.
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env,
+                                     stdout=sys.stderr.fileno())
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
 
