@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from shared.model_files import resolve_model_dir
-from shared.redis_server import RedisServer
+from shared.redis_server import RedisServer, die_with_parent
 from shared.runtime import StopFlag, setup_logging
 from shared.settings import CommonSettings
 
@@ -39,7 +39,7 @@ class Child:
     def start(self) -> None:
         # Children log to stderr: stdout carries only the launcher's one "ready" line.
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env,
-                                     stdout=sys.stderr.fileno())
+                                     stdout=sys.stderr.fileno(), preexec_fn=die_with_parent)
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
 

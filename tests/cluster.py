@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.redis_server import RedisServer, free_port
+from shared.redis_server import RedisServer, die_with_parent, free_port
 
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
@@ -46,7 +46,8 @@ class Cluster:
         service = name.rstrip("0123456789")
         log = open(self.tmp / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", service], env={**self.env, **(extra_env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+                                stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
+                                preexec_fn=die_with_parent)
         self.procs[name] = proc
         return proc
 

@@ -58,8 +58,17 @@ class WorkerService:
         self.step_no = 0
         self.step_time_avg = 0.0
 
+    def warm_up(self) -> None:
+        """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
+        kernel selection) that would otherwise land on the first client's TTFT."""
+        self.engine.add_request(EngineRequest(request_id="warmup", prompt_token_ids=list(range(1, 33)),
+                                              sampling=SamplingOptions(temperature=0.0, max_tokens=2)))
+        while self.engine.has_unfinished():
+            self.engine.step()
+
     def run(self) -> None:
         stop = StopFlag()
+        self.warm_up()
         self.bus.ensure_group(self.stream, GROUP_WORKER)
         logger.info("worker %s ready on %s (%s)", self.id, self.stream, self.engine.stats())
         while not stop.stopped:
