@@ -81,6 +81,10 @@ class Names:
         return f"{self.ns}:requests"
 
     @property
+    def waiting(self) -> str:  # sorted set: requests not yet on a worker (RECEIVED..QUEUED) -> creation time
+        return f"{self.ns}:waiting"
+
+    @property
     def queue(self) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
         return f"{self.ns}:queue"
 

@@ -24,7 +24,7 @@ from shared.lifecycle import State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, index, stream.  ARGV: ttl, request_id, payload,
+# KEYS: meta, input, exec, kv, output, history, index, stream, waiting.  ARGV: ttl, request_id, payload,
 # n_meta, meta k/v pairs..., input k/v pairs...
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -38,6 +38,7 @@ for i = 5 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[7], now, ARGV[2])
+redis.call('ZADD', KEYS[9], now, ARGV[2])
 redis.call('XADD', KEYS[8], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
 """
@@ -64,7 +65,7 @@ class ContextStore:
         self._create = client.register_script(_CREATE_LUA)
 
     def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event):
-        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream]
+        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting]
         argv: list = [str(self.live_ttl_s), request_id, encode(event), str(len(meta))]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]

@@ -57,6 +57,10 @@ ALLOWED: dict[State, frozenset[State]] = {
 }
 
 
+# How a transition changes the cluster-wide "waiting" set (requests not yet on a worker).
+_WAITING_EFFECT = {State.QUEUED: "1", State.SCHEDULED: "-1", **{t: "-1" for t in TERMINAL}}
+
+
 def predecessors(to: State) -> list[str]:
     return [s.value for s, nxt in ALLOWED.items() if to in nxt]
 
@@ -67,8 +71,9 @@ def check_transition(current: State, to: State) -> None:
         raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
 
 
-# KEYS: meta, input, exec, kv, output, history, counters, then one key per stream to publish to.
-# ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, then one payload per stream.
+# KEYS: meta, input, exec, kv, output, history, counters, waiting, then one key per stream to publish to.
+# ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
+#       then one payload per stream.
 _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
@@ -90,9 +95,11 @@ if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
   for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
 end
+if ARGV[8] == '1' then redis.call('ZADD', KEYS[8], now, ARGV[7]) end
+if ARGV[8] == '-1' then redis.call('ZREM', KEYS[8], ARGV[7]) end
 local out = {'ok', cur, now}
-for i = 8, #KEYS do
-  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i - 1])
+for i = 9, #KEYS do
+  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i])
 end
 return out
 """
@@ -139,9 +146,10 @@ class Lifecycle:
         self._script(keys=keys, args=argv, client=pipe)
 
     def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish]) -> tuple[list, list]:
-        keys = self.names.request_keys(request_id) + [self.names.counters] + [p.stream for p in publish]
-        argv = [to.value, ",".join(predecessors(to)), self.service, reason,
-                "1" if to in TERMINAL else "0", str(self.ttl)] + [encode(p.event) for p in publish]
+        keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting] + \
+            [p.stream for p in publish]
+        argv = [to.value, ",".join(predecessors(to)), self.service, reason, "1" if to in TERMINAL else "0",
+                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0")] + [encode(p.event) for p in publish]
         return keys, argv
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
