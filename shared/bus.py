@@ -16,7 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import redis
+from msgspec import msgpack
 
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names
 from shared.events import AnyEvent, Event, SchemaError, decode, encode
@@ -32,7 +34,9 @@ class Delivery:
     event: AnyEvent  # decoded event
 
 
-DeadHandler = Callable[[str, AnyEvent | None, str], None]  # (stream, event or None, why)
+# (stream, event, why): the typed event, or for an entry that does not decode as one, its raw msgpack map
+# (so a request id and reply destination can still be found), or None.
+DeadHandler = Callable[[str, "AnyEvent | dict | None", str], None]
 
 
 class Bus:
@@ -69,6 +73,21 @@ class Bus:
     def ack(self, d: Delivery) -> None:
         self.r.xack(d.stream, d.group, d.entry_id)
 
+    def process(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
+        """Run handler, then XACK. A handler that raises leaves the entry pending: it is retried after
+        claim_idle_ms and dead-lettered after max_deliveries, so one bad event never blocks the group.
+        Redis errors propagate: the whole loop must back off, not this one entry."""
+        try:
+            handler(d)
+        except redis.RedisError:
+            raise
+        except Exception:
+            logger.exception("handling %s %s from %s failed; it will be retried", type(d.event).__name__,
+                             d.entry_id, d.stream)
+            return False
+        self.ack(d)
+        return True
+
     def sweep(self, stream: str, group: str, count: int = 64) -> list[Delivery]:
         """Claim entries idle longer than claim_idle_ms; dead-letter the over-delivered ones."""
         pending = self.r.xpending_range(stream, group, min="-", max="+", count=count, idle=self.claim_idle_ms)
@@ -101,11 +120,7 @@ class Bus:
         if raw is None:
             found = self.r.xrange(stream, min=entry_id, max=entry_id)
             raw = found[0][1] if found else {}
-        event = None
-        try:
-            event = decode(raw[EVENT_FIELD]) if EVENT_FIELD in raw else None
-        except SchemaError:
-            event = None
+        event = _best_effort_decode(raw.get(EVENT_FIELD))
         logger.error("dead-lettering %s entry %s (group %s): %s", stream, entry_id, group, why)
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.names.dead_letter_stream, {**raw, b"stream": stream, b"group": group,
@@ -115,6 +130,26 @@ class Bus:
         pipe.execute()
         if self.on_dead is not None:
             self.on_dead(stream, event, why)
+
+
+def event_field(event, name: str, default=None):
+    """A field of a dead-lettered event, typed or raw."""
+    if isinstance(event, dict):
+        return event.get(name, default)
+    return getattr(event, name, default)
+
+
+def _best_effort_decode(payload: bytes | None):
+    if payload is None:
+        return None
+    try:
+        return decode(payload)
+    except SchemaError:
+        try:
+            raw = msgpack.decode(payload)
+        except msgspec.DecodeError:
+            return None
+        return raw if isinstance(raw, dict) else None
 
 
 def _s(v) -> str:

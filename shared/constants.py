@@ -81,6 +81,13 @@ class Names:
         return f"{self.ns}:requests"
 
     @property
+    def state_prefix(self) -> str:  # + STATE: sorted set of request ids in that state -> time they entered it
+        return f"{self.ns}:state:"
+
+    def state_set(self, state: str) -> str:
+        return f"{self.state_prefix}{state}"
+
+    @property
     def waiting(self) -> str:  # sorted set: requests not yet on a worker (RECEIVED..QUEUED) -> creation time
         return f"{self.ns}:waiting"
 

@@ -20,11 +20,11 @@ import msgspec
 
 from shared.constants import LAYERS, Names
 from shared.events import Event, encode
-from shared.lifecycle import State, parse_history
+from shared.lifecycle import TERMINAL, State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, index, stream, waiting.  ARGV: ttl, request_id, payload,
+# KEYS: meta, input, exec, kv, output, history, index, stream, waiting, RECEIVED state set.  ARGV: ttl, request_id, payload,
 # n_meta, meta k/v pairs..., input k/v pairs...
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -39,6 +39,7 @@ redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[7], now, ARGV[2])
 redis.call('ZADD', KEYS[9], now, ARGV[2])
+redis.call('ZADD', KEYS[10], now, ARGV[2])
 redis.call('XADD', KEYS[8], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
 """
@@ -65,7 +66,8 @@ class ContextStore:
         self._create = client.register_script(_CREATE_LUA)
 
     def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event):
-        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting]
+        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting,
+                                                      self.names.state_set("RECEIVED")]
         argv: list = [str(self.live_ttl_s), request_id, encode(event), str(len(meta))]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
@@ -123,3 +125,38 @@ def _looks_json(v) -> bool:
         return True
     except msgspec.DecodeError:
         return False
+
+
+class ContextJanitor:
+    """Keeps the indexes of ended requests in step with their expiring keys, and enforces a cap on stored
+    ended contexts by deleting the oldest ended ones first. Run periodically by one service (the scheduler)."""
+
+    def __init__(self, client, names: Names, ttl_s: int, cap: int):
+        self.r, self.names, self.ttl_s, self.cap = client, names, ttl_s, cap
+
+    def sweep(self, now: float, batch: int = 1000) -> int:
+        terminal = [self.names.state_set(s.value) for s in TERMINAL]
+        removed = 0
+        for zset in terminal:  # these contexts' keys expired at (end time + ttl)
+            gone = self.r.zrangebyscore(zset, "-inf", now - self.ttl_s, start=0, num=batch)
+            removed += self._forget(zset, gone, delete=False)
+        excess = sum(self.r.zcard(z) for z in terminal) - self.cap
+        while excess > 0:
+            heads = [(z, self.r.zrange(z, 0, 0, withscores=True)) for z in terminal]
+            zset, head = min(((z, h[0]) for z, h in heads if h), key=lambda zh: zh[1][1])
+            n = self._forget(zset, [head[0]], delete=True)
+            removed, excess = removed + n, excess - n
+        return removed
+
+    def _forget(self, zset: str, ids: list, delete: bool) -> int:
+        if not ids:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for raw in ids:
+            rid = _s(raw)
+            if delete:
+                pipe.delete(*self.names.request_keys(rid))
+            pipe.zrem(zset, rid)
+            pipe.zrem(self.names.requests_index, rid)
+        pipe.execute()
+        return len(ids)

@@ -47,6 +47,7 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     sampling: Sampling  # generation parameters
     priority: int = 0  # lower value = served first
     deadline: float  # epoch seconds after which the request times out
+    adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
 
 
@@ -57,6 +58,7 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     sampling: Sampling  # generation parameters
     priority: int  # lower value = served first
     deadline: float  # epoch seconds
+    adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
 
 
@@ -69,6 +71,7 @@ class Scheduled(Event, tag="scheduled", kw_only=True):
     sampling: Sampling  # generation parameters
     priority: int  # lower value = served first
     deadline: float  # epoch seconds
+    received_at: float = 0.0  # epoch seconds at the gateway's receipt (keeps its place if requeued)
     attempt: int = 1  # 1 for the first placement, +1 per move to another worker
 
 
@@ -76,6 +79,14 @@ class CancelRequested(Event, tag="cancel", kw_only=True):
     request_id: str  # request to stop
     reason: str  # client_cancel | client_disconnect | shutdown | timeout | stop_string
     worker_id: str = ""  # set when the scheduler forwards it to the worker holding the request
+
+
+class HandBack(Event, tag="hand_back", kw_only=True):
+    request_id: str  # request the worker gives back (shutting down, or it cannot keep it)
+    worker_id: str  # worker giving it back
+    reason: str  # shutdown | worker_lost
+    scheduled: Scheduled  # the placement it had, to place it again
+    output_token_ids: tuple[int, ...]  # tokens generated so far: the next worker resumes after them
 
 
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
@@ -129,8 +140,8 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     request_ids: tuple[str, ...]  # every request the worker holds
     last_read_id: str  # last entry id read from its stream (later ones are in flight)
     total_blocks: int  # KV pool size in blocks
-    free_blocks: int  # blocks never used or released
-    cached_blocks: int  # unreferenced blocks kept for prefix reuse (evictable)
+    free_blocks: int  # blocks allocatable now (never used, released, or cached and unreferenced)
+    cached_blocks: int  # blocks holding a cached prefix (referenced or not)
     block_size: int  # tokens per block
     step_time_s: float  # moving average of a step's wall time
     prefill_s_per_token: float  # measured prefill cost per token
@@ -141,7 +152,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
 
 
 AnyEvent = Union[
-    RequestReceived, Preprocessed, Scheduled, CancelRequested, TokenGenerated,
+    RequestReceived, Preprocessed, Scheduled, CancelRequested, HandBack, TokenGenerated,
     Completed, Failed, Cancelled, TimedOut, Heartbeat,
 ]
 

@@ -73,7 +73,8 @@ def check_transition(current: State, to: State) -> None:
 
 # KEYS: meta, input, exec, kv, output, history, counters, waiting, then one key per stream to publish to.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
-#       then one payload per stream.
+#       state-set prefix, then one payload per stream.
+# (State-set names are built from a prefix: fine on one Redis, not across Redis Cluster slots.)
 _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
@@ -95,11 +96,13 @@ if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
   for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
 end
+redis.call('ZREM', ARGV[9] .. cur, ARGV[7])
+redis.call('ZADD', ARGV[9] .. ARGV[1], now, ARGV[7])
 if ARGV[8] == '1' then redis.call('ZADD', KEYS[8], now, ARGV[7]) end
 if ARGV[8] == '-1' then redis.call('ZREM', KEYS[8], ARGV[7]) end
 local out = {'ok', cur, now}
 for i = 9, #KEYS do
-  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i])
+  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i + 1])
 end
 return out
 """
@@ -149,7 +152,8 @@ class Lifecycle:
         keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting] + \
             [p.stream for p in publish]
         argv = [to.value, ",".join(predecessors(to)), self.service, reason, "1" if to in TERMINAL else "0",
-                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0")] + [encode(p.event) for p in publish]
+                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), self.names.state_prefix] + \
+            [encode(p.event) for p in publish]
         return keys, argv
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:

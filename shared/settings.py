@@ -6,10 +6,12 @@ else in the project reads the environment.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_cache_dir() -> Path:
@@ -45,6 +47,23 @@ class GatewaySettings(CommonSettings):
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open")
+    max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "
+                                                              "beyond which new ones get 429")
+    max_open_requests: int = Field(2048, ge=1, description="HTTP requests this gateway serves at once; more get 429")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        # One environment variable holds every key: "key1,key2" (a JSON list is accepted too).
+        if isinstance(v, str):
+            v = v.strip()
+            if v.startswith("["):
+                return json.loads(v)
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
 
 
 class TokenizerSettings(CommonSettings):
@@ -53,6 +72,12 @@ class TokenizerSettings(CommonSettings):
 
 class SchedulerSettings(CommonSettings):
     queue_slack: int = Field(2, ge=0, description="requests sent to a worker beyond its free sequence slots")
+    max_ended_contexts: int = Field(100_000, ge=1, description="ended contexts kept; the oldest go first")
+    janitor_interval_s: float = Field(10.0, gt=0, description="how often ended contexts are swept")
+    timeout_safety_factor: float = Field(1.5, ge=1, description="adaptive deadline = factor x predicted time")
+    timeout_min_s: float = Field(5.0, gt=0, description="smallest adaptive deadline")
+    timeout_max_s: float = Field(300.0, gt=0, description="largest adaptive deadline")
+    max_attempts: int = Field(3, ge=1, description="placements of one request before it fails (worker_lost)")
 
 
 class WorkerSettings(CommonSettings):

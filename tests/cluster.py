@@ -26,6 +26,9 @@ class Cluster:
         self.env = {**os.environ, "CONVEYOR_NAMESPACE": self.ns, "CONVEYOR_CACHE_DIR": str(cache_dir),
                     "CONVEYOR_PORT": str(self.port), "CONVEYOR_KV_CACHE_BYTES": str(256 << 20),
                     "CONVEYOR_CLAIM_IDLE_MS": "1000", "CONVEYOR_LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1",
+                    # A shared 2-core machine is slow and noisy: adaptive deadlines get a generous floor here;
+                    # the tests of deadlines set their own.
+                    "CONVEYOR_TIMEOUT_MIN_S": "120",
                     **(env or {})}
         self.workers = workers
         self.procs: dict[str, subprocess.Popen] = {}

@@ -17,8 +17,9 @@ LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 2000, "temperat
 def _worker_idle(cluster) -> bool:
     r = redis.Redis.from_url(cluster.redis.url)
     infos = [msgspec.json.decode(r.get(k)) for k in r.scan_iter(f"{cluster.ns}:live:worker:*")]
-    return bool(infos) and all(i["held"] == 0 and i["running"] == 0 and
-                               i["free_blocks"] + i["cached_blocks"] == i["total_blocks"] for i in infos)
+    # free_blocks counts cached-but-unreferenced blocks too: all free = nothing held by any request.
+    return bool(infos) and all(i["held"] == 0 and i["running"] == 0 and i["free_blocks"] == i["total_blocks"]
+                               for i in infos)
 
 
 def _state(cluster, rid: str) -> str:

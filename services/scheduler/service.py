@@ -14,11 +14,11 @@ import time
 import msgspec
 
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
-from shared.bus import Bus, Delivery
+from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_SCHEDULER, Names
-from shared.context_store import ContextStore
+from shared.context_store import ContextJanitor, ContextStore
 from shared.errors import InvalidTransition
-from shared.events import CancelRequested, Heartbeat, Preprocessed, Scheduled, TimedOut, decode, encode
+from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled, TimedOut, decode, encode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id
@@ -34,7 +34,7 @@ class SchedulerService:
         self.r = sync_client(settings)
         self.id = instance_id(settings, "scheduler")
         self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
-                       settings.max_deliveries)
+                       settings.max_deliveries, on_dead=self._on_dead)
         self.lifecycle = Lifecycle(self.r, self.names, "scheduler", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
         self.queue = RequestQueue()
@@ -42,6 +42,8 @@ class SchedulerService:
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
                              settings.liveness_ttl_s)
         self.streams = [self.names.preprocessed_stream, self.names.control_stream, self.names.heartbeat_stream]
+        self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
+        self._swept_at = 0.0
 
     def run(self) -> None:
         stop = StopFlag()
@@ -55,7 +57,7 @@ class SchedulerService:
                 deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
                 self.live.refresh(self.r, {"queued": len(self.queue)})
             for d in deliveries:
-                self.dispatch(d)
+                self.bus.process(d, self.dispatch)
             self.expire_deadlines()
             self.place()
         self.live.clear(self.r)
@@ -68,9 +70,10 @@ class SchedulerService:
             self.on_cancel(ev)
         elif isinstance(ev, Heartbeat):
             self.on_heartbeat(ev)
+        elif isinstance(ev, HandBack):
+            self.requeue(ev.scheduled, ev.output_token_ids, ev.reason)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-        self.bus.ack(d)
 
     def rebuild_queue(self) -> None:
         for rid, payload in self.r.hgetall(self.names.queue).items():
@@ -88,7 +91,45 @@ class SchedulerService:
             return  # a redelivery of a request already queued or placed
         if res.applied:
             self.r.hset(self.names.queue, ev.request_id, encode(ev))
-            self.queue.push(ev)
+            item = self.queue.push(ev)
+            if item is not None and ev.adaptive_deadline:
+                self.set_adaptive_deadline(item)
+
+    def set_adaptive_deadline(self, item) -> None:
+        """Deadline = arrival + factor x predicted time (work ahead shared by every slot, then its own),
+        from the costs the workers measure; clamped to [timeout_min_s, timeout_max_s] and the gateway's cap."""
+        live = [w for w in self.workers.values() if w.alive(self.s.liveness_ttl_s)]
+        if not live:
+            return  # nothing measured yet: keep the cap
+        prefill = sum(w.hb.prefill_s_per_token for w in live) / len(live)
+        decode = sum(w.hb.step_time_s or w.hb.decode_s_per_token for w in live) / len(live)
+        slots = max(1, sum(w.hb.max_num_seqs for w in live))
+        ahead = sum(q.cost(prefill, decode) for q in self.queue.ahead_of(item)) / slots
+        predicted = ahead + item.cost(prefill, decode)
+        budget = min(max(self.s.timeout_safety_factor * predicted, self.s.timeout_min_s), self.s.timeout_max_s)
+        item.deadline = min(item.event.deadline, item.event.received_at + budget)
+        self.store.update(self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted})
+
+    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str) -> None:
+        """Put a request that left its worker back in the queue; the next worker resumes after
+        output_token_ids. Each move counts as an attempt; past max_attempts the request fails."""
+        if sch.attempt >= self.s.max_attempts:
+            fail = Failed(request_id=sch.request_id, reason="worker_lost", service="scheduler",
+                          message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
+                          traceparent=sch.traceparent)
+            self.lifecycle.transition(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)])
+            return
+        res = self.lifecycle.transition(sch.request_id, State.QUEUED, reason)
+        if not res.applied:
+            return  # settled meanwhile (cancelled, timed out)
+        ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
+                          sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
+                          received_at=sch.received_at, traceparent=sch.traceparent)
+        self.r.hset(self.names.queue, sch.request_id, encode(ev))
+        # Ahead of newer arrivals of its priority: it was admitted long ago.
+        self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
+        logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
+                    len(output_token_ids), sch.attempt + 1)
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
@@ -107,8 +148,25 @@ class SchedulerService:
         else:
             view.observe(hb)
 
+    def _on_dead(self, stream: str, event, why: str) -> None:
+        """A poison entry: fail its request (if it names one) so its client gets an answer."""
+        rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")
+        if not isinstance(rid, str) or not isinstance(reply_to, str):
+            return
+        self.queue.remove(rid)
+        fail = Failed(request_id=rid, reason="internal", service="scheduler",
+                      message=f"the scheduler could not process this request ({why})")
+        try:
+            self.lifecycle.transition(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
+        except InvalidTransition as e:
+            logger.error("cannot fail dead-lettered %s: %s", rid, e)
+
     def expire_deadlines(self) -> None:
-        for q in self.queue.expired(time.time()):
+        now = time.time()
+        if now - self._swept_at >= self.s.janitor_interval_s:
+            self._swept_at = now
+            self.janitor.sweep(now)
+        for q in self.queue.expired(now):
             self.queue.remove(q.request_id)
             self.r.hdel(self.names.queue, q.request_id)
             out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
@@ -132,7 +190,8 @@ class SchedulerService:
         ev = q.event
         out = Scheduled(request_id=ev.request_id, worker_id=worker.worker_id, reply_to=ev.reply_to,
                         prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids,
-                        sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline, attempt=q.attempt,
+                        sampling=ev.sampling, priority=ev.priority, deadline=q.deadline,
+                        received_at=ev.received_at, attempt=q.attempt,
                         traceparent=ev.traceparent)
         self.store.update(self.r, ev.request_id, "exec", {"worker_id": worker.worker_id, "attempt": q.attempt})
         res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "",

@@ -25,8 +25,14 @@ class QueuedRequest:
     sort_key: tuple[int, float, int]  # (priority, received_at, tie-breaker): lower goes first
     request_id: str = field(compare=False)
     event: Preprocessed = field(compare=False)
+    deadline: float = field(default=0.0, compare=False)  # epoch seconds; may be tighter than the event's cap
     attempt: int = field(default=1, compare=False)
     output_token_ids: tuple[int, ...] = field(default=(), compare=False)
+
+    def cost(self, prefill_s: float, decode_s: float) -> float:
+        """Predicted service time on one worker: prompt (and resumed tokens) prefill + every output step."""
+        prompt = len(self.event.prompt_token_ids) + len(self.output_token_ids)
+        return prompt * prefill_s + (self.event.sampling.max_tokens - len(self.output_token_ids)) * decode_s
 
 
 class RequestQueue:
@@ -37,14 +43,15 @@ class RequestQueue:
         self._live: dict[str, QueuedRequest] = {}
         self._tie = itertools.count()
 
-    def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = ()) -> bool:
+    def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = (),
+             deadline: float | None = None) -> QueuedRequest | None:
         if ev.request_id in self._live:
-            return False
-        item = QueuedRequest((ev.priority, ev.received_at, next(self._tie)), ev.request_id, ev, attempt,
-                             output_token_ids)
+            return None
+        item = QueuedRequest((ev.priority, ev.received_at, next(self._tie)), ev.request_id, ev,
+                             ev.deadline if deadline is None else deadline, attempt, output_token_ids)
         self._live[ev.request_id] = item
         heapq.heappush(self._heap, item)
-        return True
+        return item
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         return self._live.pop(request_id, None)  # its heap entry is skipped when reached
@@ -62,7 +69,10 @@ class RequestQueue:
         return item
 
     def expired(self, now: float) -> list[QueuedRequest]:
-        return [q for q in self._live.values() if q.event.deadline <= now]
+        return [q for q in self._live.values() if q.deadline <= now]
+
+    def ahead_of(self, item: QueuedRequest) -> list[QueuedRequest]:
+        return [q for q in self._live.values() if q.sort_key < item.sort_key]
 
     def __len__(self) -> int:
         return len(self._live)
@@ -93,7 +103,7 @@ class WorkerView:
         return self.hb.max_num_seqs + slack - self.hb.num_running - self.hb.num_waiting - len(self.inflight)
 
     def free_blocks(self) -> int:
-        return self.hb.free_blocks + self.hb.cached_blocks - sum(b for _, b in self.inflight.values())
+        return self.hb.free_blocks - sum(b for _, b in self.inflight.values())
 
     def score(self) -> float:
         """Higher is better: share of the KV pool still free after what is in flight."""

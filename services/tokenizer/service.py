@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from shared.bus import Bus, Delivery
+from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
@@ -86,14 +86,13 @@ class TokenizerService:
                 deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
                 self.live.refresh(self.r)
             for d in deliveries:
-                self.handle(d)
+                self.bus.process(d, self.handle)
         self.live.clear(self.r)
 
     def handle(self, d: Delivery) -> None:
         ev = d.event
         if not isinstance(ev, RequestReceived):
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-            self.bus.ack(d)
             return
         try:
             ids = self.pre.token_ids(ev)
@@ -105,9 +104,9 @@ class TokenizerService:
             self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
             out = Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
                                sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
-                               received_at=ev.received_at, traceparent=ev.traceparent)
+                               adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
+                               traceparent=ev.traceparent)
             self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(self.names.preprocessed_stream, out)])
-        self.bus.ack(d)
 
     def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]) -> None:
         try:
@@ -120,7 +119,8 @@ class TokenizerService:
                         res.previous.value if res.previous else "gone")
 
     def _on_dead(self, stream: str, event, why: str) -> None:
-        if isinstance(event, RequestReceived):
-            fail = Failed(request_id=event.request_id, reason="internal", service="tokenizer",
+        rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")
+        if isinstance(rid, str) and isinstance(reply_to, str):
+            fail = Failed(request_id=rid, reason="internal", service="tokenizer",
                           message=f"the tokenizer could not process this request ({why})")
-            self._settle(event.request_id, State.FAILED, "internal", [Publish(event.reply_to, fail)])
+            self._settle(rid, State.FAILED, "internal", [Publish(reply_to, fail)])

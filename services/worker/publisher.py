@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from shared.constants import EVENT_FIELD, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
-from shared.events import Completed, Failed, TokenDelta, TokenGenerated, encode
+from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Publish, State
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class Active:
     prompt_len: int
     deadline: float
     output_token_ids: list[int] = field(default_factory=list)
+    scheduled: Scheduled | None = None  # the placement, kept to hand the request back
     num_preemptions: int = 0
 
 

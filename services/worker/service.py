@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError, SamplingOptions
 from services.worker.publisher import Active, StepPublisher
 from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER, HEARTBEAT_MAXLEN, Names
 from shared.context_store import ContextStore
-from shared.events import CancelRequested, Heartbeat, Sampling, Scheduled, TimedOut
+from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Sampling, Scheduled, TimedOut
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
@@ -56,6 +56,7 @@ class WorkerService:
         self.live = Liveness(self.names, "worker", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         self.last_read_id = ""
         self.step_no = 0
+        self.draining = False
         self.step_time_avg = 0.0
 
     def warm_up(self) -> None:
@@ -74,7 +75,7 @@ class WorkerService:
         while not stop.stopped:
             busy = self.engine.has_unfinished()
             for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
-                self.dispatch(d)
+                self.bus.process(d, self.dispatch)
             self.expire_deadlines()
             if self.engine.has_unfinished():
                 self.step()
@@ -92,16 +93,34 @@ class WorkerService:
                 self.engine.abort_request(ev.request_id)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-        self.bus.ack(d)  # the engine holds it now; a lost worker's requests are recovered by the scheduler
+        # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
 
     def admit(self, ev: Scheduled) -> None:
         if ev.request_id in self.active:
             return  # redelivered
+        if self.draining:
+            self.hand_back(ev, list(ev.output_token_ids), "shutdown")
+            return
+        try:
+            self.engine.add_request(EngineRequest(request_id=ev.request_id,
+                                                  prompt_token_ids=list(ev.prompt_token_ids),
+                                                  sampling=sampling_options(ev.sampling), priority=ev.priority,
+                                                  output_token_ids=list(ev.output_token_ids)))
+        except RecoverableEngineError as e:  # this request alone is at fault
+            logger.warning("refusing %s: %s", ev.request_id, e)
+            fail = Failed(request_id=ev.request_id, reason="worker_error", message=f"the worker refused it: {e}",
+                          service="worker", traceparent=ev.traceparent)
+            self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)])
+            return
         self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, ev.traceparent, len(ev.prompt_token_ids),
-                                            ev.deadline, list(ev.output_token_ids))
-        self.engine.add_request(EngineRequest(request_id=ev.request_id, prompt_token_ids=list(ev.prompt_token_ids),
-                                              sampling=sampling_options(ev.sampling), priority=ev.priority,
-                                              output_token_ids=list(ev.output_token_ids)))
+                                            ev.deadline, list(ev.output_token_ids), scheduled=ev)
+
+    def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
+        """Give a request back to the scheduler, which places it again; the next worker resumes after
+        output_token_ids, so the client sees no gap and no repeat."""
+        out = HandBack(request_id=ev.request_id, worker_id=self.id, reason=reason, scheduled=ev,
+                       output_token_ids=tuple(output_token_ids), traceparent=ev.traceparent)
+        self.bus.publish(self.names.control_stream, out)
 
     def step(self) -> None:
         result = self.engine.step()
@@ -123,7 +142,7 @@ class WorkerService:
 
     def heartbeat(self) -> None:
         st = self.engine.stats()
-        hb = Heartbeat(worker_id=self.id, sent_at=time.time(), max_num_seqs=st.max_num_seqs,
+        hb = Heartbeat(worker_id=self.id, sent_at=time.time(), max_num_seqs=0 if self.draining else st.max_num_seqs,
                        num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
                        last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
                        cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
@@ -136,9 +155,21 @@ class WorkerService:
                                    "cached_blocks": st.cached_blocks, "held": len(self.active)})
 
     def drain(self) -> None:
-        """On SIGTERM: take no new work, finish what is held within the drain timeout."""
+        """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),
+        finish what is held within drain_timeout_s, then hand the rest back to be resumed elsewhere."""
+        self.draining = True
+        self.heartbeat()
         deadline = time.monotonic() + self.s.drain_timeout_s
         logger.info("worker %s draining %d requests", self.id, len(self.active))
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0):
+                self.bus.process(d, self.dispatch)
+            if not self.engine.has_unfinished():
+                break
             self.step()
+            self.expire_deadlines()
+        for a in list(self.active.values()):
+            self.engine.abort_request(a.request_id)
+            self.hand_back(a.scheduled, a.output_token_ids, "shutdown")
+        self.active.clear()
         self.live.clear(self.r)
