@@ -47,6 +47,7 @@ class GatewaySettings(CommonSettings):
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open")
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "

@@ -152,7 +152,9 @@ class WorkerService:
         self.bus.publish(self.names.heartbeat_stream, hb, maxlen=HEARTBEAT_MAXLEN)
         self.live.refresh(self.r, {"at": hb.sent_at, "running": st.num_running, "waiting": st.num_waiting,
                                    "total_blocks": st.total_blocks, "free_blocks": st.free_blocks,
-                                   "cached_blocks": st.cached_blocks, "held": len(self.active)})
+                                   "cached_blocks": st.cached_blocks, "held": len(self.active),
+                                   "preemptions": st.num_preemptions, "prefix_cache_queries": st.prefix_cache_queries,
+                                   "prefix_cache_hits": st.prefix_cache_hits})
 
     def drain(self) -> None:
         """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),
