@@ -1,0 +1,44 @@
+"""SIGTERM: the gateway drains, then cancels with reason shutdown; every client gets a final answer."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+
+from tests.cluster import Cluster
+from tests.conftest import CACHE_DIR
+from tests.test_request_paths import worker_idle
+from tests.waiting import wait_for
+
+
+def test_gateway_sigterm_with_requests_in_flight(tmp_path, model_dir):
+    c = Cluster(tmp_path, CACHE_DIR, env={"CONVEYOR_SHUTDOWN_GRACE_S": "30"}).start()
+    try:
+        box: dict = {}
+
+        def send(name, body):
+            box[name] = httpx.post(f"{c.url}/generate", json=body, timeout=120)
+        long = threading.Thread(target=send, args=("long", {"prompt": "Count:", "max_tokens": 3000,
+                                                            "ignore_eos": True}))
+        long.start()
+        wait_for(lambda: httpx.get(f"{c.url}/v1/requests", params={"state": "DECODING"}).json()["data"], 60)
+        short = threading.Thread(target=send, args=("short", {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
+        short.start()
+        wait_for(lambda: len(httpx.get(f"{c.url}/v1/requests", params={"state": "DECODING"}).json()["data"]) == 2,
+                 60, what="both decoding")
+        gateway = c.procs["gateway"]
+        gateway.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 503, 10, what="not ready")
+        late = httpx.post(f"{c.url}/generate", json={"prompt": "Late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        short.join(60)
+        long.join(60)
+        assert box["short"].status_code == 200 and len(box["short"].json()["token_ids"]) == 8
+        err = box["long"].json()["error"]
+        assert box["long"].status_code == 499 and err["code"] == "shutdown" and err["partial"]["token_ids"]
+        assert gateway.wait(30) == 0
+        wait_for(lambda: worker_idle(c), 30, what="worker idle")
+    finally:
+        c.stop()
