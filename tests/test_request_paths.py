@@ -171,3 +171,27 @@ def test_two_cancels_at_once_settle_once(single):
     hog.join()
     assert states(single, hog.rid).count("CANCELLED") == 1
     wait_for(lambda: worker_idle(single), 30, what="worker idle")
+
+
+def test_request_without_timeout_gets_an_adaptive_deadline(single):
+    out = httpx.post(f"{single.url}/generate", json={"prompt": "Adaptive", "max_tokens": 4}, timeout=60).json()
+    meta = snap(single, out["request_id"])["meta"]
+    assert meta["deadline_source"] == "adaptive" and meta["predicted_s"] > 0
+    budget = meta["deadline"] - meta["created_at"]
+    expected = min(max(1.5 * meta["predicted_s"], 120.0), 300.0)  # the cluster's floor is 120 s
+    assert abs(budget - expected) < 1.0
+
+
+def test_adaptive_deadline_counts_the_work_queued_ahead(single):
+    hog = occupy(single)
+    first = Background(single, {"prompt": "Long one queued", "max_tokens": 2000, "ignore_eos": True})
+    first.wait_state("QUEUED")
+    second = Background(single, {"prompt": "Short one behind it", "max_tokens": 4})
+    second.wait_state("QUEUED")
+    a, b = snap(single, first.rid)["meta"], snap(single, second.rid)["meta"]
+    # The short one's own work is 4 steps; behind 2000 steps on a single slot it is predicted to wait for them.
+    assert b["predicted_s"] > 0.5 * a["predicted_s"] > 0
+    for bg in (first, second):
+        httpx.delete(f"{single.url}/v1/requests/{bg.rid}")
+        bg.join()
+    release(single, hog)
