@@ -66,9 +66,13 @@ class Names:
     def history(self, request_id: str) -> str:
         return f"{self.ns}:req:{{{request_id}}}:history"
 
+    def tokens(self, request_id: str) -> str:  # list: every output token so far (a moved request resumes after it)
+        return f"{self.ns}:req:{{{request_id}}}:tokens"
+
     def request_keys(self, request_id: str) -> list[str]:
-        """meta, input, exec, kv, output, history: the order the lifecycle script expects."""
-        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id)]
+        """meta, input, exec, kv, output, history, tokens: the order the lifecycle script expects."""
+        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id),
+                                                                      self.tokens(request_id)]
 
     def live(self, service: str, instance: str) -> str:  # liveness key, expires when the process stops
         return f"{self.ns}:live:{service}:{instance}"
@@ -90,6 +94,10 @@ class Names:
     @property
     def waiting(self) -> str:  # sorted set: requests not yet on a worker (RECEIVED..QUEUED) -> creation time
         return f"{self.ns}:waiting"
+
+    @property
+    def assigned(self) -> str:  # hash: request id -> its placement on a worker (scheduler's memory, in Redis)
+        return f"{self.ns}:assigned"
 
     @property
     def queue(self) -> str:  # hash: request id -> preprocessed event, for every QUEUED request

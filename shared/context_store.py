@@ -24,7 +24,7 @@ from shared.lifecycle import TERMINAL, State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, index, stream, waiting, RECEIVED state set.  ARGV: ttl, request_id, payload,
+# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set.  ARGV: ttl, request_id, payload,
 # n_meta, meta k/v pairs..., input k/v pairs...
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -37,10 +37,10 @@ for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 for i = 5 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
-redis.call('ZADD', KEYS[7], now, ARGV[2])
-redis.call('ZADD', KEYS[9], now, ARGV[2])
+redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
-redis.call('XADD', KEYS[8], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
+redis.call('ZADD', KEYS[11], now, ARGV[2])
+redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
 """
 

@@ -149,6 +149,8 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     num_preemptions: int  # preemptions since start
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int  # of those, tokens found
+    step_no: int = 0  # steps taken since start: progress, to tell a hung worker from a busy one
+    busy: bool = False  # it holds work (so its step counter must move)
 
 
 AnyEvent = Union[

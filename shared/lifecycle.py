@@ -71,7 +71,7 @@ def check_transition(current: State, to: State) -> None:
         raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
 
 
-# KEYS: meta, input, exec, kv, output, history, counters, waiting, then one key per stream to publish to.
+# KEYS: meta, input, exec, kv, output, history, tokens, counters, waiting, then one key per stream to publish to.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
 #       state-set prefix, then one payload per stream.
 # (State-set names are built from a prefix: fine on one Redis, not across Redis Cluster slots.)
@@ -83,7 +83,7 @@ local ok = false
 for s in string.gmatch(ARGV[2], '[^,]+') do if s == cur then ok = true end end
 if not ok then
   if ARGV[5] == '1' and (cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT') then
-    redis.call('HINCRBY', KEYS[7], 'settle_noop', 1)
+    redis.call('HINCRBY', KEYS[8], 'settle_noop', 1)
   end
   return {'rejected', cur}
 end
@@ -94,15 +94,15 @@ if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'reason', ARGV[4]) end
 redis.call('RPUSH', KEYS[6], cjson.encode({state=ARGV[1], from=cur, t=tonumber(now), service=ARGV[3], reason=ARGV[4]}))
 if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
-  for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
+  for i = 1, 7 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
 end
 redis.call('ZREM', ARGV[9] .. cur, ARGV[7])
 redis.call('ZADD', ARGV[9] .. ARGV[1], now, ARGV[7])
-if ARGV[8] == '1' then redis.call('ZADD', KEYS[8], now, ARGV[7]) end
-if ARGV[8] == '-1' then redis.call('ZREM', KEYS[8], ARGV[7]) end
+if ARGV[8] == '1' then redis.call('ZADD', KEYS[9], now, ARGV[7]) end
+if ARGV[8] == '-1' then redis.call('ZREM', KEYS[9], ARGV[7]) end
 local out = {'ok', cur, now}
-for i = 9, #KEYS do
-  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i + 1])
+for i = 10, #KEYS do
+  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i])
 end
 return out
 """

@@ -10,9 +10,12 @@ import time
 import uuid
 
 import msgspec
+import redis
 
 from shared.constants import Names
 from shared.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: str) -> None:
@@ -59,3 +62,18 @@ class Liveness:
 
     def clear(self, client) -> None:
         client.delete(self.key)
+
+
+def run_loop(stop: StopFlag, tick, name: str) -> None:
+    """Call tick() until stopped. While Redis is away, back off (50 ms doubling to 2 s) and try again:
+    services ride out a Redis restart instead of dying with it."""
+    failures = 0
+    while not stop.stopped:
+        try:
+            tick()
+            failures = 0
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            failures += 1
+            delay = min(2.0, 0.05 * 2 ** min(failures, 6))
+            logger.warning("%s: redis unavailable (%s); retrying in %.2f s", name, e, delay)
+            time.sleep(delay)

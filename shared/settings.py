@@ -79,6 +79,8 @@ class SchedulerSettings(CommonSettings):
     timeout_min_s: float = Field(5.0, gt=0, description="smallest adaptive deadline")
     timeout_max_s: float = Field(300.0, gt=0, description="largest adaptive deadline")
     max_attempts: int = Field(3, ge=1, description="placements of one request before it fails (worker_lost)")
+    worker_hang_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose step counter "
+                                         "has not moved for this long is treated as dead")
 
 
 class WorkerSettings(CommonSettings):

@@ -121,3 +121,17 @@ def test_two_processes_settling_one_request_give_one_terminal_state(redis_server
     snap = ContextStore(redis_client, names, 60).read(redis_client, rid)
     assert snap.state.value == winners[0]
     assert sum(1 for h in snap.history if State(h["state"]) in TERMINAL) == 1
+
+
+def test_transition_publishes_its_events_atomically(redis_client, names):
+    from shared.events import decode
+    from shared.lifecycle import Publish
+
+    lc, rid = _at(redis_client, names, State.PREPROCESSED)
+    ev = request_received(request_id=rid)
+    res = lc.transition(rid, State.QUEUED, "", [Publish("s1", ev), Publish("s2", ev)])
+    assert res.applied and len(res.entry_ids) == 2
+    for stream in ("s1", "s2"):
+        assert decode(redis_client.xrange(stream)[0][1][b"e"]) == ev
+    refused = lc.transition(rid, State.QUEUED, "", [Publish("s3", ev)])
+    assert not refused.applied and redis_client.xlen("s3") == 0

@@ -13,6 +13,7 @@ import time
 
 import msgspec
 
+from services.scheduler.recovery import Assignment, Assignments, GatewayWatch, gateway_of, zombie_cancels
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_SCHEDULER, Names
@@ -21,7 +22,7 @@ from shared.errors import InvalidTransition
 from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled, TimedOut, decode, encode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, instance_id
+from shared.runtime import Liveness, StopFlag, instance_id, run_loop
 from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class SchedulerService:
         self.lifecycle = Lifecycle(self.r, self.names, "scheduler", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
         self.queue = RequestQueue()
+        self.assignments = Assignments(self.r, self.names.assigned)
+        self.gateways = GatewayWatch(settings.liveness_ttl_s)
         self.workers: dict[str, WorkerView] = {}
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
                              settings.liveness_ttl_s)
@@ -50,17 +53,22 @@ class SchedulerService:
         for stream in self.streams:
             self.bus.ensure_group(stream, GROUP_SCHEDULER)
         self.rebuild_queue()
+        self.rebuild_assignments()
         logger.info("scheduler %s started, %d queued", self.id, len(self.queue))
-        while not stop.stopped:
-            deliveries = self.bus.read(self.streams, GROUP_SCHEDULER)
-            if self.live.due():
-                deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
-                self.live.refresh(self.r, {"queued": len(self.queue)})
-            for d in deliveries:
-                self.bus.process(d, self.dispatch)
-            self.expire_deadlines()
-            self.place()
+        run_loop(stop, self.tick, "scheduler")
         self.live.clear(self.r)
+
+    def tick(self) -> None:
+        """Read, dispatch, then act on time (deadlines, lost workers) and place what fits."""
+        deliveries = self.bus.read(self.streams, GROUP_SCHEDULER)
+        if self.live.due():
+            deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
+            self.live.refresh(self.r, {"queued": len(self.queue)})
+            self.recover_lost()
+        for d in deliveries:
+            self.bus.process(d, self.dispatch)
+        self.expire_deadlines()
+        self.place()
 
     def dispatch(self, d: Delivery) -> None:
         ev = d.event
@@ -71,9 +79,17 @@ class SchedulerService:
         elif isinstance(ev, Heartbeat):
             self.on_heartbeat(ev)
         elif isinstance(ev, HandBack):
+            self.assignments.drop([ev.request_id])
             self.requeue(ev.scheduled, ev.output_token_ids, ev.reason)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+
+    def rebuild_assignments(self) -> None:
+        """After a restart: placements made by the previous scheduler; their workers must heartbeat within
+        the liveness TTL or their requests are moved."""
+        self.assignments.load()
+        for a in self.assignments.by_request.values():
+            self.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
 
     def rebuild_queue(self) -> None:
         for rid, payload in self.r.hgetall(self.names.queue).items():
@@ -98,7 +114,7 @@ class SchedulerService:
     def set_adaptive_deadline(self, item) -> None:
         """Deadline = arrival + factor x predicted time (work ahead shared by every slot, then its own),
         from the costs the workers measure; clamped to [timeout_min_s, timeout_max_s] and the gateway's cap."""
-        live = [w for w in self.workers.values() if w.alive(self.s.liveness_ttl_s)]
+        live = [w for w in self.workers.values() if self._alive(w)]
         if not live:
             return  # nothing measured yet: keep the cap
         prefill = sum(w.hb.prefill_s_per_token for w in live) / len(live)
@@ -142,7 +158,8 @@ class SchedulerService:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         view = self.workers.get(hb.worker_id)
-        if view is None:
+        self.assignments.settle_with_heartbeat(hb.worker_id, hb.request_ids, hb.last_read_id)
+        if view is None or view.hb is None:
             logger.info("worker %s joined (%d blocks, %d seqs)", hb.worker_id, hb.total_blocks, hb.max_num_seqs)
             self.workers[hb.worker_id] = WorkerView(hb.worker_id, hb, time.monotonic())
         else:
@@ -175,7 +192,7 @@ class SchedulerService:
 
     def place(self) -> None:
         """Place queued requests in (priority, arrival) order while some live worker has room."""
-        live = [w for w in self.workers.values() if w.alive(self.s.liveness_ttl_s)]
+        live = [w for w in self.workers.values() if w.hb is not None and self._alive(w)]
         while live and (head := self.queue.peek()) is not None:
             need = blocks_needed(len(head.event.prompt_token_ids) + len(head.output_token_ids), live[0].hb.block_size)
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
@@ -193,9 +210,40 @@ class SchedulerService:
                         sampling=ev.sampling, priority=ev.priority, deadline=q.deadline,
                         received_at=ev.received_at, attempt=q.attempt,
                         traceparent=ev.traceparent)
-        self.store.update(self.r, ev.request_id, "exec", {"worker_id": worker.worker_id, "attempt": q.attempt})
         res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "",
                                         [Publish(self.names.worker_stream(worker.worker_id), out)])
         self.r.hdel(self.names.queue, ev.request_id)
         if res.applied:
+            self.store.update(self.r, ev.request_id, "exec", {"worker_id": worker.worker_id, "attempt": q.attempt})
             worker.inflight[ev.request_id] = (res.entry_ids[0], need)
+            self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out))
+
+    def _alive(self, w: WorkerView) -> bool:
+        return w.alive(self.s.liveness_ttl_s, self.s.worker_hang_timeout_s)
+
+    def recover_lost(self) -> None:
+        """Move the requests of workers that stopped heartbeating; cancel those of gateways that died."""
+        for w in [w for w in self.workers.values() if not self._alive(w)]:
+            lost = self.assignments.of_worker(w.worker_id)
+            logger.warning("worker %s lost (no heartbeat for %.1f s): moving %d requests", w.worker_id,
+                           time.monotonic() - w.seen_at, len(lost))
+            for a in lost:
+                tokens = tuple(int(t) for t in self.r.lrange(self.names.tokens(a.scheduled.request_id), 0, -1))
+                self.requeue(a.scheduled, tokens, "worker_lost")
+            for wid, cancel in zombie_cancels(lost):
+                self.bus.publish(self.names.worker_stream(wid), cancel)
+            self.assignments.drop([a.scheduled.request_id for a in lost])
+            del self.workers[w.worker_id]
+        live = {k.decode().rsplit(":", 1)[1] for k in self.r.scan_iter(self.names.live_pattern("gateway"))}
+        held = [(q.request_id, q.event.reply_to) for q in self.queue.items()] + \
+            [(a.scheduled.request_id, a.scheduled.reply_to) for a in self.assignments.by_request.values()]
+        dead = self.gateways.dead(live, {gateway_of(reply) for _, reply in held})
+        for rid, reply in held:
+            if gateway_of(reply) in dead:
+                self.cancel_orphan(rid)
+
+    def cancel_orphan(self, request_id: str) -> None:
+        res = self.lifecycle.transition(request_id, State.CANCELLED, "client_disconnect")
+        if res.applied:
+            logger.info("cancelled %s: its gateway is gone", request_id)
+            self.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))

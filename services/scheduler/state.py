@@ -74,6 +74,9 @@ class RequestQueue:
     def ahead_of(self, item: QueuedRequest) -> list[QueuedRequest]:
         return [q for q in self._live.values() if q.sort_key < item.sort_key]
 
+    def items(self) -> list[QueuedRequest]:
+        return list(self._live.values())
+
     def __len__(self) -> int:
         return len(self._live)
 
@@ -86,28 +89,37 @@ class WorkerView:
     """What the scheduler knows of one worker: its last heartbeat plus what it sent since."""
 
     worker_id: str
-    hb: Heartbeat
+    hb: Heartbeat | None  # None: known only from stored assignments (scheduler restarted), not heard from yet
     seen_at: float  # scheduler's monotonic time of the last heartbeat
+    progress_at: float = field(default_factory=time.monotonic)  # last time its step counter moved (or it idled)
     inflight: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (entry id, blocks needed)
 
     def observe(self, hb: Heartbeat) -> None:
+        if self.hb is None or hb.step_no != self.hb.step_no or not hb.busy:
+            self.progress_at = time.monotonic()
         self.hb, self.seen_at = hb, time.monotonic()
         read = entry_key(hb.last_read_id) if hb.last_read_id else (0, 0)
         # Entries the worker has read are counted in its own figures now.
         self.inflight = {r: v for r, v in self.inflight.items() if entry_key(v[0]) > read}
 
-    def alive(self, ttl_s: float) -> bool:
-        return time.monotonic() - self.seen_at <= ttl_s
+    def alive(self, ttl_s: float, hang_s: float) -> bool:
+        """Heard from within ttl_s, and, if it holds work, stepped within hang_s."""
+        now = time.monotonic()
+        return now - self.seen_at <= ttl_s and now - self.progress_at <= hang_s
 
     def free_slots(self, slack: int) -> int:
+        if self.hb is None or self.hb.max_num_seqs == 0:  # unheard of, or draining
+            return 0
         return self.hb.max_num_seqs + slack - self.hb.num_running - self.hb.num_waiting - len(self.inflight)
 
     def free_blocks(self) -> int:
+        if self.hb is None:
+            return 0
         return self.hb.free_blocks - sum(b for _, b in self.inflight.values())
 
     def score(self) -> float:
         """Higher is better: share of the KV pool still free after what is in flight."""
-        return self.free_blocks() / max(1, self.hb.total_blocks)
+        return self.free_blocks() / max(1, self.hb.total_blocks if self.hb else 1)
 
 
 def blocks_needed(prompt_len: int, block_size: int) -> int:

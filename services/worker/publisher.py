@@ -7,9 +7,13 @@ failed), all in one pipeline so their order on every reply stream is the order t
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import redis
 
 from shared.constants import EVENT_FIELD, Names
 from shared.context_store import ContextStore
@@ -35,22 +39,41 @@ class Active:
 
 
 class StepPublisher:
-    def __init__(self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore):
+    def __init__(self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore,
+                 token_ttl_s: int):
         self.r = client
+        self.token_ttl_s = token_ttl_s  # bounds an abandoned request's token list; settlement shortens it
         self.names = names
         self.worker_id = worker_id
         self.lifecycle = lifecycle
         self.store = store
 
     def publish(self, step: int, result, active: dict[str, Active], kv_info) -> None:
-        pipe = self.r.pipeline(transaction=False)
+        """One MULTI/EXEC: tokens reach the client and the request's token list together or not at all, so a
+        request moved to another worker resumes exactly after what its client has. Retried while Redis is
+        away (the engine does not step meanwhile: nothing is lost, generation just pauses)."""
+        new = {o.request_id: o.new_token_ids for o in result.outputs if o.new_token_ids and o.request_id in active}
+        for attempt in itertools.count():
+            try:
+                self._publish_once(step, result, active, kv_info, new)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                delay = min(2.0, 0.05 * 2 ** attempt)
+                logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
+                time.sleep(delay)
+        for rid, tokens in new.items():
+            active[rid].output_token_ids.extend(tokens)
+
+    def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> None:
+        pipe = self.r.pipeline(transaction=True)
         by_reply: dict[str, list[TokenDelta]] = defaultdict(list)
         for out in result.outputs:
-            a = active.get(out.request_id)
-            if a is None or not out.new_token_ids:
-                continue
-            a.output_token_ids.extend(out.new_token_ids)
-            by_reply[a.reply_to].append(TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids)))
+            if out.request_id in new:
+                by_reply[active[out.request_id].reply_to].append(
+                    TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids)))
+        for rid, tokens in new.items():
+            pipe.rpush(self.names.tokens(rid), *tokens)
+            pipe.expire(self.names.tokens(rid), self.token_ttl_s)
         for reply_to, items in by_reply.items():
             ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
             pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=100_000, approximate=True)
@@ -66,14 +89,15 @@ class StepPublisher:
         for out in result.outputs:
             a = active.get(out.request_id)
             if a is not None and out.finished:
-                queued.append((a.request_id, self._queue_end(pipe, a, out, kv_info(a.request_id))))
-        self._check(pipe.execute()[len(by_reply):], queued)
+                tokens = a.output_token_ids + list(new.get(a.request_id, ()))
+                queued.append((a.request_id, self._queue_end(pipe, a, out, tokens, kv_info(a.request_id))))
+        self._check(pipe.execute(), queued)
 
     def _queue_kv(self, pipe, rid: str, info) -> None:
         if info is not None:
             self.store.update(pipe, rid, "kv", {"blocks": info[0], "cached_tokens": info[1]})
 
-    def _queue_end(self, pipe, a: Active, out, info) -> State:
+    def _queue_end(self, pipe, a: Active, out, tokens: list[int], info) -> State:
         cached = info[1] if info else 0
         if out.error_reason:
             ev = Failed(request_id=a.request_id, reason=out.error_reason, message=out.error or out.error_reason,
@@ -81,10 +105,10 @@ class StepPublisher:
             self.lifecycle.queue(pipe, a.request_id, State.FAILED, out.error_reason, [Publish(a.reply_to, ev)])
             return State.FAILED
         self.store.update(pipe, a.request_id, "output", {
-            "token_ids": a.output_token_ids, "finish_reason": out.finish_reason,
-            "output_tokens": len(a.output_token_ids), "num_preemptions": a.num_preemptions})
+            "token_ids": tokens, "finish_reason": out.finish_reason,
+            "output_tokens": len(tokens), "num_preemptions": a.num_preemptions})
         ev = Completed(request_id=a.request_id, worker_id=self.worker_id, finish_reason=out.finish_reason or "stop",
-                       prompt_tokens=a.prompt_len, output_tokens=len(a.output_token_ids), cached_tokens=cached,
+                       prompt_tokens=a.prompt_len, output_tokens=len(tokens), cached_tokens=cached,
                        num_preemptions=a.num_preemptions, traceparent=a.traceparent)
         self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
                              [Publish(a.reply_to, ev)])

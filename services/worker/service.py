@@ -11,15 +11,16 @@ import logging
 import time
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError, SamplingOptions
+from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
 from shared.bus import Bus, Delivery
-from shared.constants import GROUP_WORKER, HEARTBEAT_MAXLEN, Names
+from shared.constants import GROUP_WORKER, Names
 from shared.context_store import ContextStore
 from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Sampling, Scheduled, TimedOut
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, instance_id
+from shared.runtime import StopFlag, instance_id, run_loop
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ class WorkerService:
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
         self.engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
                                                engine_config(settings))
-        self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store)
+        self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
+                                       settings.context_ttl_s + 3600)
         self.active: dict[str, Active] = {}
-        self.live = Liveness(self.names, "worker", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         self.last_read_id = ""
         self.step_no = 0
         self.draining = False
@@ -71,17 +73,21 @@ class WorkerService:
         stop = StopFlag()
         self.warm_up()
         self.bus.ensure_group(self.stream, GROUP_WORKER)
+        self.snapshot()
+        self.beats.start()
         logger.info("worker %s ready on %s (%s)", self.id, self.stream, self.engine.stats())
-        while not stop.stopped:
-            busy = self.engine.has_unfinished()
-            for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
-                self.bus.process(d, self.dispatch)
-            self.expire_deadlines()
-            if self.engine.has_unfinished():
-                self.step()
-            if self.live.due():
-                self.heartbeat()
+        run_loop(stop, self.tick, "worker")
         self.drain()
+
+    def tick(self) -> None:
+        """Read what arrived (without blocking while there is work), step, publish, heartbeat."""
+        busy = self.engine.has_unfinished()
+        for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
+            self.bus.process(d, self.dispatch)
+        self.expire_deadlines()
+        if self.engine.has_unfinished():
+            self.step()
+        self.snapshot()
 
     def dispatch(self, d: Delivery) -> None:
         ev = d.event
@@ -140,27 +146,24 @@ class WorkerService:
             ev = TimedOut(request_id=a.request_id, where="worker", service="worker", traceparent=a.traceparent)
             self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)])
 
-    def heartbeat(self) -> None:
+    def snapshot(self) -> None:
+        """Hand the heartbeat thread the current figures."""
         st = self.engine.stats()
-        hb = Heartbeat(worker_id=self.id, sent_at=time.time(), max_num_seqs=0 if self.draining else st.max_num_seqs,
-                       num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
-                       last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
-                       cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
-                       prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
-                       num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
-                       prefix_cache_hits=st.prefix_cache_hits)
-        self.bus.publish(self.names.heartbeat_stream, hb, maxlen=HEARTBEAT_MAXLEN)
-        self.live.refresh(self.r, {"at": hb.sent_at, "running": st.num_running, "waiting": st.num_waiting,
-                                   "total_blocks": st.total_blocks, "free_blocks": st.free_blocks,
-                                   "cached_blocks": st.cached_blocks, "held": len(self.active),
-                                   "preemptions": st.num_preemptions, "prefix_cache_queries": st.prefix_cache_queries,
-                                   "prefix_cache_hits": st.prefix_cache_hits})
+        self.beats.update(Heartbeat(
+            worker_id=self.id, sent_at=time.time(), max_num_seqs=0 if self.draining else st.max_num_seqs,
+            num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
+            last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
+            cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
+            prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
+            num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
+            prefix_cache_hits=st.prefix_cache_hits, step_no=self.step_no, busy=bool(self.active)))
 
     def drain(self) -> None:
         """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),
         finish what is held within drain_timeout_s, then hand the rest back to be resumed elsewhere."""
         self.draining = True
-        self.heartbeat()
+        self.snapshot()
+        self.beats.beat()
         deadline = time.monotonic() + self.s.drain_timeout_s
         logger.info("worker %s draining %d requests", self.id, len(self.active))
         while time.monotonic() < deadline:
@@ -174,4 +177,4 @@ class WorkerService:
             self.engine.abort_request(a.request_id)
             self.hand_back(a.scheduled, a.output_token_ids, "shutdown")
         self.active.clear()
-        self.live.clear(self.r)
+        self.beats.stop()

@@ -1,0 +1,88 @@
+"""What the scheduler does when a process it depends on disappears.
+
+- Assignments (request -> worker, the `scheduled` event, its stream entry id) are kept in
+  memory and in the Redis hash `assigned`, so a restarted scheduler still knows them.
+- A worker whose heartbeat is older than the liveness TTL (dead, or hung: the heartbeat comes
+  from its step loop) loses its requests: each goes back to the queue with the tokens it has
+  already generated (the worker's token list), to be resumed on another worker. A cancel with
+  reason worker_lost is left on its stream, so a hung worker that wakes up drops them.
+- A gateway whose liveness key is gone for longer than the TTL has lost its clients: their
+  requests are cancelled (client_disconnect) so their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from services.scheduler.state import entry_key
+from shared.events import CancelRequested, Scheduled
+
+logger = logging.getLogger(__name__)
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    worker_id: str  # worker it was sent to
+    entry_id: str  # its entry on the worker's stream (read by the worker once <= its last_read_id)
+    scheduled: Scheduled  # the placement, to place it again
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Assignment)
+
+
+class Assignments:
+    def __init__(self, client, key: str):
+        self.r, self.key = client, key
+        self.by_request: dict[str, Assignment] = {}
+
+    def load(self) -> None:
+        self.by_request = {k.decode(): _dec.decode(v) for k, v in self.r.hgetall(self.key).items()}
+
+    def add(self, a: Assignment) -> None:
+        self.by_request[a.scheduled.request_id] = a
+        self.r.hset(self.key, a.scheduled.request_id, _enc.encode(a))
+
+    def drop(self, request_ids: list[str]) -> None:
+        if request_ids:
+            for rid in request_ids:
+                self.by_request.pop(rid, None)
+            self.r.hdel(self.key, *request_ids)
+
+    def of_worker(self, worker_id: str) -> list[Assignment]:
+        return [a for a in self.by_request.values() if a.worker_id == worker_id]
+
+    def settle_with_heartbeat(self, worker_id: str, held: tuple[str, ...], last_read_id: str) -> None:
+        """Assignments the worker has read and no longer holds are over (finished, failed, cancelled)."""
+        read = entry_key(last_read_id) if last_read_id else (0, 0)
+        held_set = set(held)
+        self.drop([a.scheduled.request_id for a in self.of_worker(worker_id)
+                   if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set])
+
+
+class GatewayWatch:
+    """Tracks how long each gateway's liveness key has been missing."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self.missing_since: dict[str, float] = {}
+
+    def dead(self, live: set[str], referenced: set[str]) -> set[str]:
+        now = time.monotonic()
+        for gw in referenced - live:
+            self.missing_since.setdefault(gw, now)
+        for gw in live:
+            self.missing_since.pop(gw, None)
+        return {gw for gw in referenced - live if now - self.missing_since[gw] > self.ttl_s}
+
+
+def gateway_of(reply_to: str) -> str:
+    return reply_to.rsplit(":", 1)[-1]
+
+
+def zombie_cancels(lost: list[Assignment]) -> list[tuple[str, CancelRequested]]:
+    """Cancels to leave on a lost worker's stream, should it wake up."""
+    return [(a.worker_id, CancelRequested(request_id=a.scheduled.request_id, reason="worker_lost",
+                                          worker_id=a.worker_id)) for a in lost]

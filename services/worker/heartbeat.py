@@ -1,0 +1,73 @@
+"""The worker's heartbeat, sent by a thread so a long step never looks like a dead worker.
+
+The step loop only updates a snapshot (its step counter included); the thread publishes the
+latest one every interval. A dead or frozen process (SIGKILL, SIGSTOP) sends nothing and is
+noticed after the liveness TTL; a live process whose loop is stuck keeps beating with the same
+step counter while it has work, and the scheduler treats it as hung after its hang timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+import redis
+
+from shared.constants import EVENT_FIELD, HEARTBEAT_MAXLEN, Names
+from shared.events import Heartbeat, encode
+from shared.runtime import Liveness
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeater:
+    def __init__(self, client, names: Names, worker_id: str, interval_s: float, ttl_s: float):
+        self.r = client
+        self.names = names
+        self.interval_s = interval_s
+        self.live = Liveness(names, "worker", worker_id, interval_s, ttl_s)
+        self._snapshot: Heartbeat | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def update(self, hb: Heartbeat) -> None:
+        self._snapshot = hb  # one reference assignment: atomic under the GIL
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.live.clear(self.r)
+        except redis.RedisError as e:
+            logger.warning("could not clear the liveness key: %s", e)
+
+    def beat(self) -> None:
+        hb = self._snapshot
+        if hb is None:
+            return
+        hb = msgspec.structs.replace(hb, sent_at=time.time())
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(self.names.heartbeat_stream, {EVENT_FIELD: encode(hb)}, maxlen=HEARTBEAT_MAXLEN,
+                  approximate=True)
+        pipe.set(self.live.key, msgspec.json.encode(_summary(hb)), px=self.live.ttl_ms)
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except redis.RedisError as e:
+                logger.warning("heartbeat failed: %s", e)
+
+
+def _summary(hb: Heartbeat) -> dict:
+    """What the liveness key shows (read by /ready, /metrics and tests)."""
+    return {"at": hb.sent_at, "running": hb.num_running, "waiting": hb.num_waiting, "held": len(hb.request_ids),
+            "total_blocks": hb.total_blocks, "free_blocks": hb.free_blocks, "cached_blocks": hb.cached_blocks,
+            "preemptions": hb.num_preemptions, "prefix_cache_queries": hb.prefix_cache_queries,
+            "prefix_cache_hits": hb.prefix_cache_hits, "step": hb.step_no}
