@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from services.scheduler.state import entry_key
-from shared.events import CancelRequested, Scheduled
+from shared.events import CancelRequested, Preprocessed, Scheduled
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,26 @@ class Assignment(msgspec.Struct, frozen=True):
     scheduled: Scheduled  # the placement, to place it again
 
 
+class QueuedRecord(msgspec.Struct, frozen=True):
+    """A queued request as stored in the `queue` hash: what any scheduler needs to place it."""
+
+    event: Preprocessed  # the request as preprocessed
+    deadline: float  # its deadline (adaptive ones are tighter than the event's cap)
+    attempt: int = 1  # placements so far + 1
+    output_token_ids: tuple[int, ...] = ()  # tokens generated before it was moved
+
+
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Assignment)
+_qdec = msgspec.msgpack.Decoder(QueuedRecord)
+
+
+def encode_queued(item) -> bytes:
+    return _enc.encode(QueuedRecord(item.event, item.deadline, item.attempt, item.output_token_ids))
+
+
+def decode_queued(payload: bytes) -> QueuedRecord:
+    return _qdec.decode(payload)
 
 
 class Assignments:
@@ -39,6 +57,7 @@ class Assignments:
         self.by_request: dict[str, Assignment] = {}
 
     def load(self) -> None:
+        """The hash is the truth, shared by every scheduler replica."""
         self.by_request = {k.decode(): _dec.decode(v) for k, v in self.r.hgetall(self.key).items()}
 
     def add(self, a: Assignment) -> None:

@@ -13,13 +13,14 @@ import time
 
 import msgspec
 
-from services.scheduler.recovery import Assignment, Assignments, GatewayWatch, gateway_of, zombie_cancels
+from services.scheduler.recovery import (Assignment, Assignments, GatewayWatch, decode_queued, encode_queued,
+                                         gateway_of, zombie_cancels)
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared.bus import Bus, Delivery, event_field
-from shared.constants import GROUP_SCHEDULER, Names
+from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, Names
 from shared.context_store import ContextJanitor, ContextStore
 from shared.errors import InvalidTransition
-from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled, TimedOut, decode, encode
+from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled, SchemaError, TimedOut, decode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
@@ -44,7 +45,10 @@ class SchedulerService:
         self.workers: dict[str, WorkerView] = {}
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
                              settings.liveness_ttl_s)
-        self.streams = [self.names.preprocessed_stream, self.names.control_stream, self.names.heartbeat_stream]
+        # Heartbeats are read by every replica (plain XREAD), the other streams shared through the group.
+        self.streams = [self.names.preprocessed_stream, self.names.control_stream]
+        # Start with the heartbeats of the last TTL, so a restarted scheduler knows the workers at once.
+        self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
         self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
         self._swept_at = 0.0
 
@@ -52,8 +56,7 @@ class SchedulerService:
         stop = StopFlag()
         for stream in self.streams:
             self.bus.ensure_group(stream, GROUP_SCHEDULER)
-        self.rebuild_queue()
-        self.rebuild_assignments()
+        self.sync()
         logger.info("scheduler %s started, %d queued", self.id, len(self.queue))
         run_loop(stop, self.tick, "scheduler")
         self.live.clear(self.r)
@@ -64,9 +67,11 @@ class SchedulerService:
         if self.live.due():
             deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
             self.live.refresh(self.r, {"queued": len(self.queue)})
+            self.sync()
             self.recover_lost()
         for d in deliveries:
             self.bus.process(d, self.dispatch)
+        self.read_heartbeats()
         self.expire_deadlines()
         self.place()
 
@@ -76,28 +81,31 @@ class SchedulerService:
             self.on_preprocessed(ev)
         elif isinstance(ev, CancelRequested):
             self.on_cancel(ev)
-        elif isinstance(ev, Heartbeat):
-            self.on_heartbeat(ev)
         elif isinstance(ev, HandBack):
             self.assignments.drop([ev.request_id])
             self.requeue(ev.scheduled, ev.output_token_ids, ev.reason)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
 
-    def rebuild_assignments(self) -> None:
-        """After a restart: placements made by the previous scheduler; their workers must heartbeat within
-        the liveness TTL or their requests are moved."""
+    def sync(self) -> None:
+        """Align with what Redis holds: queued requests and placements are shared by every scheduler replica
+        (a restarted or surviving one adopts those of a dead one); placement is compare-and-set, so two
+        replicas holding one request never place it twice."""
         self.assignments.load()
         for a in self.assignments.by_request.values():
             self.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
-
-    def rebuild_queue(self) -> None:
-        for rid, payload in self.r.hgetall(self.names.queue).items():
-            ev = decode(payload)
-            meta = self.r.hget(self.names.layer(rid.decode(), "meta"), "state")
-            if meta is not None and meta.decode() == State.QUEUED.value and isinstance(ev, Preprocessed):
-                self.queue.push(ev)
-            else:
+        stored = {rid.decode(): payload for rid, payload in self.r.hgetall(self.names.queue).items()}
+        for rid in [q.request_id for q in self.queue.items() if q.request_id not in stored]:
+            self.queue.remove(rid)  # placed or cancelled by another replica
+        missing = [rid for rid in stored if rid not in self.queue]
+        pipe = self.r.pipeline(transaction=False)
+        for rid in missing:
+            pipe.hget(self.names.layer(rid, "meta"), "state")
+        for rid, state in zip(missing, pipe.execute()):
+            if state is not None and state.decode() == State.QUEUED.value:
+                rec = decode_queued(stored[rid])
+                self.queue.push(rec.event, rec.attempt, rec.output_token_ids, rec.deadline)
+            else:  # placed, ended or expired meanwhile
                 self.r.hdel(self.names.queue, rid)
 
     def on_preprocessed(self, ev: Preprocessed) -> None:
@@ -106,10 +114,11 @@ class SchedulerService:
         except InvalidTransition:
             return  # a redelivery of a request already queued or placed
         if res.applied:
-            self.r.hset(self.names.queue, ev.request_id, encode(ev))
             item = self.queue.push(ev)
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item)
+            if item is not None:
+                self.r.hset(self.names.queue, ev.request_id, encode_queued(item))
 
     def set_adaptive_deadline(self, item) -> None:
         """Deadline = arrival + factor x predicted time (work ahead shared by every slot, then its own),
@@ -141,9 +150,10 @@ class SchedulerService:
         ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
                           sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
                           received_at=sch.received_at, traceparent=sch.traceparent)
-        self.r.hset(self.names.queue, sch.request_id, encode(ev))
-        # Ahead of newer arrivals of its priority: it was admitted long ago.
-        self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
+        # Ahead of newer arrivals of its priority: it keeps its original arrival time.
+        item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
+        if item is not None:
+            self.r.hset(self.names.queue, sch.request_id, encode_queued(item))
         logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
                     len(output_token_ids), sch.attempt + 1)
 
@@ -155,6 +165,19 @@ class SchedulerService:
         if worker:
             wid = msgspec.json.decode(worker)
             self.bus.publish(self.names.worker_stream(wid), msgspec.structs.replace(ev, worker_id=wid))
+
+    def read_heartbeats(self) -> None:
+        reply = self.r.xread({self.names.heartbeat_stream: self.hb_cursor}, count=1000)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.hb_cursor = entry_id.decode()
+                try:
+                    ev = decode(fields[EVENT_FIELD])
+                except (SchemaError, KeyError) as e:
+                    logger.error("unreadable heartbeat skipped: %s", e)
+                    continue
+                if isinstance(ev, Heartbeat):
+                    self.on_heartbeat(ev)
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         view = self.workers.get(hb.worker_id)
