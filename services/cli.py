@@ -17,14 +17,12 @@ def run_service(name: str) -> int:
     from shared import settings as s
 
     if name == "gateway":
-        import uvicorn
-
         from services.gateway.app import create_app
+        from services.gateway.server import serve
 
         cfg = s.GatewaySettings()
         setup_logging(cfg.log_level)
-        uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        serve(create_app(cfg), cfg)
         return 0
     if name == "tokenizer":
         from services.tokenizer.service import TokenizerService as Service

@@ -6,12 +6,22 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.admission import OpenRequestLimit
+from services.gateway.auth import ApiKeyAuth, owned_snapshot
 from services.gateway.core import GatewayCore
-from services.gateway.errors import (BodyTooLarge, GatewayError, InvalidRequest, NotFound, Unavailable,
-                                     error_response, gateway_error_handler, validation_error_handler)
+from services.gateway.introspection import router as introspection_router
+from services.gateway.errors import (BodyTooLarge, GatewayError, Unavailable, error_response, gateway_error_handler,
+                                     http_error_handler, validation_error_handler)
+from services.gateway.intake import accept
+from services.gateway.openai_api import GENERATION_ERRORS
+from services.gateway.openai_api import router as openai_router
+from services.gateway.openai_schemas import error_responses, sse_or_json
+from services.gateway.openapi_doc import install as install_openapi
 from services.gateway.responses import collect, stream
 from services.gateway.schemas import GenerateRequest
 from shared.model_files import model_display_name, resolve_model_dir
@@ -73,39 +83,37 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.add_exception_handler(GatewayError, gateway_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(OpenRequestLimit, limit=settings.max_open_requests, retry_after_s=settings.retry_after_s)
+    app.add_middleware(ApiKeyAuth, keys=settings.api_keys)  # outermost: nothing runs for a caller without a key
+    if not settings.api_keys:
+        logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
+    app.include_router(openai_router)
+    install_openapi(app)  # document the answers middlewares and validation really give
+    app.include_router(introspection_router)
 
-    @app.post("/generate")
+    @app.post("/generate", responses={**sse_or_json(None, "the output (JSON, or SSE with stream)"),
+                                      **GENERATION_ERRORS})
     async def generate(body: GenerateRequest, request: Request):
         core: GatewayCore = request.app.state.core
-        if (body.prompt is None) == (body.messages is None):
-            which = "both were given" if body.prompt is not None else "neither was given"
-            raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
-        max_tokens = body.max_tokens or settings.default_max_tokens
-        limit = min(settings.max_tokens_limit, request.app.state.max_len - 1)
-        if max_tokens > limit:
-            raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
-                                 "max_tokens_too_large")
-        handle = await core.submit(body, max_tokens)
+        handle = await accept(request, body)
         headers = {"X-Request-Id": handle.request_id}
         if body.stream:
             return StreamingResponse(stream(core, handle, request), media_type="text/event-stream", headers=headers)
         return JSONResponse(await collect(core, handle, request), headers=headers)
 
-    @app.get("/v1/requests/{request_id}")
+    @app.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def get_request(request_id: str, request: Request):
         core: GatewayCore = request.app.state.core
-        snap = await core.store.aread(core.r, request_id)
-        if snap is None:
-            raise NotFound(f"no request {request_id} (unknown, or its context expired)", "request_id", "not_found")
+        snap = await owned_snapshot(core, request, request_id)
         return snap.to_dict()
 
-    @app.delete("/v1/requests/{request_id}")
+    @app.delete("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def cancel_request(request_id: str, request: Request):
         core: GatewayCore = request.app.state.core
-        snap = await core.store.aread(core.r, request_id)
-        if snap is None:
-            raise NotFound(f"no request {request_id}", "request_id", "not_found")
+        snap = await owned_snapshot(core, request, request_id)
+        request_id = snap.request_id
         cancelled = await core.cancel(request_id, "client_cancel", snap.layers["meta"].get("reply_to", ""))
         after = await core.store.aread(core.r, request_id)
         return {"request_id": request_id, "cancelled": cancelled,
@@ -115,11 +123,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=error_responses(401, 503))
     async def ready(request: Request):
         try:
             found = await request.app.state.core.ready()
-        except Exception as e:  # any Redis failure means not ready
+        except (RedisError, OSError) as e:  # any Redis failure means not ready
             raise Unavailable(f"redis unreachable: {e}", None, "redis_unavailable") from e
         missing = [s for s, n in found.items() if n == 0]
         if missing:

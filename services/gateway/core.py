@@ -14,9 +14,12 @@ import uuid
 
 import redis
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.admission import Admission
+from services.gateway.errors import Unavailable
 from services.gateway.handle import RequestHandle
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
+from services.gateway.stop_strings import TextStream
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
@@ -41,6 +44,9 @@ class GatewayCore:
         self.lifecycle = Lifecycle(client, self.names, "gateway", settings.context_ttl_s)
         self.store = ContextStore(client, self.names, int(settings.request_timeout_s) + settings.context_ttl_s)
         self.handles: dict[str, RequestHandle] = {}
+        self.metrics = GatewayMetrics()
+        self.draining = False  # set on SIGTERM: no new requests, /ready says 503
+        self.admission = Admission(self)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -58,7 +64,12 @@ class GatewayCore:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.r.delete(self.names.live("gateway", self.id))
 
-    async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "") -> RequestHandle:
+    async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
+                     extra_meta: dict | None = None) -> RequestHandle:
+        """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id."""
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
+                              headers={"Retry-After": "1"})
         rid = uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
         timeout = req.timeout or self.s.request_timeout_s
@@ -68,23 +79,28 @@ class GatewayCore:
                             ignore_eos=req.ignore_eos)
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
         ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
-                             sampling=sampling, priority=req.priority, deadline=now + timeout, received_at=now,
-                             traceparent=traceparent)
-        handle = RequestHandle(rid, self.reply_to, IncrementalDetokenizer(self.tokenizer), now + timeout, t0)
+                             sampling=sampling, priority=req.priority, deadline=now + timeout,
+                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=traceparent)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
-        meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout, "timeout": timeout,
-                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": traceparent}
+        meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
+                "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",
+                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": traceparent,
+                "owner": owner, **(extra_meta or {})}
         input_ = {"prompt": req.prompt, "messages": [m.model_dump() for m in req.messages] if req.messages else None,
-                  "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}}
+                  "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}, "stop": stops}
         try:
-            await self.store.acreate(rid, meta, input_, self.names.received_stream, ev)
+            await self.admission.create(rid, meta, input_, self.names.received_stream, ev)
         except BaseException:
             self.handles.pop(rid, None)
             raise
         return handle
 
     def release(self, handle: RequestHandle) -> None:
-        self.handles.pop(handle.request_id, None)
+        """Forget a request whose client has its answer (or left); its Prometheus figures move here, once."""
+        if self.handles.pop(handle.request_id, None) is not None and handle.ended is not None:
+            self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times, len(handle.token_ids))
 
     async def cancel(self, request_id: str, reason: str, reply_to: str) -> bool:
         """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""
@@ -142,6 +158,8 @@ class GatewayCore:
             await asyncio.sleep(self.s.heartbeat_interval_s)
 
     async def ready(self) -> dict:
+        if self.draining:
+            raise Unavailable("the gateway is shutting down", None, "shutting_down")
         await self.r.ping()
         found = {}
         for service in ("tokenizer", "scheduler", "worker"):

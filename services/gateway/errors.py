@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class GatewayError(Exception):
@@ -29,8 +30,16 @@ class InvalidRequest(GatewayError):
     status, type = 400, "invalid_request_error"
 
 
+class Unauthorized(GatewayError):
+    status, type = 401, "authentication_error"
+
+
 class NotFound(GatewayError):
     status, type = 404, "not_found_error"
+
+
+class Overloaded(GatewayError):
+    status, type = 429, "rate_limit_error"
 
 
 class BodyTooLarge(GatewayError):
@@ -61,10 +70,25 @@ async def gateway_error_handler(_request: Request, e: GatewayError) -> JSONRespo
     return error_response(e)
 
 
+async def http_error_handler(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, a body that is not text) in the same shape."""
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, kind)
+    code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    body = {"error": {"message": str(e.detail), "type": kind, "param": None, "code": code}}
+    return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
+
+def _union_branch(part) -> bool:
+    """pydantic names the branch of a union in the location ("prompt", "list[str]"): not a field name."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.endswith("]")
+                                      or part.startswith(("constrained-", "function-")))
+
+
 async def validation_error_handler(_request: Request, e: RequestValidationError) -> JSONResponse:
     """Pydantic's errors, reduced to the first one, naming the field and the rule it broke."""
     err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request", "type": "invalid"}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_branch(x)]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return error_response(InvalidRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}",

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.stop_strings import TextStream
 from shared.events import AnyEvent, TokenDelta
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class Chunk:
 class RequestHandle:
     request_id: str
     reply_to: str
-    detok: IncrementalDetokenizer
+    detok: TextStream  # detokenizer + stop strings
     deadline: float  # epoch seconds
     t0: float  # perf_counter at receipt: every client-side interval is measured from it
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -39,6 +39,7 @@ class RequestHandle:
     first_token_at: float | None = None
     ended: AnyEvent | None = None
     ended_at: float | None = None
+    metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.queue.put_nowait(item)
@@ -65,7 +66,10 @@ class RequestHandle:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
             self.token_times.append(now)
-            text = self.detok.push(new)
+            text, used = self.detok.push(new)
+            if used < len(new):  # a stop string completed inside this delta: the later tokens are not output
+                del self.token_ids[len(self.token_ids) - len(new) + used:]
+                new = new[:used]
             self.text.append(text)
             return Chunk(text, new, index)
         return self.finish(item)
@@ -76,17 +80,14 @@ class RequestHandle:
         self.ended, self.ended_at = end, time.perf_counter()
         return Chunk(tail, [], len(self.token_ids), end=end)
 
+    @property
+    def stop_matched(self) -> str | None:
+        """The stop string that ended the output (the request must then be settled by the gateway)."""
+        return self.detok.stop_matched
+
     def remaining(self) -> float:
         return self.deadline - time.time()
 
     @property
     def full_text(self) -> str:
         return "".join(self.text)
-
-    def client_metrics(self) -> dict:
-        """Intervals on the gateway's clock, from receipt to what the client was sent."""
-        end = self.ended_at or time.perf_counter()
-        n = len(self.token_ids)
-        ttft = (self.first_token_at - self.t0) if self.first_token_at else None
-        tpot = (self.token_times[-1] - self.first_token_at) / (n - 1) if n > 1 and self.first_token_at else 0.0
-        return {"ttft": ttft, "tpot": tpot, "e2e": end - self.t0}

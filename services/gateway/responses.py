@@ -13,8 +13,9 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import (GatewayError, InvalidRequest, RequestCancelled, RequestFailed, RequestTimedOut,
                                      Unavailable)
 from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.metrics import request_metrics
+from services.gateway.stop_finish import finish_at_stop
 from shared.events import Cancelled, Completed, Failed, TimedOut
-from shared.lifecycle import State, parse_history
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> A
             yield chunk
             if chunk.end is not None:
                 return
+            if handle.stop_matched is not None:  # a stop string ended the output: settle it here, now
+                yield await finish_at_stop(core, handle)
+                return
             continue
         if not asked_cancel and await request.is_disconnected():
             asked_cancel = True
@@ -40,24 +44,14 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> A
             await core.time_out(handle)
 
 
-async def queue_wait(core: GatewayCore, request_id: str) -> float:
-    """Time spent QUEUED, from the history's timestamps (Redis's clock), summed over every pass."""
-    history = parse_history(await core.r.lrange(core.names.history(request_id), 0, -1))
-    total, since = 0.0, None
-    for h in history:
-        if h["state"] == State.QUEUED.value:
-            since = h["t"]
-        elif since is not None and h["from"] == State.QUEUED.value:
-            total, since = total + (h["t"] - since), None
-    return total
-
-
 async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
     """The success body, or raise the GatewayError the terminal event calls for."""
     end = handle.ended
     partial = {"text": handle.full_text, "token_ids": handle.token_ids}
+    ids = {"X-Request-Id": handle.request_id}
+    extra = {"partial": partial, "request_id": handle.request_id}
+    metrics = handle.metrics = await request_metrics(core, handle)
     if isinstance(end, Completed):
-        metrics = {"queue_wait": await queue_wait(core, handle.request_id), **handle.client_metrics()}
         body = {"request_id": handle.request_id, "text": handle.full_text, "token_ids": handle.token_ids,
                 "finish_reason": end.finish_reason,
                 "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": len(handle.token_ids),
@@ -68,16 +62,16 @@ async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
         return body
     if isinstance(end, Failed):
         if end.reason in ("invalid", "too_long"):
-            raise InvalidRequest(end.message, end.param or None, end.reason)
+            raise InvalidRequest(end.message, end.param or None, end.reason, headers=ids)
         if end.reason == "worker_lost":
-            raise Unavailable(end.message, None, end.reason, extra={"partial": partial})
-        raise RequestFailed(end.message, None, end.reason, extra={"partial": partial})
+            raise Unavailable(end.message, None, end.reason, extra=extra, headers=ids)
+        raise RequestFailed(end.message, None, end.reason, extra=extra, headers=ids)
     if isinstance(end, TimedOut):
         raise RequestTimedOut(f"the request did not finish within its timeout (it was {end.where})", "timeout",
-                              "timeout", extra={"partial": partial})
+                              "timeout", extra=extra, headers=ids)
     if isinstance(end, Cancelled):
         raise RequestCancelled(f"the request was cancelled ({end.reason})", None, end.reason,
-                               extra={"partial": partial})
+                               extra=extra, headers=ids)
     raise RequestFailed(f"unexpected end event {type(end).__name__}", None, "internal")
 
 

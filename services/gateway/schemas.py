@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
+
+# A stop string: matched on the output text; neither it nor any part of it is returned.
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
 
 
 class Message(BaseModel):
@@ -21,12 +28,13 @@ class GenerateRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="most new tokens (1..4096, within the context window)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
+    stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")

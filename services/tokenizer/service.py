@@ -18,7 +18,7 @@ from shared.events import Failed, Preprocessed, RequestReceived
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, instance_id
+from shared.runtime import Liveness, StopFlag, instance_id, run_loop
 from shared.settings import TokenizerSettings
 from shared.tokenization import load_tokenizer, model_info
 
@@ -80,14 +80,17 @@ class TokenizerService:
         stream = self.names.received_stream
         self.bus.ensure_group(stream, GROUP_TOKENIZER)
         logger.info("tokenizer %s reading %s", self.id, stream)
-        while not stop.stopped:
-            deliveries = self.bus.read([stream], GROUP_TOKENIZER)
-            if self.live.due():
-                deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
-                self.live.refresh(self.r)
-            for d in deliveries:
-                self.bus.process(d, self.handle)
+        run_loop(stop, self.tick, "tokenizer")
         self.live.clear(self.r)
+
+    def tick(self) -> None:
+        stream = self.names.received_stream
+        deliveries = self.bus.read([stream], GROUP_TOKENIZER)
+        if self.live.due():
+            deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
+            self.live.refresh(self.r)
+        for d in deliveries:
+            self.bus.process(d, self.handle)
 
     def handle(self, d: Delivery) -> None:
         ev = d.event

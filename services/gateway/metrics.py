@@ -1,0 +1,157 @@
+"""Request metrics: per request (from the history's timestamps and the gateway's own clock) and
+for Prometheus (`GET /metrics`, names after vLLM's with a `conveyor:` prefix).
+
+Every interval is a difference of two timestamps of ONE clock: lifecycle intervals use the
+history (Redis's clock, stamped by the transition script); client-facing intervals (ttft, itl,
+tpot, e2e) use the gateway's monotonic clock from receipt. docs/metrics.md defines each one.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared.constants import Names
+from shared.events import event_type
+from shared.lifecycle import TERMINAL, State, parse_history
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+LIVE_STATES = [s for s in State if s not in TERMINAL]
+
+
+def lifecycle_intervals(history: list[dict]) -> dict:
+    """Intervals from the transition history (Redis's clock)."""
+    first: dict[str, float] = {}
+    queue_wait, since = 0.0, None
+    for h in history:
+        first.setdefault(h["state"], h["t"])
+        if h["state"] == State.QUEUED.value:
+            since = h["t"]
+        elif since is not None and h["from"] == State.QUEUED.value:
+            queue_wait, since = queue_wait + (h["t"] - since), None
+    end = history[-1]["t"] if history and State(history[-1]["state"]) in TERMINAL else None
+    sched, prefill, token = (first.get(s.value) for s in (State.SCHEDULED, State.PREFILLING, State.DECODING))
+    return {
+        "queue_wait": queue_wait,
+        "engine_ttft": token - sched if token and sched else None,
+        "prefill_time": token - prefill if token and prefill else None,
+        "decode_time": end - token if end and token else None,
+    }
+
+
+def client_intervals(t0: float, token_times: list[float], n_tokens: int, ended_at: float) -> dict:
+    """Intervals on the gateway's clock: t0 is receipt; token_times are when each delta reached the client."""
+    gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+    first = token_times[0] if token_times else None
+    return {
+        "ttft": first - t0 if first is not None else None,
+        "tpot": (token_times[-1] - first) / (n_tokens - 1) if first is not None and n_tokens > 1 else 0.0,
+        "itl_p50": statistics.median(gaps) if gaps else 0.0,
+        "itl_max": max(gaps) if gaps else 0.0,
+        "e2e": ended_at - t0,
+    }
+
+
+async def request_metrics(core, handle) -> dict:
+    """Every per-request metric, once its terminal event arrived (see docs/metrics.md)."""
+    history = parse_history(await core.r.lrange(core.names.history(handle.request_id), 0, -1))
+    end = handle.ended
+    return {
+        **lifecycle_intervals(history),
+        **client_intervals(handle.t0, handle.token_times, len(handle.token_ids), handle.ended_at or handle.t0),
+        "prompt_tokens": getattr(end, "prompt_tokens", None),
+        "cached_prompt_tokens": getattr(end, "cached_tokens", None),
+        "output_tokens": len(handle.token_ids),
+        "preemptions": getattr(end, "num_preemptions", None),
+    }
+
+
+class GatewayMetrics:
+    """This gateway's histograms and counters; cluster gauges are read from Redis at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        h = lambda name, doc: Histogram(f"conveyor:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+        c = lambda name, doc, labels=(): Counter(f"conveyor:{name}", doc, labels, registry=self.registry)
+        self.ttft = h("time_to_first_token_seconds", "receipt to first token sent to the client")
+        self.itl = h("inter_token_latency_seconds", "time between two deliveries of tokens to a client")
+        self.e2e = h("e2e_request_latency_seconds", "receipt to final answer")
+        self.queue = h("request_queue_time_seconds", "time in QUEUED (history)")
+        self.prefill = h("request_prefill_time_seconds", "PREFILLING to first token (history)")
+        self.decode = h("request_decode_time_seconds", "first token to the end (history)")
+        self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = c("generation_tokens", "tokens sent to clients")
+        self.success = c("request_success", "finished requests", ["finished_reason"])
+        self.failure = c("request_failure", "failed requests", ["reason"])
+        self.timeouts = c("timeouts", "requests that timed out")
+        self.cancellations = c("cancellations", "cancelled requests", ["reason"])
+
+    def observe_end(self, end, m: dict, token_times: list[float], n_tokens: int) -> None:
+        """Called exactly once per request, by the gateway holding its client, with its terminal event."""
+        kind = event_type(end)
+        reason = getattr(end, "finish_reason", None) or getattr(end, "reason", "") or getattr(end, "where", "")
+        for gap in (b - a for a, b in zip(token_times, token_times[1:])):
+            self.itl.observe(gap)
+        for hist, key in ((self.ttft, "ttft"), (self.e2e, "e2e"), (self.queue, "queue_wait"),
+                          (self.prefill, "prefill_time"), (self.decode, "decode_time")):
+            if m.get(key) is not None:
+                hist.observe(m[key])
+        self.generation_tokens.inc(n_tokens)
+        if kind == "completed":
+            self.prompt_tokens.inc(getattr(end, "prompt_tokens", 0))
+            self.success.labels(reason).inc()
+        elif kind == "failed":
+            self.failure.labels(reason).inc()
+        elif kind == "timed_out":
+            self.timeouts.inc()
+        elif kind == "cancelled":
+            self.cancellations.labels(reason).inc()
+
+    async def render(self, r, names: Names) -> bytes:
+        cluster = CollectorRegistry()
+        cluster.register(_Snapshot(await cluster_figures(r, names)))
+        return generate_latest(self.registry) + generate_latest(cluster)
+
+
+async def cluster_figures(r, names: Names) -> dict:
+    """Cluster-wide figures: workers' last heartbeats (their liveness keys) and the state sets."""
+    workers = [msgspec.json.decode(v) for v in
+               [await r.get(k) async for k in r.scan_iter(match=names.live_pattern("worker"), count=100)] if v]
+    pipe = r.pipeline(transaction=False)
+    pipe.zcard(names.waiting)
+    for s in LIVE_STATES:
+        pipe.zcard(names.state_set(s.value))
+    counts = await pipe.execute()
+    total = sum(w.get("total_blocks", 0) for w in workers)
+    return {
+        "waiting": counts[0], "states": dict(zip((s.value for s in LIVE_STATES), counts[1:])),
+        "running": sum(w.get("running", 0) for w in workers),
+        "kv_usage": 1.0 - sum(w.get("free_blocks", 0) for w in workers) / total if total else 0.0,
+        "preemptions": sum(w.get("preemptions", 0) for w in workers),
+        "prefix_queries": sum(w.get("prefix_cache_queries", 0) for w in workers),
+        "prefix_hits": sum(w.get("prefix_cache_hits", 0) for w in workers),
+    }
+
+
+class _Snapshot:
+    """A one-scrape collector over figures read from Redis."""
+
+    def __init__(self, f: dict):
+        self.f = f
+
+    def collect(self):
+        f = self.f
+        yield GaugeMetricFamily("conveyor:num_requests_running", "sequences running on workers", f["running"])
+        yield GaugeMetricFamily("conveyor:num_requests_waiting", "requests not yet on a worker", f["waiting"])
+        yield GaugeMetricFamily("conveyor:kv_cache_usage_perc", "share of KV blocks in use (0..1)", f["kv_usage"])
+        states = GaugeMetricFamily("conveyor:num_requests_in_state", "live requests per state", labels=["state"])
+        for state, n in f["states"].items():
+            states.add_metric([state], n)
+        yield states
+        # Workers count these since their start (summed over live workers).
+        yield CounterMetricFamily("conveyor:num_preemptions", "preemptions on live workers", f["preemptions"])
+        yield CounterMetricFamily("conveyor:prefix_cache_queries", "prompt tokens looked up", f["prefix_queries"])
+        yield CounterMetricFamily("conveyor:prefix_cache_hits", "prompt tokens found cached", f["prefix_hits"])

@@ -1,0 +1,157 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Point the official `openai` client (or LangChain, or curl) at the gateway's /v1 and nothing
+else changes. Each request becomes the native GenerateRequest and goes the same way as
+/generate (intake.accept, then responses.drive); openai_stream gives it OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from services.gateway.errors import InvalidRequest, NotFound
+from services.gateway.intake import accept
+from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                             CompletionResponse, ModelCard, ModelList, OpenAIRequest,
+                                             error_responses, sse_or_json)
+from services.gateway.openai_stream import Shape, start_stream
+from services.gateway.responses import collect
+from services.gateway.schemas import GenerateRequest, Message
+
+router = APIRouter(tags=["OpenAI-compatible"])
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+STARTED = int(time.time())  # "created" of the model card: when this gateway started serving it
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
+# Fields passed to the native request unchanged when given (both sides validate them alike).
+PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "min_tokens", "stop_token_ids",
+          "ignore_eos", "priority", "timeout", "stop")
+
+
+def _unsupported(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {message}", param, "unsupported_parameter")
+
+
+def _check_common(request: Request, body: OpenAIRequest) -> None:
+    name = request.app.state.core.model_name
+    if body.model != name:
+        raise NotFound(f"the model '{body.model}' does not exist; this server serves '{name}'", "model",
+                       "model_not_found")
+    rules: list[tuple[str, bool, str]] = [
+        ("n", body.n not in (None, 1), "only 1 choice per request is supported"),
+        ("presence_penalty", body.presence_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
+        ("logit_bias", bool(body.logit_bias), "not supported"),
+        ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
+    ]
+    for param, broken, message in rules:
+        if broken:
+            raise _unsupported(param, message)
+
+
+def _check_completion(body: CompletionRequest) -> str:
+    """The single prompt, once the completion-only fields are known to be supported."""
+    for param, broken, message in [
+        ("logprobs", body.logprobs is not None, "log probabilities are not supported"),
+        ("echo", bool(body.echo), "not supported"),
+        ("suffix", body.suffix is not None, "not supported"),
+        ("best_of", body.best_of not in (None, 1), "only 1 is supported"),
+    ]:
+        if broken:
+            raise _unsupported(param, message)
+    if isinstance(body.prompt, list):
+        if len(body.prompt) != 1:
+            raise InvalidRequest(f"prompt: a list must hold exactly one string (got {len(body.prompt)}); "
+                                 "batched prompts are not supported", "prompt", "unsupported_parameter")
+        return body.prompt[0]
+    return body.prompt
+
+
+def _check_chat(body: ChatCompletionRequest) -> None:
+    no_tools = not body.tools
+    for param, broken, message in [
+        ("logprobs", bool(body.logprobs), "log probabilities are not supported"),
+        ("top_logprobs", body.top_logprobs not in (None, 0), "log probabilities are not supported"),
+        ("response_format", body.response_format is not None and body.response_format.type != "text",
+         "only {'type': 'text'} is supported"),
+        ("tools", not no_tools, "tool calling is not supported"),
+        ("tool_choice", body.tool_choice not in (None, "none") and not (body.tool_choice == "auto" and no_tools),
+         "tool calling is not supported"),
+    ]:
+        if broken:
+            raise _unsupported(param, message)
+
+
+def _messages(body: ChatCompletionRequest) -> list[Message]:
+    out = []
+    for m in body.messages:
+        # As vLLM does: text parts are joined by newlines; "developer" is OpenAI's new name for "system".
+        text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        out.append(Message(role="system" if m.role == "developer" else m.role, content=text))
+    return out
+
+
+def _native(body: OpenAIRequest, max_tokens: int | None, **prompt: Any) -> GenerateRequest:
+    fields = {k: v for k in PASSED if (v := getattr(body, k)) is not None}
+    try:
+        return GenerateRequest(**prompt, **fields, max_tokens=max_tokens, stream=bool(body.stream))
+    except ValidationError as e:  # a rule of the native API the OpenAI schema does not repeat (empty prompt)
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise InvalidRequest(f"{param}: {err['msg']}", param, err["type"]) from e
+
+
+async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest, chat: bool,
+                 default_max_tokens: int | None = None):
+    meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
+            "client_request_id": body.request_id}
+    handle = await accept(request, native, default_max_tokens, extra_meta=meta)
+    core = request.app.state.core
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
+                  include_usage)
+    headers = {"X-Request-Id": handle.request_id}
+    if native.stream:
+        return await start_stream(request, core, handle, shape, headers)
+    return JSONResponse(shape.body(await collect(core, handle, request)), headers=headers)
+
+
+@router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
+async def completions(body: CompletionRequest, request: Request):
+    _check_common(request, body)
+    prompt = _check_completion(body)
+    native = _native(body, body.max_tokens, prompt=prompt)
+    return await _serve(request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+
+@router.post("/v1/chat/completions",
+             responses={**sse_or_json(ChatCompletionResponse, "the assistant's message"), **GENERATION_ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    _check_common(request, body)
+    _check_chat(body)
+    native = _native(body, body.max_completion_tokens or body.max_tokens, messages=_messages(body))
+    return await _serve(request, body, native, chat=True)
+
+
+def _card(request: Request) -> dict:
+    return {"id": request.app.state.core.model_name, "object": "model", "created": STARTED, "owned_by": "conveyor",
+            "max_model_len": request.app.state.max_len}
+
+
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401))
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404))
+async def get_model(model_id: str, request: Request) -> dict:
+    card = _card(request)
+    if model_id != card["id"]:
+        raise NotFound(f"the model '{model_id}' does not exist; this server serves '{card['id']}'", "model",
+                       "model_not_found")
+    return card

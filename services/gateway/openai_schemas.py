@@ -1,0 +1,191 @@
+"""OpenAI's request and response bodies (completions, chat completions, models), plus vLLM's extras.
+
+Requests are validated strictly, like the native API. Every field an OpenAI client may send is
+known: the ones Conveyor cannot honour (n > 1, logprobs, penalties, tools...) are refused with a
+400 naming them, never silently ignored. Response models document the answers (and let the API
+fuzzer check them); the handlers build plain dicts of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway.schemas import INT32_MAX, Stop
+
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = Field(None, description="send one last chunk with the usage (and no choices)")
+
+
+class OpenAIRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = STRICT
+
+    model: str = Field(..., min_length=1, max_length=256, description="must be the served model (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="most new tokens")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (default 1)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=128, description="choices per request: only 1 is supported")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: null or {}")
+    user: str | None = Field(None, max_length=256, description="end-user id, recorded with the request")
+    # vLLM's extra sampling and scheduling fields
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=64)
+    ignore_eos: bool | None = None
+    priority: int | None = Field(None, ge=-1000, le=1000, description="lower is served first")
+    request_id: str | None = Field(None, min_length=1, max_length=128, description="caller's id, recorded")
+    # Conveyor's
+    timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="not supported: null")
+    echo: bool | None = Field(None, description="not supported: false")
+    suffix: str | None = Field(None, description="not supported: null")
+    best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str = Field(max_length=1_000_000)
+
+
+class ChatMessageIn(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(..., description="text, or a list of text parts")
+    name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str = Field(..., description="only 'text' is supported")
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessageIn] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="most new tokens (wins over max_tokens)")
+    logprobs: bool | None = Field(None, description="not supported: false")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported: null or 0")
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: null or []")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none' (or 'auto' without tools)")
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = Field(None, max_length=64)
+
+
+# ---- responses ----
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # some errors add context (partial output, live services)
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+_ERROR_DOC = {
+    400: "invalid request", 401: "no or bad API key", 404: "unknown model or request",
+    413: "body too large", 429: "overloaded (see Retry-After)", 503: "not ready", 504: "timed out",
+}
+
+
+def error_responses(*codes: int) -> dict:
+    """OpenAPI `responses` entries for these error statuses (all share the error shape)."""
+    return {c: {"model": ErrorResponse, "description": _ERROR_DOC[c]} for c in codes}
+
+
+def sse_or_json(model: type[BaseModel] | None, description: str) -> dict:
+    """A 200 that is JSON (`model`) or, with "stream": true, Server-Sent Events."""
+    entry: dict = {"description": description,
+                   "content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE events"}}}}
+    if model is not None:
+        entry["model"] = model
+    return {200: entry}

@@ -1,0 +1,218 @@
+"""No request lost: the death of any one process, or a Redis restart, is survived.
+
+Each test runs real processes on a Redis of its own and asserts that every client got exactly one
+final answer, that greedy outputs equal a run with no fault, and that surviving workers hold no
+KV block at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import msgspec
+import pytest
+import redis
+
+from shared.redis_server import RedisServer
+from tests.cluster import Cluster
+from tests.conftest import CACHE_DIR
+from tests.waiting import wait_for
+
+FAST = {"CONVEYOR_LIVENESS_TTL_S": "3", "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5", "CONVEYOR_CLAIM_IDLE_MS": "1000"}
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(12)]
+MAX_TOKENS = 32
+
+
+def _live_workers(c: Cluster) -> dict[str, dict]:
+    r = redis.Redis.from_url(c.redis.url)
+    return {k.decode().rsplit(":", 1)[1]: msgspec.json.decode(v) for k in r.scan_iter(f"{c.ns}:live:worker:*")
+            if (v := r.get(k))}
+
+
+def _idle(c: Cluster) -> bool:
+    infos = _live_workers(c)
+    return bool(infos) and all(i["held"] == 0 and i["free_blocks"] == i["total_blocks"] for i in infos.values())
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, seen: dict) -> dict:
+    """One streaming request; returns its ids in order, the index of every delta, and the final event."""
+    out = {"ids": [], "indexes": [], "final": None, "finals": 0}
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            seen[ev["request_id"]] = len(out["ids"])
+            if "finish_reason" in ev:
+                out["final"], out["finals"] = ev, out["finals"] + 1
+            else:
+                out["indexes"].append((ev["index"], len(ev["token_ids"])))
+                out["ids"] += ev["token_ids"]
+    return out
+
+
+def _check_streams(results: list[dict], expected: list[list[int]]) -> None:
+    for res, exp in zip(results, expected):
+        assert res["finals"] == 1 and res["final"]["finish_reason"] in ("stop", "length"), res["final"]
+        # Contiguous: every delta starts where the previous ended (no gap, no repeat).
+        pos = 0
+        for idx, n in res["indexes"]:
+            assert idx == pos, (idx, pos)
+            pos += n
+        assert res["ids"] == exp
+
+
+def _expected(hf_reference) -> list[list[int]]:
+    return [hf_reference(hf_reference.prompt_ids(p), MAX_TOKENS) for p in PROMPTS]
+
+
+def _run_with_fault(c: Cluster, fault) -> list[dict]:
+    """Send PROMPTS as concurrent streams; call fault() once every stream has some tokens."""
+    async def main():
+        seen: dict = {}
+        async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
+            tasks = [asyncio.create_task(_stream(client, {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 600},
+                                                 seen)) for p in PROMPTS]
+            t0 = time.monotonic()
+            while len([v for v in seen.values() if v >= 2]) < len(PROMPTS) // 2 and time.monotonic() - t0 < 120:
+                await asyncio.sleep(0.05)
+            await asyncio.get_running_loop().run_in_executor(None, fault)
+            return await asyncio.gather(*tasks)
+    return asyncio.run(main())
+
+
+def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_reference):
+    expected = _expected(hf_reference)
+    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=FAST).start()
+    try:
+        wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
+        victim = c.procs["worker0"]
+        results = _run_with_fault(c, lambda: os.kill(victim.pid, signal.SIGKILL))
+        _check_streams(results, expected)
+        rids = [res["final"]["request_id"] for res in results]
+        moved = [rid for rid in rids if any(h.get("reason") == "worker_lost" for h in
+                                           httpx.get(f"{c.url}/v1/requests/{rid}").json()["history"])]
+        assert moved, "no request was on the killed worker"
+        snap = httpx.get(f"{c.url}/v1/requests/{moved[0]}").json()
+        assert snap["exec"]["attempt"] == 2
+        wait_for(lambda: _idle(c), 30, what="surviving worker idle")
+    finally:
+        c.stop()
+
+
+def test_hung_worker_is_treated_as_dead(tmp_path, model_dir, hf_reference):
+    expected = _expected(hf_reference)
+    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=FAST).start()
+    try:
+        wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
+        victim = c.procs["worker0"]
+        results = _run_with_fault(c, lambda: os.kill(victim.pid, signal.SIGSTOP))
+        _check_streams(results, expected)
+        os.kill(victim.pid, signal.SIGCONT)  # it wakes up, finds its requests moved, and drops them
+        wait_for(lambda: len(_live_workers(c)) == 2 and _idle(c), 60, what="both workers idle")
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
+def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, replica):
+    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"}).start()
+    try:
+        if replica:
+            c.start_service("scheduler2")
+        box: dict = {}
+
+        async def send():
+            async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
+                return await asyncio.gather(*[client.post("/generate", json={
+                    "prompt": f"Item {i}:", "max_tokens": 12, "ignore_eos": True, "temperature": 0}) for i in range(4)])
+        import threading
+        t = threading.Thread(target=lambda: box.update(r=asyncio.run(send())))
+        t.start()
+        r = redis.Redis.from_url(c.redis.url)
+        wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 2, 60, what="requests queued")
+        os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
+        c.procs["scheduler"].wait()
+        if not replica:
+            c.start_service("scheduler3")
+        t.join(240)
+        assert [x.status_code for x in box["r"]] == [200] * 4
+        assert all(len(x.json()["token_ids"]) == 12 for x in box["r"])
+        wait_for(lambda: _idle(c), 30, what="worker idle")
+    finally:
+        c.stop()
+
+
+def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_path, model_dir):
+    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"})
+    c.redis = RedisServer(tmp_path / "redis", appendonly=True)
+    c.start()
+    try:
+        box: dict = {}
+
+        async def send():
+            async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
+                return await asyncio.gather(*[client.post("/generate", json={
+                    "prompt": f"Entry {i}:", "max_tokens": 24, "ignore_eos": True, "temperature": 0}) for i in range(3)])
+        import threading
+        t = threading.Thread(target=lambda: box.update(r=asyncio.run(send())))
+        t.start()
+        r = redis.Redis.from_url(c.redis.url)
+        wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 1 and r.zcard(f"{c.ns}:state:DECODING") == 1, 60,
+                 what="one running, others queued")
+        port = c.redis.port
+        c.redis.stop()  # SIGTERM: Redis flushes its append-only file
+        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 503, 20, what="not ready")
+        c.redis = RedisServer(tmp_path / "redis", port=port, appendonly=True).start()
+        t.join(240)
+        assert [x.status_code for x in box["r"]] == [200] * 3, [x.text for x in box["r"]]
+        assert all(len(x.json()["token_ids"]) == 24 for x in box["r"])
+        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 200, 30, what="ready again")
+        wait_for(lambda: _idle(c), 30, what="worker idle")
+    finally:
+        c.stop()
+
+
+def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed(tmp_path, model_dir):
+    c = Cluster(tmp_path, CACHE_DIR, env=FAST).start()
+    try:
+        other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
+        c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})
+        wait_for(lambda: _ok(f"http://127.0.0.1:{other_port}/ready"), 120, what="second gateway")
+        import threading
+
+        def orphan():
+            try:
+                with httpx.stream("POST", f"{c.url}/generate", json={"prompt": "Count:", "max_tokens": 3000,
+                                                                     "ignore_eos": True, "stream": True},
+                                  timeout=60) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                return  # its gateway died under it: expected
+        t = threading.Thread(target=orphan)
+        t.start()
+        r = redis.Redis.from_url(c.redis.url)
+        wait_for(lambda: r.zcard(f"{c.ns}:state:DECODING") == 1, 60, what="decoding")
+        rid = r.zrange(f"{c.ns}:state:DECODING", 0, 0)[0].decode()
+        os.kill(c.procs["gateway"].pid, signal.SIGKILL)
+        t.join(60)
+        ok = httpx.post(f"http://127.0.0.1:{other_port}/generate", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200
+        wait_for(lambda: r.hget(f"{c.ns}:req:{{{rid}}}:meta", "state") == b"CANCELLED", 30, what="orphan cancelled")
+        assert r.hget(f"{c.ns}:req:{{{rid}}}:meta", "reason") == b"client_disconnect"
+        wait_for(lambda: _idle(c), 30, what="worker idle")
+    finally:
+        c.stop()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,156 @@
+"""Stop strings: matched on text across token boundaries; neither they nor a prefix of them ever reach the client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from services.gateway.stop_strings import StopMatcher, TextStream
+from shared.tokenization import load_tokenizer
+from tests.openai_fixtures import MODEL, request_id, snapshot, worker_idle
+from tests.waiting import wait_for
+
+TEXT = "The answer is forty-two, and the question remains unknown to everyone."
+PROMPT = "Once upon a time, in a land far away,"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def _offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Character offset in the text where each token starts (plus the end)."""
+    return [len(tokenizer.decode(ids[:k])) for k in range(len(ids) + 1)]
+
+
+def _spanning(text: str, offsets: list[int], tokens: int, start: int = 3) -> tuple[str, int]:
+    """A stop string from the 2nd character of some token into the 1st character of the `tokens`-th token from
+    it (so it spans exactly that many), occurring nowhere earlier; and the index of that first token."""
+    for first in range(start, len(offsets) - tokens):
+        if offsets[first + 1] - offsets[first] < 2:
+            continue
+        stop = text[offsets[first] + 1:offsets[first + tokens - 1] + 1]
+        if text.find(stop) == offsets[first] + 1:
+            return stop, first
+    raise AssertionError(f"no stop string spanning {tokens} tokens in {text!r}")
+
+
+def _stream(tokenizer, ids: list[int], stops: list[str]) -> tuple[list[str], int, TextStream]:
+    """Push one token at a time; returns the deltas and the number of tokens used."""
+    ts, deltas, used = TextStream(tokenizer, stops), [], 0
+    for t in ids:
+        text, n = ts.push([t])
+        deltas.append(text)
+        used += n
+        if ts.stop_matched:
+            break
+    deltas.append(ts.flush())
+    return deltas, used, ts
+
+
+def _assert_never_ahead(deltas: list[str], allowed: str) -> None:
+    """Every moment of the stream shows a prefix of `allowed` (nothing of the stop string, ever)."""
+    shown = ""
+    for d in deltas:
+        shown += d
+        assert allowed.startswith(shown), (shown, allowed)
+    assert shown == allowed
+
+
+@pytest.mark.parametrize("tokens", [2, 3])
+def test_stop_string_spanning_tokens_cuts_text_before_it(tokenizer, tokens):
+    ids = tokenizer.encode(TEXT)
+    stop, first = _spanning(TEXT, _offsets(tokenizer, ids), tokens)
+    deltas, used, ts = _stream(tokenizer, ids, [stop])
+    assert ts.stop_matched == stop
+    _assert_never_ahead(deltas, TEXT[:TEXT.index(stop)])
+    assert used == first + tokens  # the token that completed the stop string is the last one used
+
+
+def test_stop_string_that_never_completes_is_released_at_the_end(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    deltas, used, ts = _stream(tokenizer, ids, ["everyone.!!"])
+    assert ts.stop_matched is None and used == len(ids)
+    assert "".join(deltas[:-1]) == TEXT[:-len("everyone.")]  # the possible start was held back...
+    assert deltas[-1] == "everyone."  # ...and released when the output ended
+
+
+def test_earliest_of_several_stop_strings_wins():
+    m = StopMatcher(["remains", "answer"])
+    assert m.feed(TEXT) == "The " and m.matched == "answer"
+
+
+def test_tokens_after_the_stop_in_the_same_delta_are_not_used(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    ts = TextStream(tokenizer, ["forty"])
+    text, used = ts.push(ids)
+    assert text == "The answer is " and tokenizer.decode(ids[:used]).endswith("forty")
+
+
+# ---- end to end: the real model, through the gateway ----
+
+def _greedy(cluster, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=180)
+
+
+def _stream_deltas(cluster, **extra) -> tuple[list[str], str, str]:
+    """The text deltas, the finish_reason and the response id of a streamed completion."""
+    deltas, finish, rid = [], None, ""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                rid = chunk["id"]
+                deltas.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+    return deltas, finish, rid
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tokenizer) -> tuple[str, list[int]]:
+    """The greedy output's text and the character offset where each of its tokens starts."""
+    r = httpx.post(f"{cluster.url}/generate", json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                    "ignore_eos": True}, timeout=180)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["text"], _offsets(tokenizer, out["token_ids"])
+
+
+def test_stream_with_stop_spanning_two_tokens_ends_before_it_and_frees_the_worker(cluster, reference):
+    text, offsets = reference
+    stop, _ = _spanning(text, offsets, 2, start=4)
+    deltas, finish, rid = _stream_deltas(cluster, stop=stop)
+    assert finish == "stop"
+    _assert_never_ahead(deltas, text[:text.index(stop)])
+    snap = snapshot(cluster.url, request_id(rid))
+    assert snap["state"] == "FINISHED" and snap["history"][-1]["reason"] == "stop_string"
+    assert snap["history"][-1]["service"] == "gateway"
+    wait_for(lambda: worker_idle(cluster), 30, what="the worker stopped and freed the request's blocks")
+    output = snapshot(cluster.url, request_id(rid))["output"]  # a worker that ran on would have overwritten it
+    assert output["finish_reason"] == "stop" and len(output["token_ids"]) < MAX_TOKENS
+
+
+def test_stop_spanning_three_tokens_non_stream(cluster, reference):
+    text, offsets = reference
+    stop, first = _spanning(text, offsets, 3, start=6)
+    out = _greedy(cluster, stop=[stop, "\u2603never\u2603"]).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["text"] == text[:text.index(stop)]
+    assert out["usage"]["completion_tokens"] == first + 3
+
+
+def test_stop_string_that_never_completes_releases_its_prefix_at_the_end(cluster, reference):
+    text, _ = reference
+    tail = text[-2:]
+    deltas, finish, _ = _stream_deltas(cluster, stop=tail + "\u2603")
+    assert finish == "length"
+    assert "".join(deltas) == text
+    assert deltas[-2:] == [tail, ""]  # held back while it could still become the stop string, released at the end
