@@ -7,7 +7,6 @@ SIGINT or SIGTERM stops every child (SIGTERM first, then SIGKILL after a grace p
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import httpx
 from shared.model_files import resolve_model_dir
 from shared.redis_server import RedisServer, die_with_parent
 from shared.runtime import StopFlag, setup_logging
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, child_environment
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class Launcher:
         stop = StopFlag()
         url = self.args.redis_url or self._start_redis()
         resolve_model_dir(self.settings.model, self.settings.cache_dir)  # convert once, before the children start
-        base = {**os.environ, "CONVEYOR_REDIS_URL": url}
+        base = child_environment(CONVEYOR_REDIS_URL=url)
         names = ["tokenizer", "scheduler"] + [f"worker#{i}" for i in range(self.args.workers)] + ["gateway"]
         for name in names:
             env = dict(base)

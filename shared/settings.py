@@ -93,3 +93,11 @@ class WorkerSettings(CommonSettings):
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """The environment for a child service process: this one's, with some CONVEYOR_* settings set.
+    (Settings are environment variables; this module is the one place that touches the environment.)"""
+    import os
+
+    return {**os.environ, **overrides}

@@ -113,12 +113,18 @@ class GatewayCore:
         return res.applied
 
     async def time_out(self, handle: RequestHandle) -> bool:
-        """Backstop when no service reported the deadline: settle TIMED_OUT here."""
+        """Backstop when no service reported the deadline: settle TIMED_OUT here. True when a terminal event
+        is on its way to the handle (this one, or the one that settled it first); False when none will come
+        (the context is gone, or Redis is away)."""
         publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, where="gateway",
                                                      service="gateway")),
                    Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout"))]
-        res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
-        return res.applied
+        try:
+            res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            logger.warning("cannot settle %s as timed out: %s", handle.request_id, e)
+            return False
+        return res.previous is not None
 
     async def _read_replies(self) -> None:
         while True:

@@ -39,9 +39,13 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> A
         if not asked_cancel and await request.is_disconnected():
             asked_cancel = True
             await core.cancel(handle.request_id, "client_disconnect", handle.reply_to)
-        elif not asked_timeout and handle.remaining() < -DEADLINE_GRACE_S:
+        elif handle.remaining() < -DEADLINE_GRACE_S * (2 if asked_timeout else 1):
+            # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
+            # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
+            if asked_timeout or not await core.time_out(handle):
+                yield handle.finish(TimedOut(request_id=handle.request_id, where="unknown", service="gateway"))
+                return
             asked_timeout = True
-            await core.time_out(handle)
 
 
 async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
