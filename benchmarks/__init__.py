@@ -1,0 +1,1 @@
+"""Benchmarks of Conveyor (run as modules: `python -m benchmarks.<name>`)."""

@@ -1,0 +1,18 @@
+"""Conveyor's inference engine: paged KV cache, prefix caching, chunked prefill, preemption.
+
+Built on transformers' own model definitions (any Llama-family causal LM); only the attention
+product is replaced (see attention.py).
+"""
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.errors import (OOM, TOO_LONG, WORKER_ERROR, EngineError, EngineLoadError,
+                                           FatalEngineError, InvalidRequestError, RecoverableEngineError)
+from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult
+from services.worker.engine.request import EngineRequest, SamplingOptions, SequenceStatus
+
+__all__ = [
+    "EngineConfig", "EngineError", "EngineLoadError", "EngineRequest", "EngineStats", "FatalEngineError",
+    "InvalidRequestError", "LLMEngine", "OOM", "RecoverableEngineError", "RequestOutput", "SamplingOptions",
+    "SequenceStatus", "StepResult", "TOO_LONG", "WORKER_ERROR",
+]

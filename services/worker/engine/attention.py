@@ -1,0 +1,99 @@
+"""Paged attention, registered as a transformers attention implementation.
+
+transformers' own Llama-family modules compute q/k/v and rotary embeddings; this function
+replaces only the attention product. One step's tokens are packed as a [1, T] batch:
+decode-format tokens first (one query per sequence), then prefill chunks. The step's
+metadata (slot mapping, block tables, masks) is built once by the model runner and reaches
+every layer through the `conveyor_attn` keyword of `model(...)`.
+
+GQA without copies: the H = KVH * G query heads are regrouped as [KVH, G * Q] query rows per
+KV head, so K/V are gathered once per layer and never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from services.worker.engine.kv_cache import PagedKVCache
+
+ATTN_IMPLEMENTATION = "conveyor_paged"
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together with one gather and one SDPA call per layer."""
+
+    block_tables: torch.Tensor  # [S, MB] long, padded with block 0 (masked)
+    mask: torch.Tensor  # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows)
+    row_pos: torch.Tensor  # [S, R] position of each query row (for sliding-window layers)
+    q_index: torch.Tensor | None = None  # [S, Q] rows of the group's packed tokens (prefill only)
+    out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The causal mask, narrowed to the last `window` keys for sliding-window layers."""
+        if not window:
+            return self.mask
+        if window not in self._windowed:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = keys[None, None, :] > self.row_pos[:, :, None] - window  # HF: kv_idx > q_idx - window
+            self._windowed[window] = self.mask & recent.unsqueeze(1)
+        return self._windowed[window]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] long: where each packed token's K/V is written
+    num_decode_tokens: int  # packed rows [0, num_decode_tokens) are one-query sequences
+    decode: AttnGroup | None
+    prefill: AttnGroup | None
+
+
+def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
+            window: int | None) -> torch.Tensor:
+    """q [S, Q, H, D] -> [S, Q, H, D] attending to each sequence's cached K/V."""
+    s, qlen, heads, dim = q.shape
+    kvh = cache.num_kv_heads
+    groups = heads // kvh
+    # [S, Q, KVH, G, D] -> [S, KVH, G, Q, D] -> [S, KVH, G*Q, D]
+    q = q.view(s, qlen, kvh, groups, dim).permute(0, 2, 3, 1, 4).reshape(s, kvh, groups * qlen, dim)
+    k, v = cache.gather(layer, group.block_tables)  # [S, L, KVH, D]
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask_for(window),
+                                         scale=scaling)
+    return out.view(s, kvh, groups, qlen, dim).permute(0, 3, 1, 2, 4).reshape(s, qlen, heads, dim)
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window: int | None = None, conveyor_attn: PagedAttentionMetadata | None = None,
+                            **kwargs):
+    """query [1, H, T, D], key/value [1, KVH, T, D] (rotary applied) -> ([1, T, H, D], None)."""
+    if conveyor_attn is None:
+        raise RuntimeError("conveyor_paged attention called without step metadata (use the engine's runner)")
+    meta = conveyor_attn
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # Mistral/Qwen2-style models pass the window of sliding layers (None on full-attention layers)
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    parts = []
+    nd = meta.num_decode_tokens
+    if meta.decode is not None:
+        parts.append(_attend(q[:nd].unsqueeze(1), meta.decode, meta.kv_cache, layer, scale, window).squeeze(1))
+    if meta.prefill is not None:
+        p = meta.prefill
+        rows = q[nd:][p.q_index]  # [S, Q, H, D]
+        out = _attend(rows, p, meta.kv_cache, layer, scale, window)
+        parts.append(out.reshape(-1, *out.shape[2:])[p.out_index])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> None:
+    """Idempotent: make `ATTN_IMPLEMENTATION` a valid `attn_implementation` name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

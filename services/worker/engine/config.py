@@ -1,0 +1,53 @@
+"""EngineConfig: the knobs of one engine instance (validated once, then read-only)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.worker.engine.errors import EngineLoadError
+
+logger = logging.getLogger(__name__)
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 1 << 30  # KV pool size on CPU
+    gpu_memory_fraction: float = 0.85  # share of free CUDA memory (after loading the model) for the pool
+    max_num_seqs: int = 64  # most sequences running at once (and in one step)
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # auto (cuda when present), cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
+    num_kv_blocks: int | None = None  # overrides the byte budget: exact pool size (tests, tuning)
+    max_model_len: int | None = None  # caps the context window below the model's own
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.block_size < 1:
+            problems.append(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes < 1:
+            problems.append(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.device.split(":")[0] not in _DEVICES:
+            problems.append(f"device must be one of {_DEVICES} (cuda:N allowed), got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            problems.append(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            problems.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if problems:
+            raise EngineLoadError("invalid EngineConfig: " + "; ".join(problems))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            logger.warning("max_num_batched_tokens (%d) < max_num_seqs (%d): some running sequences will skip "
+                           "steps", self.max_num_batched_tokens, self.max_num_seqs)

@@ -1,0 +1,268 @@
+"""LLMEngine: requests in, one scheduling + forward + sampling step at a time, outputs out.
+
+Not thread-safe: one thread owns the engine and calls add_request / abort_request / step.
+Failure isolation: an error tied to one request fails that request only (RequestOutput with
+error_reason); a device OOM halves the step's batch and retries; only a request that OOMs
+alone fails with "oom".
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.errors import OOM, TOO_LONG, WORKER_ERROR, InvalidRequestError
+from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.loader import (eos_token_ids, install_paged_attention, kv_pool_blocks, load_model,
+                                           model_context_len, resolve_device, resolve_dtype)
+from services.worker.engine.model_runner import ModelRunner
+from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult
+from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
+from services.worker.engine.sampler import sample
+from services.worker.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_EMA = 0.1  # weight of the newest step in the per-token time averages
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, eos_ids: frozenset[int]):
+        install_paged_attention(model)
+        self.config = config
+        self.model = model
+        self.device = next(model.parameters()).device
+        num_blocks = kv_pool_blocks(config, model, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        with torch.inference_mode():
+            self.kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
+        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.eos_token_ids = frozenset(eos_ids)
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(text_cfg.vocab_size)
+        window = model_context_len(model)
+        self._model_max_len = min(window, config.max_model_len) if config.max_model_len else window
+        # a sequence may never outgrow the pool: past this it finishes with "length"
+        self.max_len = min(self._model_max_len, num_blocks * config.block_size)
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # decided outside a step (too_long at add time)
+        self._ended_kv: dict[str, tuple[int, int]] = {}  # kv info of requests ended in the last step
+        self._arrivals = itertools.count()
+        self._prefill_s_per_token = 0.0
+        self._decode_s_per_token = 0.0
+        logger.info("engine ready: %d KV blocks x %d tokens on %s (%s), max_len %d, eos %s", num_blocks,
+                    config.block_size, self.device, model.dtype, self.max_len, sorted(self.eos_token_ids))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path | str, config: EngineConfig) -> LLMEngine:
+        device = resolve_device(config.device)
+        model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
+        return cls(model, config, eos_token_ids(model_dir, model))
+
+    @classmethod
+    def from_model(cls, model, config: EngineConfig, eos_ids: frozenset[int] | None = None) -> LLMEngine:
+        """Wrap an already loaded model (its attention implementation is switched to paged)."""
+        return cls(model, config, eos_ids if eos_ids is not None else eos_token_ids(None, model))
+
+    @property
+    def model_max_len(self) -> int:
+        return self._model_max_len
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request. Raises InvalidRequestError for malformed ones (nothing is queued)."""
+        self._validate(req)
+        seq = Sequence(req, next(self._arrivals), self.eos_token_ids, self.device)
+        if seq.num_tokens >= self.max_len:
+            seq.status = SequenceStatus.FAILED
+            self._pending.append(RequestOutput(
+                req.request_id, [], seq.num_emitted, finished=True, error_reason=TOO_LONG,
+                error=f"{seq.num_tokens} prompt+output tokens leave no room to generate: the limit is "
+                      f"{self.max_len} (context window {self._model_max_len}, KV pool "
+                      f"{self.blocks.num_blocks * self.blocks.block_size} tokens)"))
+            return
+        done = self._already_done(seq)
+        if done is not None:  # resumed with nothing left to generate
+            self._pending.append(RequestOutput(req.request_id, [], seq.num_emitted, True, done))
+            return
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    @staticmethod
+    def _already_done(seq: Sequence) -> str | None:
+        outputs = seq.output_token_ids
+        if outputs and outputs[-1] in seq.stop_ids and len(outputs) - 1 >= seq.sampling.min_tokens:
+            return "stop"
+        if len(outputs) >= seq.sampling.max_tokens:
+            return "length"
+        return None
+
+    def _validate(self, req: EngineRequest) -> None:
+        if req.request_id in self._seqs:
+            raise InvalidRequestError(f"request {req.request_id!r} is already in the engine")
+        if not req.prompt_token_ids:
+            raise InvalidRequestError(f"request {req.request_id!r} has an empty prompt")
+        req.sampling.validate()
+        ids = [*req.prompt_token_ids, *req.output_token_ids, *req.sampling.stop_token_ids]
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"request {req.request_id!r} has token ids outside [0, {self.vocab_size})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request now (blocks freed); it gets no output afterwards. False if unknown."""
+        pending = len(self._pending)
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return len(self._pending) != pending
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FAILED
+        seq.error_reason = "aborted"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._pending)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        result = StepResult(outputs=self._pending)
+        self._pending = []
+        self._ended_kv.clear()
+        batch = self.scheduler.schedule()
+        result.transitions = batch.transitions
+        if batch.items:
+            for seq, token in self._execute(batch.items, result):
+                self._append_token(seq, token, result)
+        result.step_time_s = time.perf_counter() - t0
+        return result
+
+    def _execute(self, items: list[tuple[Sequence, int]], result: StepResult) -> list[tuple[Sequence, int]]:
+        """Run the forward pass for items; -> (sequence, sampled token) for those that sample."""
+        while True:
+            try:
+                step = self.runner.prepare(items)
+                logits, forward_s = self.runner.forward(step)
+                break
+            except torch.OutOfMemoryError as e:
+                if len(items) == 1:
+                    self._fail(items[0][0], OOM, f"out of device memory even alone: {e}", result)
+                    return []
+                logger.warning("OOM on a step of %d sequences; retrying with %d", len(items), len(items) // 2)
+                items = items[: len(items) // 2]  # the rest keep their blocks and run next step
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            except Exception as e:  # isolate: the culprit fails alone, the others still run
+                if len(items) == 1:
+                    logger.exception("forward failed for %s", items[0][0].request_id)
+                    self._fail(items[0][0], WORKER_ERROR, f"{type(e).__name__}: {e}", result)
+                    return []
+                logger.exception("forward failed for a batch of %d; retrying one by one", len(items))
+                return [pair for item in items for pair in self._execute([item], result)]
+        self._account(items, forward_s, result)
+        for seq, n in items:
+            seq.num_computed_tokens += n
+            self.scheduler.register_computed_blocks(seq)
+        return self._sample(logits, step.sample_seqs, result)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], result: StepResult) -> list[tuple[Sequence, int]]:
+        if not seqs:
+            return []
+        try:
+            return list(zip(seqs, sample(logits, seqs)))
+        except Exception:  # find the row(s) at fault; the others keep their tokens
+            logger.exception("batched sampling failed; sampling row by row")
+        out = []
+        for i, seq in enumerate(seqs):
+            try:
+                out.append((seq, sample(logits[i:i + 1], [seq])[0]))
+            except Exception as e:
+                logger.exception("sampling failed for %s", seq.request_id)
+                self._fail(seq, WORKER_ERROR, f"sampling: {type(e).__name__}: {e}", result)
+        return out
+
+    def _append_token(self, seq: Sequence, token: int, result: StepResult) -> None:
+        try:
+            seq.token_ids.append(token)
+            if seq.status == SequenceStatus.PREFILLING:
+                seq.status = SequenceStatus.DECODING
+                result.transitions.append((seq.request_id, SequenceStatus.DECODING.value))
+            opts = seq.sampling
+            reason = None
+            if token in seq.stop_ids and seq.num_outputs - 1 >= opts.min_tokens:
+                reason = "stop"
+            elif seq.num_outputs >= opts.max_tokens or seq.num_tokens >= self.max_len:
+                reason = "length"
+            index = seq.num_emitted
+            seq.num_emitted += 1
+            result.outputs.append(RequestOutput(seq.request_id, [token], index, reason is not None, reason,
+                                                num_cached_tokens=seq.num_cached_tokens))
+            if reason is not None:
+                seq.finish_reason = reason
+                self._end(seq, SequenceStatus.FINISHED)
+        except Exception as e:
+            logger.exception("post-processing failed for %s", seq.request_id)
+            self._fail(seq, WORKER_ERROR, f"{type(e).__name__}: {e}", result)
+
+    def _fail(self, seq: Sequence, reason: str, message: str, result: StepResult) -> None:
+        if seq.is_done:
+            return
+        seq.error_reason, seq.error = reason, message
+        result.outputs.append(RequestOutput(seq.request_id, [], seq.num_emitted, True, None, reason, message,
+                                            seq.num_cached_tokens))
+        self._end(seq, SequenceStatus.FAILED)
+
+    def _end(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._ended_kv[seq.request_id] = (len(seq.block_table), seq.num_cached_tokens)
+        seq.status = status
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def _account(self, items: list[tuple[Sequence, int]], forward_s: float, result: StepResult) -> None:
+        decode = sum(1 for s, n in items if n == 1 and s.status == SequenceStatus.DECODING)
+        prefill = sum(n for _, n in items) - decode
+        result.num_decode_tokens += decode
+        result.num_prefill_tokens += prefill
+        result.num_seqs += len(items)
+        result.forward_time_s += forward_s
+        if prefill == 0:
+            self._decode_s_per_token = self._ema(self._decode_s_per_token, forward_s / decode)
+        else:  # decode tokens of a mixed step are charged at the current decode estimate
+            rest = max(forward_s - decode * self._decode_s_per_token, 0.0)
+            self._prefill_s_per_token = self._ema(self._prefill_s_per_token, rest / prefill)
+
+    @staticmethod
+    def _ema(old: float, new: float) -> float:
+        return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
+
+    # ---- introspection --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            total_blocks=b.num_blocks, free_blocks=b.num_free_blocks, cached_blocks=b.num_cached_blocks,
+            block_size=b.block_size, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), max_num_seqs=self.config.max_num_seqs,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=b.prefix_queries,
+            prefix_cache_hits=b.prefix_hits, prefill_s_per_token=self._prefill_s_per_token,
+            decode_s_per_token=self._decode_s_per_token)
+
+    def request_kv_info(self, request_id: str) -> tuple[int, int] | None:
+        """(blocks held, prompt tokens served from the prefix cache); requests that ended in the
+        last step report what they held when they ended. None for unknown requests."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            return len(seq.block_table), seq.num_cached_tokens
+        return self._ended_kv.get(request_id)
+
+    def check_no_leak(self) -> None:
+        """With no unfinished request, every block must be free or cached-and-unreferenced."""
+        assert not self._seqs, f"requests still unfinished: {sorted(self._seqs)[:20]}"
+        assert not self.scheduler.running, f"running queue not empty: {[s.request_id for s in self.scheduler.running]}"
+        assert not self.scheduler.waiting, f"waiting queue not empty: {[s.request_id for s in self.scheduler.waiting]}"
+        self.blocks.check_no_leak()

@@ -1,0 +1,38 @@
+"""Errors raised by the engine, split like shared.errors into recoverable and fatal.
+
+Errors that concern a single request never escape `LLMEngine.step()`: that request is
+failed alone and reported through `RequestOutput.error_reason` (one of the reasons below).
+"""
+
+from __future__ import annotations
+
+from shared.errors import ConveyorError, FatalError, RecoverableError
+
+# `RequestOutput.error_reason` values.
+TOO_LONG = "too_long"  # the request can never fit the KV pool / context window
+OOM = "oom"  # device out of memory even when the request ran alone
+WORKER_ERROR = "worker_error"  # any other exception while processing this request
+
+
+class EngineError(ConveyorError):
+    """Base of every error raised by the engine."""
+
+
+class RecoverableEngineError(EngineError, RecoverableError):
+    """The engine is healthy; only the call that raised was refused."""
+
+
+class FatalEngineError(EngineError, FatalError):
+    """The engine cannot serve (model or KV pool unusable); the process should restart."""
+
+
+class InvalidRequestError(RecoverableEngineError):
+    """add_request() was given a malformed request (bad sampling values, duplicate id, empty prompt)."""
+
+
+class EngineLoadError(FatalEngineError):
+    """The model folder cannot be loaded or the KV pool cannot be sized on this device."""
+
+
+class BlockPoolExhausted(FatalEngineError):
+    """Internal invariant broken: an allocation was attempted without checking free blocks first."""

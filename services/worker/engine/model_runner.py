@@ -1,0 +1,127 @@
+"""Turns a scheduled step into one packed forward pass of a transformers causal LM.
+
+Packed layout of a step (T tokens, one [1, T] batch):
+  rows [0, Nd)   one token per decode-format sequence (a decode, or a 1-token prefill chunk)
+  rows [Nd, T)   prefill chunks, one sequence after another
+Every index tensor is built once per step here and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
+from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.request import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    logits_rows: torch.Tensor  # [N] packed rows whose next-token logits are needed
+    sample_seqs: list[Sequence]  # the N sequences, in logits_rows order
+    meta: PagedAttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: PagedKVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.q_per_kv = model.config.num_attention_heads // kv_cache.num_kv_heads
+        self._arange = torch.arange(0, dtype=torch.long, device=device)  # grown on demand
+
+    def _iota(self, n: int) -> torch.Tensor:
+        if self._arange.numel() < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.numel()), dtype=torch.long, device=self.device)
+        return self._arange[:n]
+
+    def _block_tables(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+
+    def _decode_group(self, items: list[tuple[Sequence, int]]) -> tuple[AttnGroup, list[int], list[int], list[int]]:
+        bs = self.block_size
+        tokens, positions, slots, tables = [], [], [], []
+        for seq, _ in items:
+            pos = seq.num_computed_tokens
+            tokens.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            tables.append(seq.block_table[: pos // bs + 1])
+        bt = self._block_tables(tables)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # key j is visible to the query at position p iff j <= p; padding blocks lie beyond p.
+        mask = (self._iota(bt.shape[1] * bs)[None, :] <= pos_t[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        return AttnGroup(bt, mask, pos_t[:, None]), tokens, positions, slots
+
+    def _prefill_group(self, items: list[tuple[Sequence, int]]) -> tuple[AttnGroup, list[int], list[int], list[int]]:
+        bs, dev = self.block_size, self.device
+        tokens, positions, slots, tables, starts, lens = [], [], [], [], [], []
+        for seq, n in items:
+            start = seq.num_computed_tokens
+            tokens.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tables.append(table[: (start + n - 1) // bs + 1])
+            starts.append(start)
+            lens.append(n)
+        bt = self._block_tables(tables)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        offsets = torch.cumsum(lens_t, 0) - lens_t  # first packed row of each chunk (within the group)
+        j = self._iota(max(lens))[None, :]  # [1, Q]
+        valid = j < lens_t[:, None]  # [S, Q]
+        q_index = torch.where(valid, offsets[:, None] + j, offsets[:, None])  # pads repeat a real row
+        q_pos = torch.where(valid, starts_t[:, None] + j, 0)  # pad rows see key 0 only (never all-masked)
+        rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q], G-major like the regrouped queries
+        mask = (self._iota(bt.shape[1] * bs)[None, None, :] <= rows_pos[:, :, None]).unsqueeze(1)
+        out_index = valid.reshape(-1).nonzero().squeeze(1)
+        return AttnGroup(bt, mask, rows_pos, q_index, out_index), tokens, positions, slots
+
+    def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
+        """items: (sequence, number of tokens to compute from its num_computed_tokens)."""
+        decode = [it for it in items if it[1] == 1]
+        prefill = [it for it in items if it[1] > 1]
+        tokens, positions, slots = [], [], []
+        groups: list[AttnGroup | None] = []
+        for part, build in ((decode, self._decode_group), (prefill, self._prefill_group)):
+            if not part:
+                groups.append(None)
+                continue
+            group, t, p, s = build(part)
+            groups.append(group)
+            tokens += t
+            positions += p
+            slots += s
+        rows, sample_seqs, row = [], [], 0
+        for seq, n in decode + prefill:
+            row += n
+            if seq.num_computed_tokens + n == seq.num_tokens:  # computes the last token: sample
+                rows.append(row - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        meta = PagedAttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev),
+                                      len(decode), groups[0], groups[1])
+        return PreparedStep(torch.tensor([tokens], dtype=torch.long, device=dev),
+                            torch.tensor([positions], dtype=torch.long, device=dev),
+                            torch.tensor(rows, dtype=torch.long, device=dev), sample_seqs, meta)
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> tuple[torch.Tensor, float]:
+        """-> (logits [N, V] for step.sample_seqs, seconds spent in the model call)."""
+        t0 = time.perf_counter()
+        out = self.model(input_ids=step.input_ids, position_ids=step.positions, logits_to_keep=step.logits_rows,
+                         use_cache=False, conveyor_attn=step.meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the measured time is the device's, not the launch's
+        return out.logits[0], time.perf_counter() - t0

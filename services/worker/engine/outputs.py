@@ -1,0 +1,44 @@
+"""What one engine step returns, and the engine's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    first_index: int  # index in the request's whole output of new_token_ids[0]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (eos/stop token, included) or "length"
+    error_reason: str | None = None  # "too_long", "oom", "worker_error" when the request failed
+    error: str | None = None  # human-readable detail of error_reason
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (latest admission)
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    transitions: list[tuple[str, str]] = field(default_factory=list)  # (request_id, new status)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0  # the model call alone (synchronised on CUDA)
+
+
+@dataclass
+class EngineStats:
+    total_blocks: int
+    free_blocks: int  # free + cached-and-unreferenced (evictable)
+    cached_blocks: int  # blocks holding a registered prefix hash (referenced or not)
+    block_size: int
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    prefill_s_per_token: float  # moving averages of forward time per token
+    decode_s_per_token: float

@@ -1,0 +1,132 @@
+"""Request data: what callers submit (SamplingOptions, EngineRequest) and the engine's Sequence.
+
+A Sequence's tokens are `prompt + outputs` in one list. `num_computed_tokens` of them have
+their K/V in the cache; the step that computes the last one yields logits for the next token.
+Prefill, chunked prefill, decode and recompute after preemption are all the same operation:
+compute tokens [num_computed_tokens, num_tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 1.0  # 0 = greedy (exact argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
+    max_tokens: int = 16  # counts output tokens given in EngineRequest.output_token_ids
+    min_tokens: int = 0  # EOS / stop tokens are masked until this many outputs exist
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming every bad field."""
+        bad = []
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            bad.append(f"temperature={self.temperature} (must be >= 0)")
+        if not 0 < self.top_p <= 1:
+            bad.append(f"top_p={self.top_p} (must be in (0, 1])")
+        if self.top_k < -1:
+            bad.append(f"top_k={self.top_k} (must be >= -1)")
+        if not 0 <= self.min_p <= 1:
+            bad.append(f"min_p={self.min_p} (must be in [0, 1])")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad.append(f"repetition_penalty={self.repetition_penalty} (must be > 0)")
+        if self.max_tokens < 1:
+            bad.append(f"max_tokens={self.max_tokens} (must be >= 1)")
+        if self.min_tokens < 0:
+            bad.append(f"min_tokens={self.min_tokens} (must be >= 0)")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad.append(f"stop_token_ids={self.stop_token_ids!r} (must be non-negative ints)")
+        if bad:
+            raise InvalidRequestError("invalid sampling options: " + ", ".join(bad))
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    priority: int = 0  # higher number = less important (preempted first), like vLLM
+    output_token_ids: list[int] = field(default_factory=list)  # already generated elsewhere (resume)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "WAITING"  # queued, never scheduled
+    PREFILLING = "PREFILLING"  # running, computing prompt (+ resumed outputs) in chunks
+    DECODING = "DECODING"  # running, one token per step
+    PREEMPTED = "PREEMPTED"  # blocks taken back; queued at the front to recompute
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+
+class Sequence:
+    """The engine's mutable state of one request. Owned by the scheduler; never shared."""
+
+    __slots__ = ("request_id", "sampling", "priority", "arrival", "token_ids", "num_prompt_tokens",
+                 "num_emitted", "status", "block_table", "block_hashes", "num_computed_tokens",
+                 "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
+                 "error_reason", "error", "stop_ids")
+
+    def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int], device: torch.device):
+        self.request_id = req.request_id
+        self.sampling = req.sampling
+        self.priority = req.priority
+        self.arrival = arrival  # global admission counter: larger = newer
+        self.token_ids: list[int] = list(req.prompt_token_ids) + list(req.output_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.num_emitted = len(req.output_token_ids)  # outputs the caller already has
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # tokens served from the prefix cache at the latest admission
+        self.num_registered_blocks = 0  # leading blocks of block_table already in the prefix cache
+        self.finish_reason: str | None = None
+        self.error_reason: str | None = None
+        self.error: str | None = None
+        ignore = req.sampling.ignore_eos
+        self.stop_ids = frozenset(req.sampling.stop_token_ids) | (frozenset() if ignore else eos_token_ids)
+        self.generator: torch.Generator | None = None
+        if not req.sampling.greedy:
+            self.generator = torch.Generator(device=device)
+            if req.sampling.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(req.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def importance_key(self) -> tuple[int, int]:
+        """Sorts most important first: lower priority number, then older."""
+        return (self.priority, self.arrival)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.FAILED)

@@ -1,0 +1,149 @@
+"""Step scheduling: token budget, decodes first, chunked prefill, preemption by recompute.
+
+Each step: (1) running sequences get their next tokens, decode-format ones first, then
+ongoing prefill chunks; (2) if no one was preempted and slots and budget remain, waiting
+sequences are admitted FIFO (preempted ones sit at the front), reusing prefix-cache blocks.
+When blocks run out the least important running sequence (highest priority number, then
+newest) is preempted: its blocks are released and it will recompute prompt + outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.worker.engine.block_manager import BlockManager, extend_block_hashes
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.request import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute)
+    transitions: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back (finish, failure, abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        # decode-format first (one token left to compute), then ongoing prefills; most important first
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.importance_key))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for a more important one
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            got, budget_back, any_preempted = self._reserve(seq, n, batch)
+            budget += budget_back
+            preempted = preempted or any_preempted
+            if got:
+                batch.items.append((seq, n))
+                budget -= n
+        if not preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> tuple[bool, int, bool]:
+        """Give `seq` blocks for n more tokens, preempting as needed.
+
+        -> (seq got its blocks, budget returned by un-scheduled victims, anyone preempted).
+        """
+        need = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        budget_back, preempted = 0, False
+        while need > self.blocks.num_free_blocks:
+            victim = max(self.running, key=lambda s: s.importance_key)
+            for i, (s, k) in enumerate(batch.items):
+                if s is victim:  # already scheduled this step: un-schedule it
+                    del batch.items[i]
+                    budget_back += k
+                    break
+            self._preempt(victim, batch)
+            preempted = True
+            if victim is seq:
+                return False, budget_back, preempted
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+        return True, budget_back, preempted
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        batch.transitions.append((seq.request_id, SequenceStatus.PREEMPTED.value))
+        logger.debug("preempted %s (priority %d, %d tokens)", seq.request_id, seq.priority, seq.num_tokens)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        bs = self.blocks.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits: list[int] = []
+            if self.blocks.enable_prefix_caching:
+                # hash full blocks, but never serve the block holding the last token from cache:
+                # that token must be computed to get the next token's logits.
+                extend_block_hashes(seq.token_ids, seq.block_hashes, bs, seq.num_tokens)
+                hits = self.blocks.lookup_prefix(seq.block_hashes, (seq.num_tokens - 1) // bs)
+            cached = len(hits) * bs
+            n = min(seq.num_tokens - cached, budget)
+            need = self.blocks.blocks_for(cached + n) - len(hits)
+            if not self.blocks.can_allocate(need, hits):
+                break  # head of line waits for blocks; admitting never preempts
+            self.blocks.acquire(hits)
+            self.blocks.record_query(seq.num_tokens, cached)
+            seq.block_table = hits + self.blocks.allocate(need)
+            seq.num_computed_tokens = cached
+            seq.num_cached_tokens = cached
+            seq.num_registered_blocks = len(hits)
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SequenceStatus.PREFILLING
+            batch.transitions.append((seq.request_id, SequenceStatus.PREFILLING.value))
+            batch.items.append((seq, n))
+            budget -= n
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed full blocks to the prefix cache."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.blocks.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.token_ids, seq.block_hashes, self.blocks.block_size, seq.num_computed_tokens)
+        for i in range(seq.num_registered_blocks, full):
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full

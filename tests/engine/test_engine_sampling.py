@@ -1,0 +1,72 @@
+"""Per-request sampling: seeds, stop tokens, min/max tokens, ignore_eos."""
+
+from __future__ import annotations
+
+from engine_helpers import QUESTIONS, run_to_completion
+
+from services.worker.engine import EngineRequest, SamplingOptions
+
+SEEDED = SamplingOptions(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=1234,
+                         max_tokens=16)
+
+
+def test_same_seed_gives_same_tokens_alone_and_in_a_batch_of_eight(make_engine, chat):
+    prompt = chat("Invent a name for a new planet and describe it.")
+    engine = make_engine()
+    engine.add_request(EngineRequest("alone", prompt, SEEDED))
+    alone, _ = run_to_completion(engine)
+    for i, q in enumerate(QUESTIONS[:8]):  # others: greedy, unseeded and differently seeded
+        opts = [SamplingOptions(temperature=0, max_tokens=12), SamplingOptions(temperature=1.2, max_tokens=20),
+                SamplingOptions(temperature=0.7, top_k=5, seed=i, max_tokens=8)][i % 3]
+        engine.add_request(EngineRequest(f"other{i}", chat(q), opts))
+    engine.add_request(EngineRequest("batched", prompt, SEEDED))
+    batched, steps = run_to_completion(engine)
+    assert max(r.num_seqs for r in steps) == 9
+    assert batched["batched"].tokens == alone["alone"].tokens
+    engine.check_no_leak()
+
+
+def test_different_seeds_differ(make_engine, chat):
+    engine = make_engine()
+    prompt = chat("Invent a name for a new planet and describe it.")
+    for seed in (1, 2):
+        opts = SamplingOptions(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        engine.add_request(EngineRequest(f"s{seed}", prompt, opts))
+    runs, _ = run_to_completion(engine)
+    assert runs["s1"].tokens != runs["s2"].tokens
+
+
+def test_max_tokens_and_stop_token_ids(make_engine, chat, hf_greedy):
+    prompt = chat(QUESTIONS[2])
+    expected = hf_greedy(prompt, 24)
+    stop = expected[5]
+    first_stop = expected.index(stop)
+    engine = make_engine()
+    engine.add_request(EngineRequest("max", prompt, SamplingOptions(temperature=0, max_tokens=5)))
+    engine.add_request(EngineRequest("stop", prompt, SamplingOptions(temperature=0, max_tokens=24,
+                                                                       stop_token_ids=(stop,))))
+    runs, _ = run_to_completion(engine)
+    assert runs["max"].tokens == expected[:5] and runs["max"].finish_reason == "length"
+    assert runs["stop"].tokens == expected[:first_stop + 1], "stops on the stop token, which is included"
+    assert runs["stop"].finish_reason == "stop"
+    engine.check_no_leak()
+
+
+def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_greedy, tokenizer):
+    prompt = chat(QUESTIONS[0])
+    expected = hf_greedy(prompt, 24)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert expected[-1] == eos and len(expected) < 20, "this prompt's greedy answer ends early with EOS"
+    engine = make_engine()
+    engine.add_request(EngineRequest("ignore", prompt, SamplingOptions(temperature=0, max_tokens=20,
+                                                                         ignore_eos=True)))
+    engine.add_request(EngineRequest("min", prompt, SamplingOptions(temperature=0, max_tokens=20,
+                                                                      min_tokens=len(expected) + 2)))
+    runs, _ = run_to_completion(engine)
+    ignore, minimum = runs["ignore"], runs["min"]
+    assert len(ignore.tokens) == 20 and ignore.finish_reason == "length"
+    assert ignore.tokens[:len(expected)] == expected, "EOS is generated, just not a stop"
+    assert minimum.tokens[:len(expected) - 1] == expected[:-1]
+    assert eos not in minimum.tokens[:len(expected) + 2], "EOS masked until min_tokens outputs exist"
+    assert len(minimum.tokens) >= len(expected) + 2
+    engine.check_no_leak()
