@@ -43,6 +43,7 @@ class StepPublisher:
                  token_ttl_s: int):
         self.r = client
         self.token_ttl_s = token_ttl_s  # bounds an abandoned request's token list; settlement shortens it
+        self._deferred: list[tuple[str, str]] = []  # scheduling decisions not yet stamped (Redis was away)
         self.names = names
         self.worker_id = worker_id
         self.lifecycle = lifecycle
@@ -61,8 +62,33 @@ class StepPublisher:
                 delay = min(2.0, 0.05 * 2 ** attempt)
                 logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
                 time.sleep(delay)
+        self._deferred = []
         for rid, tokens in new.items():
             active[rid].output_token_ids.extend(tokens)
+
+    def publish_scheduled(self, transitions: list[tuple[str, str]], active: dict[str, Active]) -> None:
+        """Stamp the step's scheduling decisions (PREFILLING, PREEMPTED) before its forward pass runs, so
+        prefill_time and queue intervals measure what they say."""
+        for rid, status in transitions:
+            if rid in active and status == "PREEMPTED":
+                active[rid].num_preemptions += 1
+        pipe = self.r.pipeline(transaction=False)
+        queued = self._queue_transitions(pipe, transitions, active)
+        if not queued:
+            return
+        try:
+            self._check(pipe.execute(), queued)
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # the step's own publish retries them
+            logger.warning("stamping scheduling decisions failed (%s); they go with the step's results", e)
+            self._deferred.extend(transitions)
+
+    def _queue_transitions(self, pipe, transitions, active) -> list[tuple[str, State]]:
+        queued = []
+        for rid, status in transitions:
+            if rid in active:
+                self.lifecycle.queue(pipe, rid, State(status))
+                queued.append((rid, State(status)))
+        return queued
 
     def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> None:
         pipe = self.r.pipeline(transaction=True)
@@ -77,11 +103,9 @@ class StepPublisher:
         for reply_to, items in by_reply.items():
             ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
             pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=100_000, approximate=True)
-        queued: list[tuple[str, State]] = []
+        queued = self._queue_transitions(pipe, self._deferred, active)
         for rid, status in result.transitions:
             if rid in active:
-                if status == "PREEMPTED":
-                    active[rid].num_preemptions += 1
                 if status == "DECODING":
                     self._queue_kv(pipe, rid, kv_info(rid))
                 self.lifecycle.queue(pipe, rid, State(status))

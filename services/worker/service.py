@@ -13,6 +13,8 @@ import time
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError, SamplingOptions
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
+from services.worker.tracing import WorkerTracing
+from shared import telemetry
 from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER, Names
 from shared.context_store import ContextStore
@@ -55,6 +57,7 @@ class WorkerService:
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
                                        settings.context_ttl_s + 3600)
         self.active: dict[str, Active] = {}
+        self.tracing = WorkerTracing(self.engine)
         self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         self.last_read_id = ""
         self.step_no = 0
@@ -97,6 +100,7 @@ class WorkerService:
         elif isinstance(ev, CancelRequested):
             if self.active.pop(ev.request_id, None) is not None:
                 self.engine.abort_request(ev.request_id)
+                self.tracing.abort(ev.request_id, ev.reason)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
         # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
@@ -118,7 +122,8 @@ class WorkerService:
                           service="worker", traceparent=ev.traceparent)
             self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)])
             return
-        self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, ev.traceparent, len(ev.prompt_token_ids),
+        self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, telemetry.current_traceparent(ev.traceparent),
+                                            len(ev.prompt_token_ids),
                                             ev.deadline, list(ev.output_token_ids), scheduled=ev)
 
     def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
@@ -129,11 +134,13 @@ class WorkerService:
         self.bus.publish(self.names.control_stream, out)
 
     def step(self) -> None:
-        result = self.engine.step()
+        t_start_ns = time.time_ns()
+        result = self.engine.step(on_scheduled=lambda t: self.publisher.publish_scheduled(t, self.active))
         self.step_no += 1
         self.step_time_avg = 0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 \
             else result.step_time_s
         self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
+        self.tracing.on_step(result, self.active, t_start_ns, time.time_ns())
         for out in result.outputs:
             if out.finished:
                 self.active.pop(out.request_id, None)
@@ -143,6 +150,7 @@ class WorkerService:
         for a in [a for a in self.active.values() if a.deadline <= now]:
             self.engine.abort_request(a.request_id)
             del self.active[a.request_id]
+            self.tracing.abort(a.request_id, "timeout")
             ev = TimedOut(request_id=a.request_id, where="worker", service="worker", traceparent=a.traceparent)
             self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)])
 
@@ -175,6 +183,7 @@ class WorkerService:
             self.expire_deadlines()
         for a in list(self.active.values()):
             self.engine.abort_request(a.request_id)
+            self.tracing.abort(a.request_id, "shutdown", error=False)
             self.hand_back(a.scheduled, a.output_token_ids, "shutdown")
         self.active.clear()
         self.beats.stop()

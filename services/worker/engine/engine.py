@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -130,13 +131,20 @@ class LLMEngine:
         return bool(self._seqs) or bool(self._pending)
 
     # ---- stepping -------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def step(self, on_scheduled: Callable[[list[tuple[str, str]]], None] | None = None) -> StepResult:
+        """One step. on_scheduled, if given, gets the scheduling decisions (PREFILLING, PREEMPTED) before the
+        forward pass runs, so they can be stamped when they happen; they are then not repeated in
+        result.transitions, which keeps only what the forward pass caused (DECODING)."""
         t0 = time.perf_counter()
         result = StepResult(outputs=self._pending)
         self._pending = []
         self._ended_kv.clear()
         batch = self.scheduler.schedule()
-        result.transitions = batch.transitions
+        if on_scheduled is not None and batch.transitions:
+            on_scheduled(list(batch.transitions))
+            result.transitions = []
+        else:
+            result.transitions = batch.transitions
         if batch.items:
             for seq, token in self._execute(batch.items, result):
                 self._append_token(seq, token, result)
