@@ -15,6 +15,7 @@ SERVICE_NAMES = ("gateway", "tokenizer", "scheduler", "worker")
 
 def run_service(name: str) -> int:
     from shared import settings as s
+    from shared import telemetry
 
     if name == "gateway":
         from services.gateway.app import create_app
@@ -22,7 +23,11 @@ def run_service(name: str) -> int:
 
         cfg = s.GatewaySettings()
         setup_logging(cfg.log_level)
-        serve(create_app(cfg), cfg)
+        telemetry.setup(name, cfg)
+        try:
+            serve(create_app(cfg), cfg)
+        finally:
+            telemetry.shutdown()  # flush the spans still buffered
         return 0
     if name == "tokenizer":
         from services.tokenizer.service import TokenizerService as Service
@@ -34,7 +39,11 @@ def run_service(name: str) -> int:
         from services.worker.service import WorkerService as Service
         cfg = s.WorkerSettings()
     setup_logging(cfg.log_level)
-    Service(cfg).run()
+    telemetry.setup(name, cfg)
+    try:
+        Service(cfg).run()
+    finally:
+        telemetry.shutdown()  # flush the spans still buffered
     return 0
 
 

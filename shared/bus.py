@@ -20,6 +20,7 @@ import msgspec
 import redis
 from msgspec import msgpack
 
+from shared import telemetry
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names
 from shared.events import AnyEvent, Event, SchemaError, decode, encode
 
@@ -78,7 +79,8 @@ class Bus:
         claim_idle_ms and dead-lettered after max_deliveries, so one bad event never blocks the group.
         Redis errors propagate: the whole loop must back off, not this one entry."""
         try:
-            handler(d)
+            with telemetry.process_span(d, self.consumer):
+                handler(d)
         except redis.RedisError:
             raise
         except Exception:

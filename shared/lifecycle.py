@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+from shared import telemetry
 from shared.constants import Names
 from shared.errors import InvalidTransition
 from shared.events import Event, encode
@@ -159,7 +160,9 @@ class Lifecycle:
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
         status, cur = _s(raw[0]), _s(raw[1])
         if status == "ok":
-            return TransitionResult(True, State(cur), float(_s(raw[2])), tuple(_s(x) for x in raw[3:]))
+            at = float(_s(raw[2]))
+            telemetry.transition_event(request_id, to.value, cur, at)  # on the caller's current span, if recording
+            return TransitionResult(True, State(cur), at, tuple(_s(x) for x in raw[3:]))
         if status == "missing":
             logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
             return TransitionResult(False, None)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -38,6 +38,14 @@ class CommonSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="deliveries before an event goes to the dead-letter stream")
     context_ttl_s: int = Field(3600, ge=1, description="seconds an ended request's context stays readable")
     otel_enabled: bool = Field(True, description="export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set")
+    otlp_endpoint: str = Field("", validation_alias=AliasChoices("CONVEYOR_OTLP_ENDPOINT",
+                                                                 "OTEL_EXPORTER_OTLP_ENDPOINT"),
+                               description="OTLP/HTTP base URL spans are exported to; empty = tracing off (no-op)")
+    otlp_protocol: str = Field("http/protobuf", validation_alias=AliasChoices("CONVEYOR_OTLP_PROTOCOL",
+                                                                              "OTEL_EXPORTER_OTLP_PROTOCOL"),
+                               description="OTLP protocol; http/protobuf is the one supported")
+    otel_schedule_delay_ms: int = Field(2000, ge=1, description="batch span processor export interval")
+    otel_capture_content: bool = Field(False, description="put prompt and output text into spans")
 
 
 class GatewaySettings(CommonSettings):

@@ -98,7 +98,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request):
         core: GatewayCore = request.app.state.core
         handle = await accept(request, body)
-        headers = {"X-Request-Id": handle.request_id}
+        headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
         if body.stream:
             return StreamingResponse(stream(core, handle, request), media_type="text/event-stream", headers=headers)
         return JSONResponse(await collect(core, handle, request), headers=headers)

@@ -20,6 +20,7 @@ from services.gateway.handle import RequestHandle
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
 from services.gateway.stop_strings import TextStream
+from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
@@ -65,7 +66,7 @@ class GatewayCore:
         await self.r.delete(self.names.live("gateway", self.id))
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
-                     extra_meta: dict | None = None) -> RequestHandle:
+                     extra_meta: dict | None = None, route: str = "/generate") -> RequestHandle:
         """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
@@ -78,36 +79,47 @@ class GatewayCore:
                             min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos)
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
+        rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
         ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
                              sampling=sampling, priority=req.priority, deadline=now + timeout,
-                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=traceparent)
+                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
+        handle.trace = rt
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
         meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
                 "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",
-                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": traceparent,
+                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": rt.traceparent,
                 "owner": owner, **(extra_meta or {})}
         input_ = {"prompt": req.prompt, "messages": [m.model_dump() for m in req.messages] if req.messages else None,
                   "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}, "stop": stops}
         try:
             await self.admission.create(rid, meta, input_, self.names.received_stream, ev)
-        except BaseException:
+        except BaseException as e:
             self.handles.pop(rid, None)
+            refused(rt, e)
             raise
+        published(rt, rid, self.names.received_stream)
         return handle
 
     def release(self, handle: RequestHandle) -> None:
         """Forget a request whose client has its answer (or left); its Prometheus figures move here, once."""
-        if self.handles.pop(handle.request_id, None) is not None and handle.ended is not None:
-            self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times, len(handle.token_ids))
+        if self.handles.pop(handle.request_id, None) is not None:
+            finish_trace(handle)
+            if handle.ended is not None:
+                self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times,
+                                         len(handle.token_ids))
 
     async def cancel(self, request_id: str, reason: str, reply_to: str) -> bool:
         """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""
-        publish = [Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway")),
-                   Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason))]
+        tp = getattr(getattr(self.handles.get(request_id), "trace", None), "traceparent", "")
+        publish = [Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway",
+                                               traceparent=tp)),
+                   Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
+                                                                      traceparent=tp))]
         try:
-            res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
+            with active(self.handles.get(request_id)):
+                res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
         except InvalidTransition:
             return False
         return res.applied
@@ -116,11 +128,14 @@ class GatewayCore:
         """Backstop when no service reported the deadline: settle TIMED_OUT here. True when a terminal event
         is on its way to the handle (this one, or the one that settled it first); False when none will come
         (the context is gone, or Redis is away)."""
+        tp = getattr(handle.trace, "traceparent", "")
         publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, where="gateway",
-                                                     service="gateway")),
-                   Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout"))]
+                                                     service="gateway", traceparent=tp)),
+                   Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout",
+                                                                      traceparent=tp))]
         try:
-            res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
+            with active(handle):
+                res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
         except (redis.ConnectionError, redis.TimeoutError) as e:
             logger.warning("cannot settle %s as timed out: %s", handle.request_id, e)
             return False
@@ -137,11 +152,11 @@ class GatewayCore:
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
-                    self._route(fields)
+                    self._route(fields, entry_id)
                 if entries:
                     await self.r.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
 
-    def _route(self, fields: dict) -> None:
+    def _route(self, fields: dict, entry_id: bytes | str = "") -> None:
         try:
             ev = decode(fields[EVENT_FIELD])
         except (SchemaError, KeyError) as e:
@@ -152,6 +167,7 @@ class GatewayCore:
                 if (h := self.handles.get(item.request_id)) is not None:
                     h.deliver(item)
         elif (h := self.handles.get(getattr(ev, "request_id", ""))) is not None:
+            reply_processed(h, ev, self.reply_to, GROUP_GATEWAY, self.id, entry_id)
             h.deliver(ev)
 
     async def _keep_alive(self) -> None:

@@ -40,6 +40,7 @@ class RequestHandle:
     ended: AnyEvent | None = None
     ended_at: float | None = None
     metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
+    trace: object = None  # its spans (services.gateway.tracing.RequestTrace)
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.queue.put_nowait(item)

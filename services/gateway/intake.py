@@ -30,4 +30,5 @@ async def accept(request: Request, body: GenerateRequest, default_max_tokens: in
     if max_tokens > limit:
         raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
                              "max_tokens_too_large")
-    return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta)
+    return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
+                             traceparent=request.headers.get("traceparent", ""), route=request.url.path)

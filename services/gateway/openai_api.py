@@ -115,7 +115,7 @@ async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
                   include_usage)
-    headers = {"X-Request-Id": handle.request_id}
+    headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, handle, shape, headers)
     return JSONResponse(shape.body(await collect(core, handle, request)), headers=headers)

@@ -52,7 +52,7 @@ async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
     """The success body, or raise the GatewayError the terminal event calls for."""
     end = handle.ended
     partial = {"text": handle.full_text, "token_ids": handle.token_ids}
-    ids = {"X-Request-Id": handle.request_id}
+    ids = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     extra = {"partial": partial, "request_id": handle.request_id}
     metrics = handle.metrics = await request_metrics(core, handle)
     if isinstance(end, Completed):

@@ -15,7 +15,9 @@ import msgspec
 
 from services.scheduler.recovery import (Assignment, Assignments, GatewayWatch, decode_queued, encode_queued,
                                          gateway_of, zombie_cancels)
+from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
+from shared import telemetry
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, Names
 from shared.context_store import ContextJanitor, ContextStore
@@ -164,7 +166,8 @@ class SchedulerService:
         worker = self.r.hget(self.names.layer(ev.request_id, "exec"), "worker_id")
         if worker:
             wid = msgspec.json.decode(worker)
-            self.bus.publish(self.names.worker_stream(wid), msgspec.structs.replace(ev, worker_id=wid))
+            self.bus.publish(self.names.worker_stream(wid), msgspec.structs.replace(
+                ev, worker_id=wid, traceparent=telemetry.current_traceparent(ev.traceparent)))
 
     def read_heartbeats(self) -> None:
         reply = self.r.xread({self.names.heartbeat_stream: self.hb_cursor}, count=1000)
@@ -224,22 +227,29 @@ class SchedulerService:
             # Prefer a worker with KV room now; else the emptiest one (it will preempt or wait).
             best = max(fits, key=lambda w: (w.free_blocks() >= need, w.score(), -len(w.inflight)))
             self.queue.pop()
-            self.send(head, best, need)
+            with schedule_span(head, best, fits, need) as span:
+                queued_at = self.r.hget(self.names.layer(head.request_id, "meta"), "state_since") \
+                    if span.is_recording() else None
+                res = self.send(head, best, need)
+                queue_span(head, queued_at, res)
 
-    def send(self, q, worker: WorkerView, need: int) -> None:
+    def send(self, q, worker: WorkerView, need: int):
         ev = q.event
-        out = Scheduled(request_id=ev.request_id, worker_id=worker.worker_id, reply_to=ev.reply_to,
-                        prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids,
-                        sampling=ev.sampling, priority=ev.priority, deadline=q.deadline,
-                        received_at=ev.received_at, attempt=q.attempt,
-                        traceparent=ev.traceparent)
-        res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "",
-                                        [Publish(self.names.worker_stream(worker.worker_id), out)])
+        stream = self.names.worker_stream(worker.worker_id)
+        with telemetry.publish_span(stream, ev.request_id) as pub:
+            out = Scheduled(request_id=ev.request_id, worker_id=worker.worker_id, reply_to=ev.reply_to,
+                            prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids,
+                            sampling=ev.sampling, priority=ev.priority, deadline=q.deadline,
+                            received_at=ev.received_at, attempt=q.attempt,
+                            traceparent=telemetry.traceparent_of(pub, ev.traceparent))
+            res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)])
+            telemetry.published(pub, res.entry_ids)
         self.r.hdel(self.names.queue, ev.request_id)
         if res.applied:
             self.store.update(self.r, ev.request_id, "exec", {"worker_id": worker.worker_id, "attempt": q.attempt})
             worker.inflight[ev.request_id] = (res.entry_ids[0], need)
             self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out))
+        return res
 
     def _alive(self, w: WorkerView) -> bool:
         return w.alive(self.s.liveness_ttl_s, self.s.worker_hang_timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from shared import telemetry
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER, Names
 from shared.context_store import ContextStore
@@ -98,28 +99,39 @@ class TokenizerService:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
             return
         try:
-            ids = self.pre.token_ids(ev)
+            with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
+                span.set_attribute("conveyor.request_id", ev.request_id)
+                try:
+                    ids = self.pre.token_ids(ev)
+                except PromptError as e:
+                    telemetry.set_error(span, e.reason, str(e))
+                    raise
+                span.set_attribute("gen_ai.usage.input_tokens", len(ids))
         except PromptError as e:
             fail = Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param,
-                          service="tokenizer", traceparent=ev.traceparent)
+                          service="tokenizer", traceparent=telemetry.current_traceparent(ev.traceparent))
             self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
         else:
             self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-            out = Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
-                               sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
-                               adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
-                               traceparent=ev.traceparent)
-            self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(self.names.preprocessed_stream, out)])
+            with telemetry.publish_span(self.names.preprocessed_stream, ev.request_id) as pub:
+                out = Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
+                                   sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
+                                   adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
+                                   traceparent=telemetry.traceparent_of(pub, ev.traceparent))
+                res = self._settle(ev.request_id, State.PREPROCESSED, "",
+                                   [Publish(self.names.preprocessed_stream, out)])
+                telemetry.published(pub, res.entry_ids if res else ())
 
-    def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]) -> None:
+    def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
         try:
             res = self.lifecycle.transition(request_id, to, reason, publish)
         except InvalidTransition as e:  # already further along: a redelivery
             logger.info("skipping %s: %s", request_id, e)
-            return
+            return None
         if not res.applied:
             logger.info("request %s not moved to %s: it is %s", request_id, to.value,
                         res.previous.value if res.previous else "gone")
+        return res
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")

@@ -135,7 +135,8 @@ class WorkerService:
 
     def step(self) -> None:
         t_start_ns = time.time_ns()
-        result = self.engine.step(on_scheduled=lambda t: self.publisher.publish_scheduled(t, self.active))
+        result = self.engine.step(on_scheduled=lambda t: self.publisher.publish_scheduled(self.tracing.scheduled(t),
+                                                                                           self.active))
         self.step_no += 1
         self.step_time_avg = 0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 \
             else result.step_time_s

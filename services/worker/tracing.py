@@ -26,23 +26,31 @@ class WorkerTracing:
     def __init__(self, engine):
         self.engine = engine
         self.spans: dict[str, _Spans] = {}
+        self._scheduled: list[tuple[str, str]] = []  # this step's scheduling decisions (before its forward pass)
+
+    def scheduled(self, transitions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The engine's on_scheduled decisions (PREFILLING, PREEMPTED), kept for on_step; passed through."""
+        if telemetry.enabled():
+            self._scheduled = list(transitions)
+        return transitions
 
     def on_step(self, result, active: dict, t_start_ns: int, t_end_ns: int) -> None:
         """After a step was published (before finished requests leave `active`)."""
         if not telemetry.enabled():
             return
-        for rid, status in result.transitions:
+        transitions, self._scheduled = self._scheduled + list(result.transitions), []
+        for rid, status in transitions:
             if status == "PREFILLING" and rid in active:
-                self._prefilling(active[rid], t_start_ns, t_end_ns)
+                self._prefilling(active[rid], t_start_ns)
         self._chunks(t_end_ns)
-        for rid, status in result.transitions:
+        for rid, status in transitions:
             if status != "PREFILLING" and rid in active:
-                self._moved(active[rid], status, t_end_ns)
+                self._moved(active[rid], status, t_start_ns if status == "PREEMPTED" else t_end_ns)
         for out in result.outputs:
             if out.finished and out.request_id in active:
                 self._end(active[out.request_id], out, t_end_ns)
 
-    def _prefilling(self, a, t_start_ns: int, t_end_ns: int) -> None:
+    def _prefilling(self, a, t_start_ns: int) -> None:
         s = self.spans.setdefault(a.request_id, _Spans())
         if s.prefill is None and s.decode is None:
             s.prefill = telemetry.tracer().start_span(
@@ -50,7 +58,7 @@ class WorkerTracing:
                 attributes={"conveyor.request_id": a.request_id, "gen_ai.usage.input_tokens": a.prompt_len,
                             "conveyor.resumed_tokens": len(a.output_token_ids)})
         span = s.prefill or s.decode
-        telemetry.transition_event(a.request_id, "PREFILLING", "", t_end_ns / 1e9, span=span)
+        telemetry.transition_event(a.request_id, "PREFILLING", "", t_start_ns / 1e9, span=span)
 
     def _chunks(self, t_end_ns: int) -> None:
         seqs = getattr(self.engine, "_seqs", {})
@@ -59,20 +67,20 @@ class WorkerTracing:
                 s.prefill.add_event("prefill_chunk", {"conveyor.computed_tokens": int(seq.num_computed_tokens)},
                                     timestamp=t_end_ns)
 
-    def _moved(self, a, status: str, t_end_ns: int) -> None:
+    def _moved(self, a, status: str, t_ns: int) -> None:
         s = self.spans.setdefault(a.request_id, _Spans())
         if status == "DECODING":
             if s.prefill is not None:
-                self._close_prefill(a.request_id, s, t_end_ns)
+                self._close_prefill(a.request_id, s, t_ns)
             if s.decode is None:
                 s.decode = telemetry.tracer().start_span(
-                    "decode", context=telemetry.context_from(a.traceparent), start_time=t_end_ns,
+                    "decode", context=telemetry.context_from(a.traceparent), start_time=t_ns,
                     attributes={"conveyor.request_id": a.request_id})
-                s.decode.add_event("first_token", timestamp=t_end_ns)
+                s.decode.add_event("first_token", timestamp=t_ns)
         elif status == "PREEMPTED":
             s.preemptions += 1
         span = s.decode or s.prefill
-        telemetry.transition_event(a.request_id, status, "", t_end_ns / 1e9, span=span)
+        telemetry.transition_event(a.request_id, status, "", t_ns / 1e9, span=span)
 
     def _close_prefill(self, rid: str, s: _Spans, t_end_ns: int) -> None:
         info = self.engine.request_kv_info(rid)

@@ -1,0 +1,43 @@
+"""The scheduler's spans: `schedule` (the worker choice, with every candidate's score) and `queue`
+(from the QUEUED transition to the SCHEDULED one, both at Redis's time, so its duration is the
+request's queue_wait exactly)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from shared import telemetry
+
+
+@contextmanager
+def schedule_span(q, best, candidates, need_blocks: int) -> Iterator[Span]:
+    if not telemetry.enabled():
+        yield INVALID_SPAN
+        return
+    ctx = telemetry.context_from(q.event.traceparent)
+    with telemetry.tracer().start_as_current_span("schedule", context=ctx, record_exception=False) as span:
+        span.set_attributes({
+            "conveyor.request_id": q.request_id, "conveyor.worker_id": best.worker_id,
+            "conveyor.attempt": q.attempt, "conveyor.schedule.blocks_needed": need_blocks,
+            "conveyor.schedule.candidates": [w.worker_id for w in candidates],
+            "conveyor.schedule.scores": [float(w.score()) for w in candidates],
+            "conveyor.schedule.free_blocks": [int(w.free_blocks()) for w in candidates],
+            "conveyor.schedule.free_slots": [int(w.free_slots(0)) for w in candidates],
+        })
+        yield span
+
+
+def queue_span(q, queued_at_raw, res) -> None:
+    """The pass through QUEUED that just ended (res: the SCHEDULED transition's result)."""
+    if queued_at_raw is None or res is None or not res.applied or not telemetry.enabled():
+        return
+    start = float(queued_at_raw.decode() if isinstance(queued_at_raw, bytes) else queued_at_raw)
+    span = telemetry.tracer().start_span("queue", context=telemetry.context_from(q.event.traceparent),
+                                         start_time=int(start * 1e9),
+                                         attributes={"conveyor.request_id": q.request_id,
+                                                     "conveyor.priority": q.event.priority,
+                                                     "conveyor.attempt": q.attempt})
+    span.end(end_time=int(res.at * 1e9))
