@@ -115,12 +115,15 @@ class SchedulerService:
             res = self.lifecycle.transition(ev.request_id, State.QUEUED)
         except InvalidTransition:
             return  # a redelivery of a request already queued or placed
-        if res.applied:
+        # Not applied but QUEUED: a scheduler died between the transition and storing the queue record
+        # (this is its redelivered event); finish its work, or the request would sit QUEUED forever.
+        if res.applied or res.previous == State.QUEUED:
             item = self.queue.push(ev)
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item)
             if item is not None:
-                self.r.hset(self.names.queue, ev.request_id, encode_queued(item))
+                store = self.r.hset if res.applied else self.r.hsetnx
+                store(self.names.queue, ev.request_id, encode_queued(item))
 
     def set_adaptive_deadline(self, item) -> None:
         """Deadline = arrival + factor x predicted time (work ahead shared by every slot, then its own),

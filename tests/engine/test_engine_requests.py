@@ -116,3 +116,28 @@ def test_out_of_memory_shrinks_the_batch_instead_of_failing(make_engine, chat, h
         assert runs[rid].error_reason is None and runs[rid].tokens == hf_greedy(p, N), rid
     assert seen["ooms"] > 0
     engine.check_no_leak()
+
+
+def test_abort_while_prefilling_or_waiting_leaves_no_leak(make_engine, chat):
+    engine = make_engine(max_num_batched_tokens=32, max_num_seqs=1)
+    engine.add_request(EngineRequest("prefilling", chat(PASSAGE), greedy()))
+    engine.add_request(EngineRequest("waiting", chat(QUESTIONS[0]), greedy()))
+    result = engine.step()
+    assert result.transitions == [("prefilling", "PREFILLING")] and engine.stats().num_waiting == 1
+    assert engine.request_kv_info("prefilling")[0] == 2
+    assert engine.abort_request("waiting") and engine.abort_request("prefilling")
+    assert not engine.has_unfinished()
+    engine.check_no_leak()
+
+
+def test_kv_info_of_a_request_is_readable_in_the_step_it_finishes(make_engine, chat):
+    engine = make_engine()
+    engine.add_request(EngineRequest("r", chat(QUESTIONS[0]), greedy(n=1)))
+    result = engine.step()
+    assert [(o.finished, o.finish_reason) for o in result.outputs] == [(True, "length")]
+    assert result.transitions == [("r", "PREFILLING"), ("r", "DECODING")]
+    blocks, cached = engine.request_kv_info("r")
+    assert blocks > 0 and cached == 0
+    engine.step()
+    assert engine.request_kv_info("r") is None
+    engine.check_no_leak()
