@@ -12,6 +12,13 @@ import pytest
 
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.waiting import wait_for
+
+
+def _live_tokenizers(cluster: Cluster) -> int:
+    import redis
+
+    return len(list(redis.Redis.from_url(cluster.redis.url).scan_iter(f"{cluster.ns}:live:tokenizer:*")))
 
 
 def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
@@ -21,9 +28,13 @@ def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
     return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
 
 
-def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir):
+@pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
+def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir, replica):
     c = Cluster(tmp_path, CACHE_DIR).start()
     try:
+        if replica:  # a second tokenizer, live before the fault, takes the entry over
+            c.start_service("tokenizer1")
+            wait_for(lambda: _live_tokenizers(c) == 2, 120, what="second tokenizer")
         victim = c.procs["tokenizer"]
         stream = f"{c.ns}:stream:received"
         result: dict = {}
@@ -34,7 +45,7 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
                              timeout=120)))
             t.start()
             time.sleep(0.5)
-            if any(n > 0 for n in _pending_for(c, stream, "tokenizer").values()):
+            if any(n > 0 for name, n in _pending_for(c, stream, "tokenizer").items() if f"-{victim.pid}-" in name):
                 break
             os.kill(victim.pid, signal.SIGCONT)  # it was between two reads; try again
             t.join()
@@ -42,7 +53,8 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
             pytest.fail("could not catch the tokenizer inside a blocking read")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
-        c.start_service("tokenizer2")  # a replacement claims the idle entry after CONVEYOR_CLAIM_IDLE_MS
+        if not replica:
+            c.start_service("tokenizer2")  # a replacement claims the idle entry after CONVEYOR_CLAIM_IDLE_MS
         t.join(timeout=120)
         r = result["r"]
         assert r.status_code == 200, r.text
