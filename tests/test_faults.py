@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -71,6 +72,20 @@ def _expected(hf_reference) -> list[list[int]]:
     return [hf_reference(hf_reference.prompt_ids(p), MAX_TOKENS) for p in PROMPTS]
 
 
+def _send_in_background(c: Cluster, prefix: str, n: int, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """n concurrent greedy requests from a thread; box["r"] holds their responses once it is joined."""
+    box: dict = {}
+
+    async def send():
+        async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
+            return await asyncio.gather(*[client.post("/generate", json={
+                "prompt": f"{prefix} {i}:", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+                for i in range(n)])
+    t = threading.Thread(target=lambda: box.update(r=asyncio.run(send())))
+    t.start()
+    return t, box
+
+
 def _run_with_fault(c: Cluster, fault) -> list[dict]:
     """Send PROMPTS as concurrent streams; call fault() once every stream has some tokens."""
     async def main():
@@ -125,15 +140,7 @@ def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, r
     try:
         if replica:
             c.start_service("scheduler2")
-        box: dict = {}
-
-        async def send():
-            async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
-                return await asyncio.gather(*[client.post("/generate", json={
-                    "prompt": f"Item {i}:", "max_tokens": 12, "ignore_eos": True, "temperature": 0}) for i in range(4)])
-        import threading
-        t = threading.Thread(target=lambda: box.update(r=asyncio.run(send())))
-        t.start()
+        t, box = _send_in_background(c, "Item", 4, 12)
         r = redis.Redis.from_url(c.redis.url)
         wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 2, 60, what="requests queued")
         os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
@@ -153,15 +160,7 @@ def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_pat
     c.redis = RedisServer(tmp_path / "redis", appendonly=True)
     c.start()
     try:
-        box: dict = {}
-
-        async def send():
-            async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
-                return await asyncio.gather(*[client.post("/generate", json={
-                    "prompt": f"Entry {i}:", "max_tokens": 24, "ignore_eos": True, "temperature": 0}) for i in range(3)])
-        import threading
-        t = threading.Thread(target=lambda: box.update(r=asyncio.run(send())))
-        t.start()
+        t, box = _send_in_background(c, "Entry", 3, 24)
         r = redis.Redis.from_url(c.redis.url)
         wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 1 and r.zcard(f"{c.ns}:state:DECODING") == 1, 60,
                  what="one running, others queued")
@@ -184,8 +183,6 @@ def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_fr
         other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
         c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})
         wait_for(lambda: _ok(f"http://127.0.0.1:{other_port}/ready"), 120, what="second gateway")
-        import threading
-
         def orphan():
             try:
                 with httpx.stream("POST", f"{c.url}/generate", json={"prompt": "Count:", "max_tokens": 3000,
