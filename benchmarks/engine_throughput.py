@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def main() -> None:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
     n, skip = args.max_tokens, set(filter(None, args.skip.split(",")))
     print(f"{len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), {n} tokens each, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     res: dict[str, dict] = {}
     if "a" not in skip:
         res["a"] = run_sequential(load(model_dir), prompts[:args.sequential_prompts or None], n)
@@ -146,6 +147,7 @@ def main() -> None:
     if "b" in res:
         same = sum(x == y for x, y in zip(res["b"]["outputs"], c["outputs"]))
         print(f"outputs identical to (b): {same}/{len(prompts)}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                                          for k, v in res.items()}, indent=2))
