@@ -15,10 +15,10 @@ from tests.conftest import CACHE_DIR
 from tests.waiting import wait_for
 
 
-def _live_tokenizers(cluster: Cluster) -> int:
+def _live_tokenizers(cluster: Cluster) -> list[str]:
     import redis
 
-    return len(list(redis.Redis.from_url(cluster.redis.url).scan_iter(f"{cluster.ns}:live:tokenizer:*")))
+    return [k.decode() for k in redis.Redis.from_url(cluster.redis.url).scan_iter(f"{cluster.ns}:live:tokenizer:*")]
 
 
 def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
@@ -32,9 +32,6 @@ def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
 def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir, replica):
     c = Cluster(tmp_path, CACHE_DIR).start()
     try:
-        if replica:  # a second tokenizer, live before the fault, takes the entry over
-            c.start_service("tokenizer1")
-            wait_for(lambda: _live_tokenizers(c) == 2, 120, what="second tokenizer")
         victim = c.procs["tokenizer"]
         stream = f"{c.ns}:stream:received"
         result: dict = {}
@@ -51,6 +48,9 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
             t.join()
         else:
             pytest.fail("could not catch the tokenizer inside a blocking read")
+        if replica:  # a second tokenizer, live when the holder dies, takes the entry over
+            pid = c.start_service("tokenizer1").pid
+            wait_for(lambda: any(f"-{pid}-" in k for k in _live_tokenizers(c)), 120, what="second tokenizer")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         if not replica:
