@@ -58,7 +58,8 @@ def load(model_dir: Path):
 def run_sequential(model, prompts: list[list[int]], n: int) -> dict:
     """(a) one `generate` per prompt; min_new_tokens keeps EOS from ending it early (same work)."""
     cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
-    model.generate(torch.tensor([prompts[0]]), generation_config=cfg, max_new_tokens=4, min_new_tokens=4)  # warm
+    warm = GenerationConfig(do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=2)
+    model.generate(torch.tensor([prompts[0]]), generation_config=warm)
     t0 = time.perf_counter()
     tokens = 0
     for p in prompts:
@@ -112,30 +113,15 @@ def run_engine(model, prompts: list[list[int]], n: int, cfg: EngineConfig) -> di
             "outputs": [outs[str(i)] for i in range(len(prompts))]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="model folder or .gguf (default: bundled SmolLM2-135M)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--sequential-prompts", type=int, default=0,
-                    help="time (a) on only the first K prompts (tok/s is per token either way); 0 = all")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b")
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "conveyor")
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
-    n, skip = args.max_tokens, set(filter(None, args.skip.split(",")))
-    print(f"{len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), {n} tokens each, "
-          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+def one_round(models: dict, prompts: list[list[int]], n: int, sequential: int) -> dict[str, dict]:
     res: dict[str, dict] = {}
-    if "a" not in skip:
-        res["a"] = run_sequential(load(model_dir), prompts[:args.sequential_prompts or None], n)
+    if "a" in models:
+        res["a"] = run_sequential(models["a"], prompts[:sequential or None], n)
         print(f"(a) HF generate one by one:   {res['a']['tok_s']:7.1f} tok/s  ({res['a']['wall_s']:.1f} s)")
-    if "b" not in skip:
-        res["b"] = run_hf_batch(load(model_dir), prompts, n)
+    if "b" in models:
+        res["b"] = run_hf_batch(models["b"], prompts, n)
         print(f"(b) HF generate_batch (CB):   {res['b']['tok_s']:7.1f} tok/s  ({res['b']['wall_s']:.1f} s)")
-    c = res["c"] = run_engine(load(model_dir), prompts, n, EngineConfig())
+    c = res["c"] = run_engine(models["c"], prompts, n, EngineConfig())
     print(f"(c) Conveyor engine:          {c['tok_s']:7.1f} tok/s  ({c['wall_s']:.1f} s, {c['steps']} steps, "
           f"{c['prefill_steps']} with prefill)")
     for k in ("a", "b"):
@@ -147,10 +133,50 @@ def main() -> None:
     if "b" in res:
         same = sum(x == y for x, y in zip(res["b"]["outputs"], c["outputs"]))
         print(f"outputs identical to (b): {same}/{len(prompts)}")
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
+    print(f"load average now: {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
+    return res
+
+
+def summarise(rounds: list[dict[str, dict]]) -> dict:
+    """Best round of each (noise only ever slows a run down) and the per-round ratios."""
+    best = {k: max(r[k]["tok_s"] for r in rounds) for k in rounds[0]}
+    out = {"best_tok_s": best, "rounds": len(rounds)}
+    for k in ("a", "b"):
+        if k in best:
+            out[f"best_c_over_{k}"] = best["c"] / best[k]
+            out[f"round_c_over_{k}"] = [r["c"]["tok_s"] / r[k]["tok_s"] for r in rounds]
+    print("best of %d round(s): " % len(rounds) + ", ".join(f"({k}) {v:.1f} tok/s" for k, v in best.items())
+          + "".join(f"; c/{k} = {out[f'best_c_over_{k}']:.2f}" for k in ("a", "b") if k in best))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model folder or .gguf (default: bundled SmolLM2-135M)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--sequential-prompts", type=int, default=0,
+                    help="time (a) on only the first K prompts (tok/s is per token either way); 0 = all")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat a, b, c interleaved; report the best of each")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "conveyor")
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
+    n, skip = args.max_tokens, set(filter(None, args.skip.split(",")))
+    print(f"{len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), {n} tokens each, "
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    models = {k: load(model_dir) for k in ("a", "b", "c") if k not in skip}  # one instance each, reused
+    rounds = []
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"-- round {i + 1}/{args.rounds}")
+        rounds.append(one_round(models, prompts, n, args.sequential_prompts))
+    summary = summarise(rounds) if args.rounds > 1 else {}
     if args.json:
-        args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
-                                         for k, v in res.items()}, indent=2))
+        clean = [{k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in r.items()} for r in rounds]
+        args.json.write_text(json.dumps({"rounds": clean, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":

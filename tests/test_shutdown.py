@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
 
+from services.gateway.server import EXIT_STUCK
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.test_request_paths import worker_idle
@@ -38,7 +41,23 @@ def test_gateway_sigterm_with_requests_in_flight(tmp_path, model_dir):
         assert box["short"].status_code == 200 and len(box["short"].json()["token_ids"]) == 8
         err = box["long"].json()["error"]
         assert box["long"].status_code == 499 and err["code"] == "shutdown" and err["partial"]["token_ids"]
-        assert gateway.wait(30) == 0
+        try:
+            rc = gateway.wait(45)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0, f"gateway exit status {rc}\n{c.logs('gateway', 30000)}"
         wait_for(lambda: worker_idle(c), 30, what="worker idle")
     finally:
         c.stop()
+
+
+def test_stuck_gateway_shutdown_is_ended_by_the_watchdog_with_stacks_in_the_log():
+    code = ("import asyncio, threading\n"
+            "from services.gateway.server import GracefulServer\n"
+            "async def main():\n"
+            "    GracefulServer._arm_watchdog(asyncio.get_running_loop(), 0.5)\n"
+            "    await asyncio.Event().wait()  # a shutdown that never ends\n"
+            "asyncio.run(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_STUCK
+    assert "shutdown still not finished" in proc.stderr and "Stack for <Task" in proc.stderr, proc.stderr

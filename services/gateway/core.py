@@ -62,8 +62,14 @@ class GatewayCore:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.r.delete(self.names.live("gateway", self.id))
+        done, pending = await asyncio.wait(self._tasks, timeout=5.0)
+        if pending:  # a task that ignores cancellation must not hold the process up
+            logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
+        try:
+            await asyncio.wait_for(self.r.delete(self.names.live("gateway", self.id)), 5.0)
+        except (redis.ConnectionError, redis.TimeoutError, asyncio.TimeoutError) as e:
+            logger.warning("could not remove the liveness key (it expires by itself): %r", e)
+        logger.info("gateway core stopped")
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
                      extra_meta: dict | None = None, route: str = "/generate") -> RequestHandle:

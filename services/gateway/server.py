@@ -3,13 +3,19 @@
 On the first SIGTERM/SIGINT the gateway stops accepting (503 on /ready and on new requests),
 lets requests in flight finish for up to `shutdown_grace_s`, then cancels the rest with
 reason `shutdown` so every client still gets a final answer, and only then lets uvicorn exit.
-A second signal exits at once.
+A second signal exits at once. A watchdog bounds the whole shutdown: if the process is still
+alive well after the drain should have ended, it writes every thread's and task's stack to the
+log and exits hard, so a stuck shutdown is never silent and never hangs a deployment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
+import os
+import sys
+import threading
 import time
 
 import uvicorn
@@ -18,12 +24,18 @@ from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
+SETTLE_S = 5.0  # after cancelling, time for the cancelled requests' final answers to go out
+GRACEFUL_CLOSE_S = 5  # uvicorn: time for open connections to finish before their tasks are cancelled
+WATCHDOG_MARGIN_S = 20.0  # beyond drain + settle + close: lifespan shutdown and interpreter exit
+EXIT_STUCK = 3  # exit status when the watchdog had to end the process
+
 
 class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, grace_s: float):
         super().__init__(config)
         self.grace_s = grace_s
         self._draining = False
+        self._drain_task: asyncio.Task | None = None  # the loop keeps only weak references to tasks
 
     def handle_exit(self, sig, frame) -> None:
         app = self.config.loaded_app if self.config.loaded else None
@@ -35,21 +47,42 @@ class GracefulServer(uvicorn.Server):
         self._draining = True
         core.draining = True
         logger.info("signal %s: draining %d requests for up to %.0f s", sig, len(core.handles), self.grace_s)
-        asyncio.get_running_loop().create_task(self._drain(core))
+        loop = asyncio.get_running_loop()
+        self._arm_watchdog(loop, self.grace_s + SETTLE_S + GRACEFUL_CLOSE_S + WATCHDOG_MARGIN_S)
+        self._drain_task = loop.create_task(self._drain(core), name="drain")
 
     async def _drain(self, core) -> None:
         deadline = time.monotonic() + self.grace_s
         while core.handles and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for handle in list(core.handles.values()):
+        left = list(core.handles.values())
+        if left:
+            logger.info("grace over: cancelling %d requests with reason shutdown", len(left))
+        for handle in left:
             await core.cancel(handle.request_id, "shutdown", handle.reply_to)
-        settle = time.monotonic() + 5.0  # the cancelled requests' final answers go out
+        settle = time.monotonic() + SETTLE_S
         while core.handles and time.monotonic() < settle:
             await asyncio.sleep(0.05)
+        logger.info("drain done (%d requests still open); stopping the server", len(core.handles))
         self.should_exit = True
+
+    @staticmethod
+    def _arm_watchdog(loop: asyncio.AbstractEventLoop, after_s: float) -> None:
+        def expire() -> None:
+            logger.error("shutdown still not finished %.1f s after the signal: dumping stacks, exiting", after_s)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            for task in list(asyncio.all_tasks(loop)):  # read-only peek from another thread: diagnostics only
+                task.print_stack(file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(EXIT_STUCK)
+
+        timer = threading.Timer(after_s, expire)
+        timer.daemon = True  # never keeps a finished process alive
+        timer.start()
 
 
 def serve(app, settings: GatewaySettings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
     GracefulServer(config, settings.shutdown_grace_s).run()
+    logger.info("gateway stopped")

@@ -141,3 +141,19 @@ def test_kv_info_of_a_request_is_readable_in_the_step_it_finishes(make_engine, c
     engine.step()
     assert engine.request_kv_info("r") is None
     engine.check_no_leak()
+
+
+def test_on_scheduled_gets_scheduling_decisions_before_the_forward_pass(make_engine, chat, monkeypatch):
+    engine = make_engine()
+    engine.add_request(EngineRequest("r", chat(QUESTIONS[0]), greedy(n=2)))
+    seen, forwards = [], []
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda step: forwards.append(len(seen)) or real_forward(step))
+    result = engine.step(on_scheduled=seen.extend)
+    assert seen == [("r", "PREFILLING")] and forwards == [1], "reported before the forward pass ran"
+    assert result.transitions == [("r", "DECODING")], "only what the forward pass caused is left"
+    runs = {}
+    collect(result, runs)
+    run_to_completion(engine, runs)
+    assert len(runs["r"].tokens) == 2
+    engine.check_no_leak()
