@@ -101,6 +101,8 @@ class WorkerSettings(CommonSettings):
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
+    gemm_tuning: bool = Field(True, description="CPU: measure the faster GEMM orientation of each layer at start "
+                                                "(kept in the cache dir)")
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

@@ -32,7 +32,8 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
     return EngineConfig(block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                         gpu_memory_fraction=s.gpu_memory_fraction, max_num_seqs=s.max_num_seqs,
                         max_num_batched_tokens=s.max_num_batched_tokens,
-                        enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype)
+                        enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype,
+                        gemm_tuning=s.gemm_tuning, tuning_cache_dir=str(s.cache_dir))
 
 
 def sampling_options(s: Sampling) -> SamplingOptions:

@@ -19,6 +19,7 @@ import torch
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import OOM, TOO_LONG, WORKER_ERROR, InvalidRequestError
+from services.worker.engine.gemm import tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import (eos_token_ids, install_paged_attention, kv_pool_blocks, load_model,
                                            model_context_len, resolve_device, resolve_dtype)
@@ -39,6 +40,8 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.device = next(model.parameters()).device
+        if config.gemm_tuning and self.device.type == "cpu":
+            tune_linears(model, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
         num_blocks = kv_pool_blocks(config, model, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         with torch.inference_mode():
