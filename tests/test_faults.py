@@ -8,6 +8,7 @@ KV block at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -101,23 +102,43 @@ def _run_with_fault(c: Cluster, fault) -> list[dict]:
     return asyncio.run(main())
 
 
-def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_reference):
+@contextlib.contextmanager
+def _two_workers_fault_on_worker0(tmp_path, hf_reference, fault, env: dict):
+    """Two workers, PROMPTS streamed, fault(worker0's process) mid-generation; yields (cluster, victim,
+    request ids) once every stream checked out, then waits for the surviving worker to hold nothing."""
     expected = _expected(hf_reference)
-    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=FAST).start()
+    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=env).start()
     try:
         wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
         victim = c.procs["worker0"]
-        results = _run_with_fault(c, lambda: os.kill(victim.pid, signal.SIGKILL))
+        results = _run_with_fault(c, lambda: fault(victim))
         _check_streams(results, expected)
-        rids = [res["final"]["request_id"] for res in results]
-        moved = [rid for rid in rids if any(h.get("reason") == "worker_lost" for h in
-                                           httpx.get(f"{c.url}/v1/requests/{rid}").json()["history"])]
-        assert moved, "no request was on the killed worker"
-        snap = httpx.get(f"{c.url}/v1/requests/{moved[0]}").json()
-        assert snap["exec"]["attempt"] == 2
+        yield c, victim, [res["final"]["request_id"] for res in results]
         wait_for(lambda: _idle(c), 30, what="surviving worker idle")
     finally:
         c.stop()
+
+
+def _moved(c: Cluster, rids: list[str], reason: str) -> list[str]:
+    """The requests whose history shows a move back to the queue for `reason`."""
+    return [rid for rid in rids if any(h.get("reason") == reason for h in
+                                       httpx.get(f"{c.url}/v1/requests/{rid}").json()["history"])]
+
+
+def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_reference):
+    with _two_workers_fault_on_worker0(tmp_path, hf_reference, lambda p: os.kill(p.pid, signal.SIGKILL),
+                                       FAST) as (c, _victim, rids):
+        moved = _moved(c, rids, "worker_lost")
+        assert moved, "no request was on the killed worker"
+        snap = httpx.get(f"{c.url}/v1/requests/{moved[0]}").json()
+        assert snap["exec"]["attempt"] == 2
+
+
+def test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost(tmp_path, model_dir, hf_reference):
+    with _two_workers_fault_on_worker0(tmp_path, hf_reference, lambda p: p.send_signal(signal.SIGTERM),
+                                       {**FAST, "CONVEYOR_DRAIN_TIMEOUT_S": "0.5"}) as (c, victim, rids):
+        assert victim.wait(30) == 0, c.logs("worker0")
+        assert _moved(c, rids, "shutdown"), "no request was handed back by the stopping worker"
 
 
 def test_hung_worker_is_treated_as_dead(tmp_path, model_dir, hf_reference):

@@ -59,6 +59,14 @@ def test_request_that_can_never_fit_fails_alone_with_too_long(make_engine, chat,
     engine.check_no_leak()
 
 
+def add_greedy(engine, chat, n: int) -> dict[str, list[int]]:
+    """Add the first n QUESTIONS as greedy requests r0..r{n-1}; returns their prompts."""
+    prompts = {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS[:n])}
+    for rid, p in prompts.items():
+        engine.add_request(EngineRequest(rid, p, greedy()))
+    return prompts
+
+
 def test_invalid_requests_are_refused_at_add(make_engine, chat):
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match="temperature"):
@@ -73,9 +81,7 @@ def test_invalid_requests_are_refused_at_add(make_engine, chat):
 
 def test_exception_for_one_request_fails_only_that_request(make_engine, chat, hf_greedy, monkeypatch):
     engine = make_engine()
-    prompts = {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS[:3])}
-    for rid, p in prompts.items():
-        engine.add_request(EngineRequest(rid, p, greedy()))
+    prompts = add_greedy(engine, chat, 3)
     real_prepare = engine.runner.prepare
 
     def flaky_prepare(items):
@@ -93,9 +99,7 @@ def test_exception_for_one_request_fails_only_that_request(make_engine, chat, hf
 
 def test_out_of_memory_shrinks_the_batch_instead_of_failing(make_engine, chat, hf_greedy, monkeypatch):
     engine = make_engine()
-    prompts = {f"r{i}": chat(q) for i, q in enumerate(QUESTIONS[:4])}
-    for rid, p in prompts.items():
-        engine.add_request(EngineRequest(rid, p, greedy()))
+    prompts = add_greedy(engine, chat, 4)
     real_prepare, real_forward = engine.runner.prepare, engine.runner.forward
     seen = {"seqs": 0, "ooms": 0}
 
