@@ -6,7 +6,9 @@ has no endpoint (the no-op tracer). Rounds alternate between them (A B B A ...),
 machine hits both alike; each round sends `--requests` greedy requests (ignore_eos, `--max-tokens` each)
 with 16 in flight.
 Prints output tokens/s per round, the median of each and their gap, and the CPU seconds the services
-spent per 1000 tokens (from /proc: less sensitive to a busy shared machine than wall-clock throughput).
+spent per 1000 tokens, in all and per service (from /proc: what tracing costs each service does not
+drift with a busy shared machine the way wall-clock throughput does). The receiver runs niced: in a
+deployment the collector is elsewhere.
 Run: .venv/bin/python -m benchmarks.tracing_overhead  [--rounds 6] [--requests 32] [--max-tokens 32] [--json out.json]
 """
 
@@ -33,8 +35,13 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
            "What is photosynthesis?", "Give three tips for a job interview."]
 
 
+SETTLE_S = 2.5  # > the batch span processor's export interval (CONVEYOR_OTEL_SCHEDULE_DELAY_MS, 2 s)
+
+
 def _receive(port_out, spans) -> None:
-    """The OTLP receiver, in a process of its own (its decoding never holds the client's GIL)."""
+    """The OTLP receiver, in a process of its own (its decoding never holds the client's GIL), at the lowest
+    CPU priority: in a deployment the collector runs elsewhere, so its decoding must not slow the services."""
+    os.nice(19)
     receiver = OtlpReceiver().start()
     port_out.put(receiver.port)
     while True:
@@ -42,16 +49,16 @@ def _receive(port_out, spans) -> None:
         spans.value = len(receiver.spans)
 
 
-def cpu_seconds(cluster: Cluster) -> float:
-    """User + system CPU time of every service process of the cluster so far (Linux /proc)."""
-    total = 0
-    for p in cluster.procs.values():
+def cpu_seconds(cluster: Cluster) -> dict[str, float]:
+    """User + system CPU time of each service process of the cluster so far (Linux /proc)."""
+    out = {}
+    for name, p in cluster.procs.items():
         try:
             fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return out
 
 
 def start_receiver():
@@ -82,19 +89,25 @@ def measure(clusters: dict, args) -> tuple[dict, dict]:
         asyncio.run(one_round(c.url, args.concurrency, 8, args.concurrency))
     rates: dict[str, list[float]] = {name: [] for name in clusters}
     cpu: dict[str, list[float]] = {name: [] for name in clusters}
+    per_service: dict[str, dict[str, list[float]]] = {name: {} for name in clusters}
     for i in range(args.rounds):
         for name in (["traced", "off"] if i % 2 == 0 else ["off", "traced"]):
             cpu0 = cpu_seconds(clusters[name])
             dt, tokens = asyncio.run(one_round(clusters[name].url, args.requests, args.max_tokens,
                                                args.concurrency))
+            time.sleep(SETTLE_S)  # the round's last span batch is exported (and counted) before the next round
             rates[name].append(tokens / dt)
-            cpu[name].append((cpu_seconds(clusters[name]) - cpu0) / tokens * 1000)
+            cpu1 = cpu_seconds(clusters[name])
+            used = {svc: (cpu1[svc] - cpu0.get(svc, 0.0)) / tokens * 1000 for svc in cpu1}
+            cpu[name].append(sum(used.values()))
+            for svc, v in used.items():
+                per_service[name].setdefault(svc, []).append(v)
             print(f"round {i} {name:7s} {tokens} tokens in {dt:6.2f} s = {tokens / dt:7.1f} tok/s, "
                   f"{cpu[name][-1]:.2f} CPU s per 1000 tokens", flush=True)
-    return rates, cpu
+    return rates, cpu, per_service
 
 
-def report(rates: dict, cpu: dict, spans: int) -> dict:
+def report(rates: dict, cpu: dict, per_service: dict, spans: int) -> dict:
     med = {name: statistics.median(v) for name, v in rates.items()}
     gap = (med["off"] - med["traced"]) / med["off"] * 100
     # Each round pairs the two modes back to back: the paired ratio cancels most of the machine's drift.
@@ -105,8 +118,13 @@ def report(rates: dict, cpu: dict, spans: int) -> dict:
     cpu_gap = (cpu_med["traced"] - cpu_med["off"]) / cpu_med["off"] * 100
     print(f"median service CPU s per 1000 tokens: traced {cpu_med['traced']:.3f}, off {cpu_med['off']:.3f} "
           f"({cpu_gap:+.2f}%)")
+    svc_med = {mode: {svc: statistics.median(v) for svc, v in d.items()} for mode, d in per_service.items()}
+    for svc in svc_med["off"]:
+        t, o = svc_med["traced"].get(svc, 0.0), svc_med["off"][svc]
+        print(f"  {svc:10s} CPU s per 1000 tokens: traced {t:.3f}, off {o:.3f}")
     return {"rates": rates, "median": med, "gap_percent": gap, "paired_gap_percent": paired, "spans": spans,
-            "cpu_per_1000_tokens": cpu, "cpu_gap_percent": cpu_gap}
+            "cpu_per_1000_tokens": cpu, "cpu_gap_percent": cpu_gap,
+            "cpu_per_service_median": svc_med}
 
 
 def main() -> None:
@@ -127,14 +145,14 @@ def main() -> None:
         for c in clusters.values():
             c.tmp.mkdir(parents=True, exist_ok=True)
             c.start()
-        rates, cpu = measure(clusters, args)
+        rates, cpu, per_service = measure(clusters, args)
         time.sleep(1.0)  # let the last spans arrive
     finally:
         for c in clusters.values():
             c.stop()
         time.sleep(0.5)
         receiver.terminate()
-    out = report(rates, cpu, spans.value)
+    out = report(rates, cpu, per_service, spans.value)
     if args.json:
         args.json.write_text(json.dumps({**out, "args": vars(args)}, default=str, indent=1))
 
