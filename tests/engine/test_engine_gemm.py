@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +84,21 @@ def test_tuning_keeps_the_tied_output_head_sharing_the_embedding(engine_model):
     tune_linears(engine_model, 64, 64, None)
     assert head.weight.data_ptr() == engine_model.get_input_embeddings().weight.data_ptr()
     assert type(head) is nn.Linear and hasattr(head, "conveyor_gemm_plan")
+
+
+def test_workers_starting_together_measure_each_shape_once(tmp_path):
+    """Two processes tune the same shapes against one cache dir at the same time: the lock makes one wait
+    and reuse what the other measured (concurrent timings would skew each other)."""
+    code = ("import logging, sys, time\n"
+            "from torch import nn\n"
+            "from services.worker.engine import gemm\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "real = gemm.measure\n"
+            "gemm.measure = lambda w, b: time.sleep(1.0) or real(w, b)  # a window wide enough to overlap\n"
+            "gemm.tune_linears(nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)), 16, 16, sys.argv[1])\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    logs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    counts = [int(m) for log in logs for m in re.findall(r"measured for (\d+) weight shapes", log)]
+    assert sum(counts) == 2, logs  # two shapes, each measured by exactly one process

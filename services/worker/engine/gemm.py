@@ -17,6 +17,8 @@ still shares the embedding's storage); `forward` is overridden on the instance.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -26,6 +28,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -124,12 +127,34 @@ class PlanStore:
     def __init__(self, cache_dir: Path | str | None):
         self.path = Path(cache_dir) / PLAN_FILE if cache_dir else None
         self._disk: dict[str, list[str]] = {}
-        if self.path is not None and self.path.exists():
-            try:
-                self._disk = {k: v for k, v in json.loads(self.path.read_text()).items()
-                              if isinstance(v, list) and v and all(n in KERNELS for n in v)}
-            except (OSError, ValueError, TypeError, AttributeError) as e:
-                logger.warning("ignoring unreadable GEMM plan file %s: %s", self.path, e)
+        self._load()
+
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            self._disk = {k: v for k, v in json.loads(self.path.read_text()).items()
+                          if isinstance(v, list) and v and all(n in KERNELS for n in v)}
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            logger.warning("ignoring unreadable GEMM plan file %s: %s", self.path, e)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the plan file's lock (a no-op without a file), then see what others saved meanwhile."""
+        if self.path is None:
+            yield
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_suffix(".lock"), "a")
+        except OSError as e:
+            logger.warning("cannot lock %s (%s): measuring without the lock", self.path, e)
+            yield
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            self._load()
+            yield
 
     def get(self, k: str) -> tuple[str, ...] | None:
         if k in _memory:
@@ -174,23 +199,35 @@ def tune_linears(model: nn.Module, max_rows: int, max_head_rows: int, cache_dir:
     of the output head (the sequences sampled in one step; transformers keeps only those rows).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    store = PlanStore(cache_dir)
-    t0, measured, mixed = time.perf_counter(), 0, 0
+    targets: list[tuple[nn.Linear, str, int]] = []  # (layer, plan key, buckets)
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dim() != 2:
             continue  # subclasses (quantized layers, ...) keep their own forward
         rows = max_head_rows if module is head else max_rows
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
-        k = key(module.out_features, module.in_features, module.weight.dtype, buckets)
+        targets.append((module, key(module.out_features, module.in_features, module.weight.dtype, buckets), buckets))
+    store = PlanStore(cache_dir)
+    missing = {k: (m, b) for m, k, b in targets if store.get(k) is None}
+    if missing:
+        _measure_missing(store, missing)
+    mixed = 0
+    for module, k, _ in targets:
         plan = store.get(k)
-        if plan is None:
-            plan = measure(module.weight.detach(), buckets)
-            store.put(k, plan)
-            measured += 1
         module.conveyor_gemm_plan = Plan(plan)
         module.forward = types.MethodType(_planned_forward, module)
         mixed += any(n != "linear" for n in plan)
-    if measured:
-        store.save()
-        logger.info("GEMM kernels measured for %d weight shapes in %.1f s", measured, time.perf_counter() - t0)
     return mixed
+
+
+def _measure_missing(store: PlanStore, missing: dict[str, tuple[nn.Linear, int]]) -> None:
+    """Measure the plans not known yet, one process at a time: workers starting together would
+    otherwise time their kernels against each other and keep skewed plans."""
+    t0, measured = time.perf_counter(), 0
+    with store.exclusive():
+        for k, (module, buckets) in missing.items():
+            if store.get(k) is None:  # another process may have measured it while this one waited
+                store.put(k, measure(module.weight.detach(), buckets))
+                measured += 1
+        if measured:
+            store.save()
+    logger.info("GEMM kernels measured for %d weight shapes in %.1f s", measured, time.perf_counter() - t0)
