@@ -11,14 +11,15 @@ measured, not guessed: once per (weight shape, dtype, thread count, torch build,
 power-of-two bucket of M, at engine start, min of interleaved runs; then kept in memory and in a
 JSON file under the cache directory, so a restarted worker does not measure again.
 
-Only where a layer's forward is called: modules keep their type, weights and ties (the LM head
-still shares the embedding's storage); `forward` is overridden on the instance.
+How it is applied: each nn.Linear keeps its type, weights and ties (the LM head still shares the
+embedding's storage); only its `forward` is overridden, on the instance.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ class Plan:
         return self.kernels[min(i, len(self.kernels) - 1)]
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
