@@ -66,8 +66,9 @@ class GatewayCore:
         if pending:  # a task that ignores cancellation must not hold the process up
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
         try:
-            await asyncio.wait_for(self.r.delete(self.names.live("gateway", self.id)), 5.0)
-        except (redis.ConnectionError, redis.TimeoutError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(5.0):
+                await self.r.delete(self.names.live("gateway", self.id))
+        except (redis.ConnectionError, redis.TimeoutError, TimeoutError) as e:
             logger.warning("could not remove the liveness key (it expires by itself): %r", e)
         logger.info("gateway core stopped")
 

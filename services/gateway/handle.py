@@ -56,8 +56,11 @@ class RequestHandle:
     async def next_chunk(self, timeout: float) -> Chunk | None:
         """The next piece of output; None when nothing came within `timeout` seconds."""
         try:
-            item = await asyncio.wait_for(self.queue.get(), timeout=max(0.0, timeout))
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that lands
+            # as the item arrives (gh-86296), and a cancelled request's handler would then run on.
+            async with asyncio.timeout(max(0.0, timeout)):
+                item = await self.queue.get()
+        except TimeoutError:
             return None
         if isinstance(item, TokenDelta):
             index = len(self.token_ids)
