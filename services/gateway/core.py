@@ -62,7 +62,7 @@ class GatewayCore:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        done, pending = await asyncio.wait(self._tasks, timeout=5.0)
+        _done, pending = await asyncio.wait(self._tasks, timeout=5.0)
         if pending:  # a task that ignores cancellation must not hold the process up
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
         try:

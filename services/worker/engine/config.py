@@ -25,7 +25,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
     num_kv_blocks: int | None = None  # overrides the byte budget: exact pool size (tests, tuning)
     max_model_len: int | None = None  # caps the context window below the model's own
-    gemm_tuning: bool = True  # CPU: measure each linear layer's faster GEMM orientation at start (gemm.py)
+    gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (gemm.py)
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
 
     def __post_init__(self) -> None:
