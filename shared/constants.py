@@ -103,6 +103,23 @@ class Names:
     def queue(self) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
         return f"{self.ns}:queue"
 
+    def live_hash(self, service: str) -> str:  # hash: instance -> JSON {at, ...}; one per service kind (no SCAN)
+        return f"{self.ns}:livehash:{service}"
+
+    def owner_index(self, owner: str) -> str:  # sorted set: one API key's request ids -> creation time (listing)
+        return f"{self.ns}:owner:{owner}:requests"
+
+    def owner_waiting(self, owner: str) -> str:  # sorted set: one API key's waiting requests (per-key fairness)
+        return f"{self.ns}:owner:{owner}:waiting"
+
+    @property
+    def owner_waiting_prefix(self) -> str:  # lifecycle script: + owner + OWNER_WAITING_SUFFIX
+        return f"{self.ns}:owner:"
+
+    @property
+    def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
+        return f"{self.ns}:epoch"
+
     @property
     def counters(self) -> str:  # hash of cluster-wide counters (settlement no-ops, dead letters)
         return f"{self.ns}:counters"
