@@ -21,7 +21,7 @@ import redis
 from msgspec import msgpack
 
 from shared import telemetry
-from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names
+from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import AnyEvent, Event, SchemaError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,14 @@ class Bus:
                 raise
 
     def publish(self, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> str:
-        return _s(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
+        """XADD, capped; a process's own stream also gets its TTL (a dead process's inbox must not live on)."""
+        ttl = private_stream_ttl(self.names, stream)
+        if not ttl:
+            return _s(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
+        pipe.expire(stream, ttl)
+        return _s(pipe.execute()[0])
 
     def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:
         """New entries of `streams` for this consumer; block_ms=0 means do not block."""
@@ -89,6 +96,20 @@ class Bus:
             return False
         self.ack(d)
         return True
+
+    def trim_consumed(self, stream: str) -> None:
+        """Drop the entries every group of `stream` is done with (delivered, and none pending before them): a
+        stream is a queue here, not a log, and its acknowledged entries would otherwise stay up to the cap."""
+        try:
+            groups = self.r.xinfo_groups(stream)
+        except redis.ResponseError:  # no such stream (yet)
+            return
+        floors = []
+        for g in groups:
+            pending = self.r.xpending(stream, g["name"])
+            floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
+        if floors:
+            self.r.xtrim(stream, minid=min(floors, key=_entry_key), approximate=False)
 
     def sweep(self, stream: str, group: str, count: int = 64) -> list[Delivery]:
         """Claim entries idle longer than claim_idle_ms; dead-letter the over-delivered ones."""
@@ -152,6 +173,11 @@ def _best_effort_decode(payload: bytes | None):
         except msgspec.DecodeError:
             return None
         return raw if isinstance(raw, dict) else None
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _s(v) -> str:

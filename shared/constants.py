@@ -24,6 +24,10 @@ EVENT_FIELD = b"e"
 # Streams are trimmed (approximately) to this many entries; consumers are far faster.
 STREAM_MAXLEN = 100_000
 HEARTBEAT_MAXLEN = 1_000
+# A process's own stream (a worker's inbox, a gateway's replies) is refreshed to this TTL by its owner at every
+# heartbeat and by every write to it, so the stream of a process that died disappears by itself this long after
+# the last write; the shared streams (received, preprocessed, control) have no TTL.
+PRIVATE_STREAM_TTL_S = 300
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 
@@ -60,6 +64,9 @@ class Names:
     def reply_stream(self, gateway_id: str) -> str:  # tokens and endings -> one gateway
         return f"{self.ns}:stream:reply:{gateway_id}"
 
+    def is_private_stream(self, stream: str) -> bool:
+        return stream.startswith((f"{self.ns}:stream:worker:", f"{self.ns}:stream:reply:"))
+
     def layer(self, request_id: str, layer: str) -> str:
         return f"{self.ns}:req:{{{request_id}}}:{layer}"
 
@@ -73,12 +80,6 @@ class Names:
         """meta, input, exec, kv, output, history, tokens: the order the lifecycle script expects."""
         return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id),
                                                                       self.tokens(request_id)]
-
-    def live(self, service: str, instance: str) -> str:  # liveness key, expires when the process stops
-        return f"{self.ns}:live:{service}:{instance}"
-
-    def live_pattern(self, service: str) -> str:
-        return f"{self.ns}:live:{service}:*"
 
     @property
     def requests_index(self) -> str:  # sorted set: request id -> creation time (listing, eviction)
@@ -113,6 +114,10 @@ class Names:
         return f"{self.ns}:owner:{owner}:waiting"
 
     @property
+    def request_owners(self) -> str:  # hash: request id -> owner, for requests with one (the janitor's reverse lookup)
+        return f"{self.ns}:owners"
+
+    @property
     def owner_waiting_prefix(self) -> str:  # lifecycle script: + owner + OWNER_WAITING_SUFFIX
         return f"{self.ns}:owner:"
 
@@ -123,3 +128,8 @@ class Names:
     @property
     def counters(self) -> str:  # hash of cluster-wide counters (settlement no-ops, dead letters)
         return f"{self.ns}:counters"
+
+
+def private_stream_ttl(names: Names, stream: str) -> int:
+    """TTL a write to `stream` sets (0: none, a shared stream)."""
+    return PRIVATE_STREAM_TTL_S if names.is_private_stream(stream) else 0

@@ -24,8 +24,9 @@ from shared.lifecycle import TERMINAL, State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set.  ARGV: ttl, request_id, payload,
-# n_meta, meta k/v pairs..., input k/v pairs...
+# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set, and when the request
+# has an owner (an API key id, meta 'owner'): owner index, owner waiting set, request owners.
+# ARGV: ttl, request_id, payload, n_meta, meta k/v pairs..., input k/v pairs...
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
@@ -40,8 +41,23 @@ for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
 redis.call('ZADD', KEYS[11], now, ARGV[2])
+if #KEYS >= 14 then
+  redis.call('ZADD', KEYS[12], now, ARGV[2])
+  redis.call('ZADD', KEYS[13], now, ARGV[2])
+  redis.call('HSET', KEYS[14], ARGV[2], cjson.decode(redis.call('HGET', KEYS[1], 'owner')))
+end
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
+"""
+
+
+# KEYS: meta, layer.  ARGV: field/value pairs.
+_UPDATE_LUA = """
+local left = redis.call('PTTL', KEYS[1])
+if left == -2 then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV))
+if left > 0 then redis.call('PEXPIRE', KEYS[2], left) end
+return 1
 """
 
 
@@ -64,10 +80,13 @@ class ContextStore:
         self.names = names
         self.live_ttl_s = live_ttl_s  # bound on an unfinished request's keys
         self._create = client.register_script(_CREATE_LUA)
+        self._update = client.register_script(_UPDATE_LUA)
 
     def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event):
         keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting,
                                                       self.names.state_set("RECEIVED")]
+        if owner := meta.get("owner") or "":  # no API keys: no per-owner index or bound
+            keys += [self.names.owner_index(owner), self.names.owner_waiting(owner), self.names.request_owners]
         argv: list = [str(self.live_ttl_s), request_id, encode(event), str(len(meta))]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
@@ -84,10 +103,13 @@ class ContextStore:
         return float(_s(res[1]))
 
     def update(self, client, request_id: str, layer: str, fields: dict):
-        """HSET fields of one layer; returns what the client returns (await it on asyncio)."""
+        """HSET fields of one layer while the request's context exists, the layer taking meta's remaining TTL
+        (a write after settlement or expiry never leaves a key without one). Returns what the client returns
+        (await it on asyncio; a pipeline queues it): 1 written, 0 the context is gone."""
         assert layer in LAYERS, layer
-        return client.hset(self.names.layer(request_id, layer),
-                           mapping={k: _json.encode(v) for k, v in fields.items()})
+        argv = [x for k, v in fields.items() for x in (k, _json.encode(v))]
+        return self._update(keys=[self.names.layer(request_id, "meta"), self.names.layer(request_id, layer)],
+                            args=argv, client=client)
 
     def queue_read(self, pipe, request_id: str) -> None:
         for layer in LAYERS:
@@ -151,12 +173,17 @@ class ContextJanitor:
     def _forget(self, zset: str, ids: list, delete: bool) -> int:
         if not ids:
             return 0
+        rids = [_s(raw) for raw in ids]
+        # The owner comes from the reverse lookup written at creation: an expired request's meta is gone.
+        owners = self.r.hmget(self.names.request_owners, rids)
         pipe = self.r.pipeline(transaction=False)
-        for raw in ids:
-            rid = _s(raw)
+        for rid, owner in zip(rids, owners):
             if delete:
                 pipe.delete(*self.names.request_keys(rid))
             pipe.zrem(zset, rid)
             pipe.zrem(self.names.requests_index, rid)
+            if owner:
+                pipe.zrem(self.names.owner_index(_s(owner)), rid)
+        pipe.hdel(self.names.request_owners, *rids)
         pipe.execute()
         return len(ids)

@@ -14,10 +14,10 @@ import enum
 import json
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from shared import telemetry
-from shared.constants import Names
+from shared.constants import STREAM_MAXLEN, Names, private_stream_ttl
 from shared.errors import InvalidTransition
 from shared.events import Event, encode
 
@@ -74,8 +74,13 @@ def check_transition(current: State, to: State) -> None:
 
 # KEYS: meta, input, exec, kv, output, history, tokens, counters, waiting, then one key per stream to publish to.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
-#       state-set prefix, then one payload per stream.
+#       state-set prefix, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
+#       owner-waiting prefix, then per stream: payload, stream ttl ('0' = none), maxlen.
 # (State-set names are built from a prefix: fine on one Redis, not across Redis Cluster slots.)
+# Fencing: a write that a stale owner could make carries the attempt it was placed with; it is refused
+# ('fenced') unless exec.attempt still equals it, so a hung worker that wakes up after its request moved on
+# changes nothing. exec is written only here (with the SCHEDULED transition), never separately.
+# Keys created after the request's birth (exec) take meta's remaining TTL: every key has a TTL from birth.
 _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
@@ -88,10 +93,16 @@ if not ok then
   end
   return {'rejected', cur}
 end
+if ARGV[10] ~= '' and redis.call('HGET', KEYS[3], 'attempt') ~= ARGV[10] then return {'fenced', cur} end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'state_since', now, 'updated_at', now)
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'reason', ARGV[4]) end
+if ARGV[11] ~= '' then
+  redis.call('HSET', KEYS[3], 'attempt', ARGV[11], 'worker_id', ARGV[12])
+  local left = redis.call('PTTL', KEYS[1])
+  if left > 0 then redis.call('PEXPIRE', KEYS[3], left) end
+end
 redis.call('RPUSH', KEYS[6], cjson.encode({state=ARGV[1], from=cur, t=tonumber(now), service=ARGV[3], reason=ARGV[4]}))
 if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
@@ -99,11 +110,24 @@ if ARGV[5] == '1' then
 end
 redis.call('ZREM', ARGV[9] .. cur, ARGV[7])
 redis.call('ZADD', ARGV[9] .. ARGV[1], now, ARGV[7])
-if ARGV[8] == '1' then redis.call('ZADD', KEYS[9], now, ARGV[7]) end
-if ARGV[8] == '-1' then redis.call('ZREM', KEYS[9], ARGV[7]) end
+if ARGV[8] ~= '0' then
+  local owner = redis.call('HGET', KEYS[1], 'owner')
+  if owner then owner = cjson.decode(owner) end
+  local per_owner = nil
+  if type(owner) == 'string' and owner ~= '' then per_owner = ARGV[13] .. owner .. ':waiting' end
+  if ARGV[8] == '1' then
+    redis.call('ZADD', KEYS[9], now, ARGV[7])
+    if per_owner then redis.call('ZADD', per_owner, now, ARGV[7]) end
+  else
+    redis.call('ZREM', KEYS[9], ARGV[7])
+    if per_owner then redis.call('ZREM', per_owner, ARGV[7]) end
+  end
+end
 local out = {'ok', cur, now}
 for i = 10, #KEYS do
-  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', '100000', '*', 'e', ARGV[i])
+  local a = 14 + 3 * (i - 10)
+  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
+  if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[a + 1])) end
 end
 return out
 """
@@ -115,6 +139,7 @@ class TransitionResult:
     previous: State | None  # state before the attempt (None: unknown request)
     at: float = 0.0  # Redis time of the change
     entry_ids: tuple[str, ...] = ()  # stream entry ids of the events published with it
+    fenced: bool = False  # refused: the caller no longer owns the request (its attempt is stale)
 
 
 @dataclass(frozen=True)
@@ -125,8 +150,20 @@ class Publish:
     event: Event
 
 
+@dataclass(frozen=True)
+class Owner:
+    """The placement a SCHEDULED transition records in the exec layer (the fencing token)."""
+
+    worker_id: str
+    attempt: int
+
+
 class Lifecycle:
-    """Performs transitions for one service of one namespace, on a sync or asyncio client."""
+    """Performs transitions for one service of one namespace, on a sync or asyncio client.
+
+    `only_from` narrows the table's predecessors (a consumer that knows which state its event moves the
+    request from: a redelivered event then finds the request elsewhere and changes nothing); `fence` is the
+    attempt the caller holds the request with; `owner` is recorded with a placement."""
 
     def __init__(self, client, names: Names, service: str, context_ttl_s: int):
         self.names = names
@@ -134,27 +171,34 @@ class Lifecycle:
         self.ttl = context_ttl_s
         self._script = client.register_script(_TRANSITION_LUA)
 
-    def transition(self, request_id: str, to: State, reason: str = "",
-                   publish: Sequence[Publish] = ()) -> TransitionResult:
-        keys, argv = self.args(request_id, to, reason, publish)
+    def transition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
+                   **kw) -> TransitionResult:
+        keys, argv = self.args(request_id, to, reason, publish, **kw)
         return self.interpret(request_id, to, self._script(keys=keys, args=argv))
 
-    async def atransition(self, request_id: str, to: State, reason: str = "",
-                          publish: Sequence[Publish] = ()) -> TransitionResult:
-        keys, argv = self.args(request_id, to, reason, publish)
+    async def atransition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
+                          **kw) -> TransitionResult:
+        keys, argv = self.args(request_id, to, reason, publish, **kw)
         return self.interpret(request_id, to, await self._script(keys=keys, args=argv))
 
-    def queue(self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = ()) -> None:
+    def queue(self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
+              **kw) -> None:
         """Add the transition to a pipeline; pass its reply to interpret()."""
-        keys, argv = self.args(request_id, to, reason, publish)
+        keys, argv = self.args(request_id, to, reason, publish, **kw)
         self._script(keys=keys, args=argv, client=pipe)
 
-    def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish]) -> tuple[list, list]:
+    def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish],
+             only_from: Collection[State] | None = None, fence: int | None = None,
+             owner: Owner | None = None) -> tuple[list, list]:
+        allowed = predecessors(to) if only_from is None else [s.value for s in only_from if to in ALLOWED[s]]
         keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting] + \
             [p.stream for p in publish]
-        argv = [to.value, ",".join(predecessors(to)), self.service, reason, "1" if to in TERMINAL else "0",
-                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), self.names.state_prefix] + \
-            [encode(p.event) for p in publish]
+        argv = [to.value, ",".join(allowed), self.service, reason, "1" if to in TERMINAL else "0",
+                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), self.names.state_prefix,
+                "" if fence is None else str(fence), "" if owner is None else str(owner.attempt),
+                "" if owner is None else json.dumps(owner.worker_id), self.names.owner_waiting_prefix]
+        for p in publish:
+            argv += [encode(p.event), str(private_stream_ttl(self.names, p.stream)), str(STREAM_MAXLEN)]
         return keys, argv
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
@@ -167,6 +211,9 @@ class Lifecycle:
             logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
             return TransitionResult(False, None)
         current = State(cur)
+        if status == "fenced":
+            logger.warning("transition %s -> %s refused: the caller's attempt is stale", request_id, to.value)
+            return TransitionResult(False, current, fenced=True)
         if current in TERMINAL:
             return TransitionResult(False, current)  # settled already: a no-op, counted by the caller
         if current == to:

@@ -9,9 +9,9 @@ import socket
 import time
 import uuid
 
-import msgspec
 import redis
 
+from shared import liveness
 from shared.constants import Names
 from shared.settings import CommonSettings
 
@@ -45,35 +45,63 @@ class StopFlag:
 
 
 class Liveness:
-    """A key with a TTL per process; it disappears when the process stops refreshing it."""
+    """One process's entry in its service kind's liveness hash (shared.liveness); it stops counting as live
+    when the process stops refreshing it."""
+
+    read = staticmethod(liveness.read_live)  # live instances of a service kind -> their entries (no SCAN)
 
     def __init__(self, names: Names, service: str, instance: str, interval_s: float, ttl_s: float):
-        self.key = names.live(service, instance)
+        self.names, self.service, self.instance = names, service, instance
         self.interval_s = interval_s
-        self.ttl_ms = int(ttl_s * 1000)
+        self.ttl_s = ttl_s
         self._last = 0.0
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval_s
 
+    def queue(self, pipe, info: dict | None = None) -> None:
+        """Queue a refresh on a pipeline the caller executes (with its other writes)."""
+        self._last = time.monotonic()
+        liveness.queue_write(pipe, self.names, self.service, self.instance, self.ttl_s, info)
+
     def refresh(self, client, info: dict | None = None) -> None:
         self._last = time.monotonic()
-        client.set(self.key, msgspec.json.encode(info or {"at": time.time()}), px=self.ttl_ms)
+        liveness.write(client, self.names, self.service, self.instance, self.ttl_s, info)
 
     def clear(self, client) -> None:
-        client.delete(self.key)
+        liveness.remove(client, self.names, self.service, self.instance)
 
 
-def run_loop(stop: StopFlag, tick, name: str) -> None:
-    """Call tick() until stopped. While Redis is away, back off (50 ms doubling to 2 s) and try again:
-    services ride out a Redis restart instead of dying with it."""
+def run_loop(stop: StopFlag, tick, name: str, on_nogroup=None) -> None:
+    """Call tick() until stopped. The loop survives any Redis error: while Redis is away or refuses, back off
+    (50 ms doubling to 2 s) and try again, so services ride out a Redis restart instead of dying with it. A
+    NOGROUP error means Redis lost the stream (a restart without persistence, a flush): on_nogroup() creates
+    the consumer groups again and the loop goes on at once."""
     failures = 0
     while not stop.stopped:
         try:
             tick()
             failures = 0
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            failures += 1
-            delay = min(2.0, 0.05 * 2 ** min(failures, 6))
-            logger.warning("%s: redis unavailable (%s); retrying in %.2f s", name, e, delay)
-            time.sleep(delay)
+        except redis.ResponseError as e:
+            if on_nogroup is not None and "NOGROUP" in str(e):
+                logger.warning("%s: a consumer group is gone (%s); creating the groups again", name, e)
+                _retry(on_nogroup, name)
+                continue
+            failures = _back_off(name, e, failures)
+        except redis.RedisError as e:
+            failures = _back_off(name, e, failures)
+
+
+def _back_off(name: str, e: Exception, failures: int) -> int:
+    failures += 1
+    delay = min(2.0, 0.05 * 2 ** min(failures, 6))
+    logger.warning("%s: redis unavailable (%r); retrying in %.2f s", name, e, delay)
+    time.sleep(delay)
+    return failures
+
+
+def _retry(action, name: str) -> None:
+    try:
+        action()
+    except redis.RedisError as e:  # the next tick fails the same way and comes back here
+        logger.warning("%s: recovery step failed (%r)", name, e)

@@ -30,8 +30,8 @@ class CommonSettings(BaseSettings):
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="where converted models are cached")
     log_level: str = Field("INFO", description="logging level of the process")
     instance_id: str = Field("", description="consumer/instance name; empty = host-pid-random")
-    liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness key is older")
-    heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness keys are refreshed")
+    liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness entry is older")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness entries are refreshed")
     read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
     socket_timeout_s: float = Field(10.0, gt=0, description="Redis client socket timeout")
     claim_idle_ms: int = Field(10_000, ge=100, description="pending entries idle this long are claimed")
@@ -61,7 +61,14 @@ class GatewaySettings(CommonSettings):
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "
                                                               "beyond which new ones get 429")
     max_open_requests: int = Field(2048, ge=1, description="HTTP requests this gateway serves at once; more get 429")
+    max_waiting_requests_per_key: int = Field(512, ge=1, description="waiting requests (cluster-wide) of one API key "
+                                                                     "beyond which its new ones get 429")
+    max_open_requests_per_key: int = Field(1024, ge=1, description="HTTP requests of one API key this gateway "
+                                                                   "serves at once; more get 429")
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
+    redis_pool_size: int = Field(64, ge=2, le=10_000, description="Redis connections of the gateway's pool; "
+                                 "under a burst requests wait for one instead of failing")
+    redis_pool_timeout_s: float = Field(30.0, gt=0, description="longest wait for a pooled Redis connection")
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from services.gateway.admission import OpenRequestLimit
+from shared.constants import Names
+from shared.liveness import read_live
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.openai_fixtures import MODEL, async_openai_client
@@ -33,10 +35,8 @@ def slow(tmp_path_factory, model_dir):
 
 
 def _worker_running(cluster) -> bool:
-    import msgspec
-
     r = redis.Redis.from_url(cluster.redis.url)
-    return any(msgspec.json.decode(r.get(k))["running"] == 1 for k in r.scan_iter(f"{cluster.ns}:live:worker:*"))
+    return any(w["running"] == 1 for w in read_live(r, Names(cluster.ns), "worker").values())
 
 
 def test_requests_beyond_the_waiting_bound_get_429_at_once_and_accepted_ones_finish(slow):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
-import msgspec
+import pytest
 import redis
 
+from shared.constants import Names
+from shared.liveness import read_live
+from tests.openai_fixtures import MODEL
 from tests.waiting import wait_for
 
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
@@ -16,7 +20,7 @@ LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 2000, "temperat
 
 def _worker_idle(cluster) -> bool:
     r = redis.Redis.from_url(cluster.redis.url)
-    infos = [msgspec.json.decode(r.get(k)) for k in r.scan_iter(f"{cluster.ns}:live:worker:*")]
+    infos = list(read_live(r, Names(cluster.ns), "worker").values())
     # free_blocks counts cached-but-unreferenced blocks too: all free = nothing held by any request.
     return bool(infos) and all(i["held"] == 0 and i["running"] == 0 and i["free_blocks"] == i["total_blocks"]
                                for i in infos)
@@ -64,3 +68,22 @@ def test_client_disconnect_mid_stream_cancels_request(cluster):
     snap = httpx.get(f"{cluster.url}/v1/requests/{rid}", timeout=10).json()
     assert snap["history"][-1]["reason"] == "client_disconnect"
     wait_for(lambda: _worker_idle(cluster), 30, what="worker released every block")
+
+
+def _open_requests(cluster) -> float:
+    found = re.search(r"^conveyor:gateway_open_requests (\S+)$", httpx.get(f"{cluster.url}/metrics", timeout=10).text,
+                      re.M)
+    assert found, "the gateway exports conveyor:gateway_open_requests"
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_client_disconnect_mid_stream_releases_the_gateway_handle(cluster, path):
+    body = {**LONG, "stream": True, **({"model": MODEL} if path.startswith("/v1/") else {})}
+    with httpx.stream("POST", f"{cluster.url}{path}", json=body, timeout=120) as r:
+        rid = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    wait_for(lambda: _state(cluster, rid) == "CANCELLED", 30, what="request cancelled")
+    wait_for(lambda: _open_requests(cluster) == 0, 30, what="the gateway forgot the request")

@@ -11,11 +11,12 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
+from shared import liveness
 from shared.constants import Names
 from shared.context_store import ContextStore
 from shared.constants import EVENT_FIELD
 from shared.events import SCHEMA_VERSION, RequestReceived, Sampling, Scheduled, decode, encode
-from shared.lifecycle import Lifecycle, Publish, State
+from shared.lifecycle import Lifecycle, Owner, Publish, State
 from tests.waiting import wait_for
 
 
@@ -59,14 +60,15 @@ def test_poison_event_goes_to_dead_letter_and_fails_its_request(cluster):
 def test_worker_error_for_one_request_leaves_the_batch_running(cluster):
     r = redis.Redis.from_url(cluster.redis.url)
     names = Names(cluster.ns)
-    worker = next(k.decode().rsplit(":", 1)[1] for k in r.scan_iter(names.live_pattern("worker")))
+    worker = next(iter(liveness.read_live(r, names, "worker")))
     reply = f"{cluster.ns}:stream:reply:test-{uuid.uuid4().hex[:6]}"
     # A request placed by hand (acting as tokenizer and scheduler) whose prompt holds a token id outside
     # the vocabulary, as a buggy upstream would send it.
     rid = _context(cluster, reply, _received(reply), stream=f"{cluster.ns}:test:sink")
     lc = Lifecycle(r, names, "test", 60)
-    for s in (State.PREPROCESSED, State.QUEUED, State.SCHEDULED):
+    for s in (State.PREPROCESSED, State.QUEUED):
         lc.transition(rid, s)
+    lc.transition(rid, State.SCHEDULED, owner=Owner(worker, 1))  # as the scheduler places: attempt 1 on it
     bad = Scheduled(request_id=rid, worker_id=worker, reply_to=reply, prompt_token_ids=(1, 10**9),
                     sampling=Sampling(max_tokens=3), priority=0, deadline=time.time() + 60)
     box: dict = {}

@@ -16,10 +16,11 @@ import threading
 import time
 
 import httpx
-import msgspec
 import pytest
 import redis
 
+from shared.constants import Names
+from shared.liveness import read_live
 from shared.redis_server import RedisServer
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
@@ -32,8 +33,7 @@ MAX_TOKENS = 32
 
 def _live_workers(c: Cluster) -> dict[str, dict]:
     r = redis.Redis.from_url(c.redis.url)
-    return {k.decode().rsplit(":", 1)[1]: msgspec.json.decode(v) for k in r.scan_iter(f"{c.ns}:live:worker:*")
-            if (v := r.get(k))}
+    return read_live(r, Names(c.ns), "worker")
 
 
 def _idle(c: Cluster) -> bool:

@@ -15,6 +15,8 @@ import httpx
 import pytest
 import redis
 
+from shared.constants import Names
+from shared.liveness import read_live
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.waiting import wait_for
@@ -40,10 +42,8 @@ def states(c, rid: str) -> list[str]:
 
 
 def worker_idle(c) -> bool:
-    import msgspec
-
     r = redis.Redis.from_url(c.redis.url)
-    infos = [msgspec.json.decode(r.get(k)) for k in r.scan_iter(f"{c.ns}:live:worker:*")]
+    infos = list(read_live(r, Names(c.ns), "worker").values())
     return bool(infos) and all(i["held"] == 0 and i["free_blocks"] == i["total_blocks"] for i in infos)
 
 

@@ -18,7 +18,10 @@ from tests.waiting import wait_for
 def _live_tokenizers(cluster: Cluster) -> list[str]:
     import redis
 
-    return [k.decode() for k in redis.Redis.from_url(cluster.redis.url).scan_iter(f"{cluster.ns}:live:tokenizer:*")]
+    from shared.constants import Names
+    from shared.liveness import read_live
+
+    return list(read_live(redis.Redis.from_url(cluster.redis.url), Names(cluster.ns), "tokenizer"))
 
 
 def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:

@@ -73,7 +73,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         app.state.max_len = info.max_len
-        app.state.core = GatewayCore(settings, async_client(settings), load_tokenizer(info.model_dir),
+        app.state.core = GatewayCore(settings, async_client(settings, settings.redis_pool_size,
+                                                                   settings.redis_pool_timeout_s), load_tokenizer(info.model_dir),
                                      settings.model_name or model_display_name(settings.model))
         await app.state.core.start()
         logger.info("gateway %s ready for requests", app.state.core.id)
@@ -85,7 +86,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(OpenRequestLimit, limit=settings.max_open_requests, retry_after_s=settings.retry_after_s)
+    app.add_middleware(OpenRequestLimit, limit=settings.max_open_requests, retry_after_s=settings.retry_after_s,
+                       per_key_limit=settings.max_open_requests_per_key)  # the key id: set by ApiKeyAuth, below
     app.add_middleware(ApiKeyAuth, keys=settings.api_keys)  # outermost: nothing runs for a caller without a key
     if not settings.api_keys:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import redis
+from prometheus_client import Gauge
 
 from services.gateway.admission import Admission
 from services.gateway.errors import Unavailable
@@ -21,16 +22,20 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
 from services.gateway.stop_strings import TextStream
 from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
-from shared.constants import EVENT_FIELD, GROUP_GATEWAY, Names
+from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
-from shared.events import (CancelRequested, Cancelled, ChatMessage, RequestReceived, Sampling, SchemaError, TimedOut,
-                           TokenGenerated, decode)
+from shared.events import (CancelRequested, Cancelled, ChatMessage, Failed, RequestReceived, Sampling, SchemaError,
+                           TimedOut, TokenGenerated, decode)
 from shared.lifecycle import Lifecycle, Publish, State
+from shared import liveness
+from shared.epoch import DatasetEpoch
 from shared.runtime import instance_id
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
+
+LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
 
 
 class GatewayCore:
@@ -48,14 +53,16 @@ class GatewayCore:
         self.metrics = GatewayMetrics()
         self.draining = False  # set on SIGTERM: no new requests, /ready says 503
         self.admission = Admission(self)
+        self.epoch = DatasetEpoch(self.names)
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # cancels of abandoned requests (kept referenced)
+        self._loop_ok: dict[str, float] = {}  # loop name -> monotonic time of its last good round
+        Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
+              registry=self.metrics.registry).set_function(lambda: len(self.handles))
 
     async def start(self) -> None:
-        try:
-            await self.r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        await self._ensure_group()
+        await self.epoch.acheck(self.r)
         self._tasks = [asyncio.create_task(self._read_replies(), name="replies"),
                        asyncio.create_task(self._keep_alive(), name="liveness")]
 
@@ -67,7 +74,7 @@ class GatewayCore:
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
         try:
             async with asyncio.timeout(5.0):
-                await self.r.delete(self.names.live("gateway", self.id))
+                await liveness.remove(self.r, self.names, "gateway", self.id)
         except (redis.ConnectionError, redis.TimeoutError, TimeoutError) as e:
             logger.warning("could not remove the liveness key (it expires by itself): %r", e)
         logger.info("gateway core stopped")
@@ -93,6 +100,7 @@ class GatewayCore:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt
+        handle.epoch = self.epoch.known
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
         meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
                 "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",
@@ -117,9 +125,25 @@ class GatewayCore:
                 self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times,
                                          len(handle.token_ids))
 
-    async def cancel(self, request_id: str, reason: str, reply_to: str) -> bool:
+    def abandon(self, handle: RequestHandle, reason: str) -> None:
+        """The client left before the end: forget the handle now, and cancel the work in a task of its own.
+        (Called from a handler being cancelled: an await there would be cancelled too, and the handle,
+        its detokenizer and its spans would be kept for ever.)"""
+        tp = getattr(handle.trace, "traceparent", "")
+        self.release(handle)
+        task = asyncio.get_running_loop().create_task(self.cancel(handle.request_id, reason, handle.reply_to, tp),
+                                                      name=f"cancel-{handle.request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._cancel_done)
+
+    def _cancel_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("cancelling an abandoned request failed: %r", task.exception())
+
+    async def cancel(self, request_id: str, reason: str, reply_to: str, traceparent: str = "") -> bool:
         """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""
-        tp = getattr(getattr(self.handles.get(request_id), "trace", None), "traceparent", "")
+        tp = traceparent or getattr(getattr(self.handles.get(request_id), "trace", None), "traceparent", "")
         publish = [Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway",
                                                traceparent=tp)),
                    Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
@@ -149,19 +173,50 @@ class GatewayCore:
         return res.previous is not None
 
     async def _read_replies(self) -> None:
+        """Drain this gateway's reply stream for ever: no Redis error ends it (a lost group is made again)."""
         while True:
             try:
                 reply = await self.r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=256,
                                                 block=self.s.read_block_ms)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                logger.warning("reply stream read failed (%s); retrying", e)
-                await asyncio.sleep(0.5)
-                continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._route(fields, entry_id)
-                if entries:
-                    await self.r.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        self._route(fields, entry_id)
+                    if entries:  # this gateway is the stream's only reader: what it acknowledged can go
+                        pipe = self.r.pipeline(transaction=False)
+                        pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
+                        pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
+                        await pipe.execute()
+                self._loop_ok["replies"] = time.monotonic()
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    await self._pause("reply stream read", e)
+                    continue
+                logger.warning("reply stream group gone (%s): Redis lost its data; creating it again", e)
+                await self._on_data_loss()
+            except redis.RedisError as e:
+                await self._pause("reply stream read", e)
+
+    @staticmethod
+    async def _pause(what: str, e: Exception) -> None:
+        logger.warning("%s failed (%r); retrying", what, e)
+        await asyncio.sleep(0.5)
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def _on_data_loss(self) -> None:
+        """Redis lost its data: make the reply group again, and answer every request created before the loss
+        at once (its context, queue entry and placement are gone: nothing would ever end it)."""
+        await self._ensure_group()
+        await self.epoch.acheck(self.r)
+        for handle in [h for h in self.handles.values() if h.epoch != self.epoch.known]:
+            handle.deliver(Failed(request_id=handle.request_id, reason="state_lost", service="gateway",
+                                  message="Redis lost the request's state (a restart without persistence or a "
+                                          "flush) while it was in flight; send it again"))
 
     def _route(self, fields: dict, entry_id: bytes | str = "") -> None:
         try:
@@ -178,20 +233,32 @@ class GatewayCore:
             h.deliver(ev)
 
     async def _keep_alive(self) -> None:
-        key = self.names.live("gateway", self.id)
+        """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever."""
         while True:
             try:
-                await self.r.set(key, str(time.time()), px=int(self.s.liveness_ttl_s * 1000))
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                logger.warning("liveness refresh failed: %s", e)
+                await liveness.write(self.r, self.names, "gateway", self.id, self.s.liveness_ttl_s)
+                await self.r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
+                if await self.epoch.acheck(self.r):
+                    await self._on_data_loss()
+                self._loop_ok["liveness"] = time.monotonic()
+            except redis.RedisError as e:
+                logger.warning("liveness refresh failed: %r", e)
             await asyncio.sleep(self.s.heartbeat_interval_s)
+
+    def stalled_loops(self) -> list[str]:
+        """Background loops that are not running, or have not completed a round lately."""
+        now, limit = time.monotonic(), LOOP_STALE_S + self.s.heartbeat_interval_s
+        stalled = [t.get_name() for t in self._tasks if t.done()]
+        return stalled + [name for name, at in self._loop_ok.items() if now - at > limit and name not in stalled]
 
     async def ready(self) -> dict:
         if self.draining:
             raise Unavailable("the gateway is shutting down", None, "shutting_down")
         await self.r.ping()
+        if stalled := self.stalled_loops():
+            raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
+                              "not_ready")
         found = {}
         for service in ("tokenizer", "scheduler", "worker"):
-            keys = [k async for k in self.r.scan_iter(match=self.names.live_pattern(service), count=100)]
-            found[service] = len(keys)
+            found[service] = len(await liveness.aread_live(self.r, self.names, service))  # one HGETALL, no SCAN
         return found

@@ -41,6 +41,7 @@ class RequestHandle:
     ended_at: float | None = None
     metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
     trace: object = None  # its spans (services.gateway.tracing.RequestTrace)
+    epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.queue.put_nowait(item)

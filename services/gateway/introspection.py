@@ -27,25 +27,21 @@ async def list_requests(request: Request, state: State | None = None, limit: int
     core: GatewayCore = request.app.state.core
     states = [state] if state is not None else [s for s in State if s not in TERMINAL]
     owner = getattr(request.state, STATE_KEY, None)
-    ids: list[tuple[float, str]] = []
+    pipe = core.r.pipeline(transaction=False)
     for s in states:
-        ids += [(score, rid.decode()) for rid, score in
-                await core.r.zrange(core.names.state_set(s.value), 0, -1, withscores=True)]
-    ids.sort()
-    if not owner:  # no per-key filter: page by position, read only the page
-        ids, offset_left = ids[offset:], 0
-    else:
-        offset_left = offset
-    data, skipped = [], 0
-    for _score, rid in ids:
+        if owner:
+            # The caller's requests in state s: ZINTER of its owner index (weight 0) and the state set (weight 1),
+            # so each keeps its time of entering s, as without keys. Redis walks the smaller of the two sets, so
+            # another key's requests cost nothing here; no temporary key is left behind (ZINTERSTORE would need
+            # one, and its expiry). Only the page's contexts are read below.
+            pipe.zinter({core.names.owner_index(owner): 0, core.names.state_set(s.value): 1}, withscores=True)
+        else:
+            pipe.zrange(core.names.state_set(s.value), 0, -1, withscores=True)
+    ids = sorted((score, rid.decode()) for members in await pipe.execute() for rid, score in members)
+    data = []
+    for _score, rid in ids[offset:offset + limit]:  # at most `limit` contexts read
         snap = await core.store.aread(core.r, rid)
-        if snap is None or (owner and snap.layers["meta"].get("owner") != owner):
-            continue
-        if skipped < offset_left:
-            skipped += 1
-            continue
-        data.append(snap.to_dict())
-        if len(data) == limit:
-            break
-    more = len(data) == limit
-    return {"data": data, "offset": offset, "limit": limit, "next_offset": offset + len(data) if more else None}
+        if snap is not None:  # expired meanwhile
+            data.append(snap.to_dict())
+    more = len(ids) > offset + limit
+    return {"data": data, "offset": offset, "limit": limit, "next_offset": offset + limit if more else None}

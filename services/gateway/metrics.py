@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared import liveness
 from shared.constants import Names
 from shared.events import event_type
 from shared.lifecycle import TERMINAL, State, parse_history
@@ -117,9 +117,8 @@ class GatewayMetrics:
 
 
 async def cluster_figures(r, names: Names) -> dict:
-    """Cluster-wide figures: workers' last heartbeats (their liveness keys) and the state sets."""
-    workers = [msgspec.json.decode(v) for v in
-               [await r.get(k) async for k in r.scan_iter(match=names.live_pattern("worker"), count=100)] if v]
+    """Cluster-wide figures: live workers' last heartbeats (their liveness entries) and the state sets."""
+    workers = list((await liveness.aread_live(r, names, "worker")).values())
     pipe = r.pipeline(transaction=False)
     pipe.zcard(names.waiting)
     for s in LIVE_STATES:

@@ -9,7 +9,6 @@ status instead of a 200 followed by an error event. After that, an error ends th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -81,8 +80,8 @@ async def start_stream(request: Request, core: GatewayCore, handle: RequestHandl
         if first.end is not None and not isinstance(first.end, Completed):
             await final_body(core, handle)  # raises the GatewayError this ending calls for
     except BaseException:
+        _close(core, handle)
         await chunks.aclose()
-        await _close(core, handle)
         raise
     return StreamingResponse(_events(core, handle, shape, first, chunks), media_type="text/event-stream",
                              headers=headers)
@@ -110,11 +109,11 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
                 yield sse(shape.usage_chunk(body["usage"]))
         yield sse("[DONE]")
     finally:
+        _close(core, handle)  # before any await: a cancelled handler's next await raises at once
         await rest.aclose()
-        await _close(core, handle)
 
 
-async def _close(core: GatewayCore, handle: RequestHandle) -> None:
-    if handle.ended is None:  # the client went away before the end: stop the work
-        await asyncio.shield(core.cancel(handle.request_id, "client_disconnect", handle.reply_to))
+def _close(core: GatewayCore, handle: RequestHandle) -> None:
+    if handle.ended is None:  # the client went away before the end: stop the work (in a task of its own)
+        core.abandon(handle, "client_disconnect")
     core.release(handle)

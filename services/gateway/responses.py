@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import AsyncIterator
@@ -67,7 +66,7 @@ async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
     if isinstance(end, Failed):
         if end.reason in ("invalid", "too_long"):
             raise InvalidRequest(end.message, end.param or None, end.reason, headers=ids)
-        if end.reason == "worker_lost":
+        if end.reason in ("worker_lost", "state_lost"):
             raise Unavailable(end.message, None, end.reason, extra=extra, headers=ids)
         raise RequestFailed(end.message, None, end.reason, extra=extra, headers=ids)
     if isinstance(end, TimedOut):
@@ -85,6 +84,8 @@ async def collect(core: GatewayCore, handle: RequestHandle, request: Request) ->
             pass
         return await final_body(core, handle)
     finally:
+        if handle.ended is None:  # the handler was cancelled (client gone, shutdown) before the end
+            core.abandon(handle, "client_disconnect")
         core.release(handle)
 
 
@@ -105,8 +106,8 @@ async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> 
             yield sse(await final_event(core, handle, chunk))
             yield sse("[DONE]")
     finally:
-        if handle.ended is None:  # the client went away mid-stream
-            await asyncio.shield(core.cancel(handle.request_id, "client_disconnect", handle.reply_to))
+        if handle.ended is None:  # the client went away mid-stream: no await here (this task is being cancelled)
+            core.abandon(handle, "client_disconnect")
         core.release(handle)
 
 

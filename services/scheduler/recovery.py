@@ -6,7 +6,7 @@
   from its step loop) loses its requests: each goes back to the queue with the tokens it has
   already generated (the worker's token list), to be resumed on another worker. A cancel with
   reason worker_lost is left on its stream, so a hung worker that wakes up drops them.
-- A gateway whose liveness key is gone for longer than the TTL has lost its clients: their
+- A gateway whose liveness entry is gone for longer than the TTL has lost its clients: their
   requests are cancelled (client_disconnect) so their KV blocks are freed.
 """
 
@@ -36,6 +36,7 @@ class QueuedRecord(msgspec.Struct, frozen=True):
     deadline: float  # its deadline (adaptive ones are tighter than the event's cap)
     attempt: int = 1  # placements so far + 1
     output_token_ids: tuple[int, ...] = ()  # tokens generated before it was moved
+    ahead: tuple[int, int] | None = None  # adaptive deadline: (prefill, decode) tokens queued ahead at arrival
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -44,7 +45,8 @@ _qdec = msgspec.msgpack.Decoder(QueuedRecord)
 
 
 def encode_queued(item) -> bytes:
-    return _enc.encode(QueuedRecord(item.event, item.deadline, item.attempt, item.output_token_ids))
+    ahead = (item.ahead.prefill_tokens, item.ahead.decode_tokens) if item.ahead is not None else None
+    return _enc.encode(QueuedRecord(item.event, item.deadline, item.attempt, item.output_token_ids, ahead))
 
 
 def decode_queued(payload: bytes) -> QueuedRecord:
@@ -82,7 +84,7 @@ class Assignments:
 
 
 class GatewayWatch:
-    """Tracks how long each gateway's liveness key has been missing."""
+    """Tracks how long each gateway's liveness entry has been missing."""
 
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s

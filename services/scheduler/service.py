@@ -15,6 +15,7 @@ import msgspec
 
 from services.scheduler.recovery import (Assignment, Assignments, GatewayWatch, decode_queued, encode_queued,
                                          gateway_of, zombie_cancels)
+from services.scheduler.deadlines import Costs, DeadlinePolicy, Work, total
 from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared import telemetry
@@ -22,13 +23,18 @@ from shared.bus import Bus, Delivery, event_field
 from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, Names
 from shared.context_store import ContextJanitor, ContextStore
 from shared.errors import InvalidTransition
-from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled, SchemaError, TimedOut, decode
-from shared.lifecycle import Lifecycle, Publish, State
+from shared.epoch import DatasetEpoch
+from shared.events import (CancelRequested, Cancelled, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
+                           SchemaError, TimedOut, decode)
+from shared.lifecycle import Lifecycle, Owner, Publish, State, TransitionResult
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
 from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
+
+OUTAGE_GAP_S = 2.0  # ticks this far apart mean the loop was backing off (Redis away): contact starts again
+ON_A_WORKER = (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED)
 
 
 class SchedulerService:
@@ -53,29 +59,57 @@ class SchedulerService:
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
         self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
         self._swept_at = 0.0
+        self.epoch = DatasetEpoch(self.names)
+        self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
+        # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
+        # scheduler has been in contact for a whole liveness TTL again (their heartbeats resume within it).
+        self._contact_since = self._last_tick = time.monotonic()
 
     def run(self) -> None:
         stop = StopFlag()
-        for stream in self.streams:
-            self.bus.ensure_group(stream, GROUP_SCHEDULER)
+        self.ensure_groups()
+        self.epoch.check(self.r)
         self.sync()
         logger.info("scheduler %s started, %d queued", self.id, len(self.queue))
-        run_loop(stop, self.tick, "scheduler")
+        run_loop(stop, self.tick, "scheduler", on_nogroup=self.ensure_groups)
         self.live.clear(self.r)
+
+    def ensure_groups(self) -> None:
+        for stream in self.streams:
+            self.bus.ensure_group(stream, GROUP_SCHEDULER)
 
     def tick(self) -> None:
         """Read, dispatch, then act on time (deadlines, lost workers) and place what fits."""
+        self._note_contact()
         deliveries = self.bus.read(self.streams, GROUP_SCHEDULER)
+        self.read_heartbeats()  # before judging any worker lost: they may have just resumed
         if self.live.due():
+            if self.epoch.check(self.r):
+                self.forget_dataset()
             deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
             self.live.refresh(self.r, {"queued": len(self.queue)})
             self.sync()
             self.recover_lost()
         for d in deliveries:
             self.bus.process(d, self.dispatch)
-        self.read_heartbeats()
         self.expire_deadlines()
         self.place()
+        self._last_tick = time.monotonic()
+
+    def _note_contact(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick > OUTAGE_GAP_S:  # the last tick failed or Redis was away meanwhile
+            self._contact_since = now
+
+    def forget_dataset(self) -> None:
+        """Redis lost its data: what this replica held in memory refers to requests that no longer exist."""
+        logger.error("dropping %d queued requests and %d placements of the lost dataset", len(self.queue),
+                     len(self.assignments.by_request))
+        self.queue = RequestQueue()
+        self.assignments.by_request.clear()
+        for w in self.workers.values():
+            w.inflight.clear()
+        self.ensure_groups()
 
     def dispatch(self, d: Delivery) -> None:
         ev = d.event
@@ -84,8 +118,8 @@ class SchedulerService:
         elif isinstance(ev, CancelRequested):
             self.on_cancel(ev)
         elif isinstance(ev, HandBack):
-            self.assignments.drop([ev.request_id])
-            self.requeue(ev.scheduled, ev.output_token_ids, ev.reason)
+            if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
+                self.assignments.drop([ev.request_id])
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
 
@@ -106,52 +140,68 @@ class SchedulerService:
         for rid, state in zip(missing, pipe.execute()):
             if state is not None and state.decode() == State.QUEUED.value:
                 rec = decode_queued(stored[rid])
-                self.queue.push(rec.event, rec.attempt, rec.output_token_ids, rec.deadline)
+                self.push_record(rec)
             else:  # placed, ended or expired meanwhile
                 self.r.hdel(self.names.queue, rid)
 
     def on_preprocessed(self, ev: Preprocessed) -> None:
-        try:
-            res = self.lifecycle.transition(ev.request_id, State.QUEUED)
+        try:  # only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing
+            res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
         except InvalidTransition:
-            return  # a redelivery of a request already queued or placed
-        # Not applied but QUEUED: a scheduler died between the transition and storing the queue record
-        # (this is its redelivered event); finish its work, or the request would sit QUEUED forever.
-        if res.applied or res.previous == State.QUEUED:
+            return  # a redelivery of a request already placed
+        if res.applied:
             item = self.queue.push(ev)
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item)
             if item is not None:
-                store = self.r.hset if res.applied else self.r.hsetnx
-                store(self.names.queue, ev.request_id, encode_queued(item))
+                self.r.hset(self.names.queue, ev.request_id, encode_queued(item))
+        elif res.previous == State.QUEUED:
+            self.adopt_queued(ev)
+
+    def adopt_queued(self, ev: Preprocessed) -> None:
+        """A redelivered event of a QUEUED request: either a scheduler died between the transition and storing
+        the queue record (finish its work, or the request would sit QUEUED for ever), or the request was
+        requeued since (its stored record, with its attempt and tokens, is the truth: never this event)."""
+        stored = self.r.hget(self.names.queue, ev.request_id)
+        if stored is not None:
+            rec = decode_queued(stored)
+            self.push_record(rec)
+            return
+        item = self.queue.push(ev)
+        if item is not None:
+            self.r.hsetnx(self.names.queue, ev.request_id, encode_queued(item))
+
+    def push_record(self, rec) -> None:
+        ahead = Work(*rec.ahead) if rec.ahead is not None else None
+        self.queue.push(rec.event, rec.attempt, rec.output_token_ids, rec.deadline, ahead)
 
     def set_adaptive_deadline(self, item) -> None:
-        """Deadline = arrival + factor x predicted time (work ahead shared by every slot, then its own),
-        from the costs the workers measure; clamped to [timeout_min_s, timeout_max_s] and the gateway's cap."""
-        live = [w for w in self.workers.values() if self._alive(w)]
-        if not live:
-            return  # nothing measured yet: keep the cap
-        prefill = sum(w.hb.prefill_s_per_token for w in live) / len(live)
-        decode = sum(w.hb.step_time_s or w.hb.decode_s_per_token for w in live) / len(live)
-        slots = max(1, sum(w.hb.max_num_seqs for w in live))
-        ahead = sum(q.cost(prefill, decode) for q in self.queue.ahead_of(item)) / slots
-        predicted = ahead + item.cost(prefill, decode)
-        budget = min(max(self.s.timeout_safety_factor * predicted, self.s.timeout_min_s), self.s.timeout_max_s)
-        item.deadline = min(item.event.deadline, item.event.received_at + budget)
+        """Fix the request's allowance in work (its own and what is queued ahead of it) and price it with the
+        workers' latest costs; judged again with newer costs before it is ever timed out (deadlines.py)."""
+        item.ahead = total(q.work() for q in self.queue.ahead_of(item))
+        self.judge_deadline(item)
+
+    def judge_deadline(self, item) -> None:
+        costs = Costs.of([w.hb for w in self.workers.values() if w.hb is not None and self._alive(w)])
+        if costs is None or item.ahead is None:
+            return  # nothing measured yet (or only workers known from stored placements): keep the cap
+        predicted = costs.seconds(item.ahead, item.work())
+        item.deadline = self.deadlines.deadline(item.event.received_at, item.event.deadline, predicted)
         self.store.update(self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted})
 
-    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str) -> None:
+    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str) -> bool:
         """Put a request that left its worker back in the queue; the next worker resumes after
-        output_token_ids. Each move counts as an attempt; past max_attempts the request fails."""
+        output_token_ids. Each move counts as an attempt; past max_attempts the request fails. Fenced by the
+        placement's attempt: a redelivered hand-back, or a loss noticed twice, finds the request moved on
+        (another attempt, or QUEUED already) and changes nothing. True when this call moved it."""
+        fence = {"fence": sch.attempt, "only_from": ON_A_WORKER}
         if sch.attempt >= self.s.max_attempts:
             fail = Failed(request_id=sch.request_id, reason="worker_lost", service="scheduler",
                           message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
                           traceparent=sch.traceparent)
-            self.lifecycle.transition(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)])
-            return
-        res = self.lifecycle.transition(sch.request_id, State.QUEUED, reason)
-        if not res.applied:
-            return  # settled meanwhile (cancelled, timed out)
+            return self._try(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)], **fence)
+        if not self._try(sch.request_id, State.QUEUED, reason, (), **fence):
+            return False  # settled or moved on meanwhile
         ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
                           sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
                           received_at=sch.received_at, traceparent=sch.traceparent)
@@ -161,11 +211,21 @@ class SchedulerService:
             self.r.hset(self.names.queue, sch.request_id, encode_queued(item))
         logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
                     len(output_token_ids), sch.attempt + 1)
+        return True
+
+    def _try(self, request_id: str, to: State, reason: str, publish, **kw) -> bool:
+        """A transition that may find the request elsewhere than the caller believed (another replica or a
+        redelivery moved it): that is a no-op, never an error that would stop the scheduler."""
+        try:
+            return self.lifecycle.transition(request_id, to, reason, publish, **kw).applied
+        except InvalidTransition as e:
+            logger.info("%s", e)
+            return False
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
             self.r.hdel(self.names.queue, ev.request_id)
-            return
+        # Always ask Redis where it runs: this replica's copy may be stale (another replica placed it).
         worker = self.r.hget(self.names.layer(ev.request_id, "exec"), "worker_id")
         if worker:
             wid = msgspec.json.decode(worker)
@@ -212,12 +272,18 @@ class SchedulerService:
         if now - self._swept_at >= self.s.janitor_interval_s:
             self._swept_at = now
             self.janitor.sweep(now)
+            for stream in (self.names.received_stream, *self.streams):
+                self.bus.trim_consumed(stream)
         for q in self.queue.expired(now):
+            self.judge_deadline(q)  # with the latest costs: a machine that got slower stretches the allowance
+            if q.deadline > now:
+                continue
             self.queue.remove(q.request_id)
             self.r.hdel(self.names.queue, q.request_id)
             out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
                            traceparent=q.event.traceparent)
-            self.lifecycle.transition(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)])
+            self._try(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)],
+                      only_from=(State.QUEUED,))
 
     def place(self) -> None:
         """Place queued requests in (priority, arrival) order while some live worker has room."""
@@ -240,16 +306,22 @@ class SchedulerService:
         ev = q.event
         stream = self.names.worker_stream(worker.worker_id)
         with telemetry.publish_span(stream, ev.request_id) as pub:
+            # The worker enforces the cap (the client's timeout, or the default one): an adaptive deadline
+            # bounds the wait in the queue, never a request that its worker is making progress on.
             out = Scheduled(request_id=ev.request_id, worker_id=worker.worker_id, reply_to=ev.reply_to,
                             prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids,
-                            sampling=ev.sampling, priority=ev.priority, deadline=q.deadline,
+                            sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
                             received_at=ev.received_at, attempt=q.attempt,
                             traceparent=telemetry.traceparent_of(pub, ev.traceparent))
-            res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)])
+            try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
+                res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
+                                                only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
+            except InvalidTransition as e:  # another replica placed it already
+                logger.info("not placing %s: %s", ev.request_id, e)
+                res = TransitionResult(False, None)
             telemetry.published(pub, res.entry_ids)
         self.r.hdel(self.names.queue, ev.request_id)
         if res.applied:
-            self.store.update(self.r, ev.request_id, "exec", {"worker_id": worker.worker_id, "attempt": q.attempt})
             worker.inflight[ev.request_id] = (res.entry_ids[0], need)
             self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out))
         return res
@@ -259,6 +331,8 @@ class SchedulerService:
 
     def recover_lost(self) -> None:
         """Move the requests of workers that stopped heartbeating; cancel those of gateways that died."""
+        if time.monotonic() - self._contact_since < self.s.liveness_ttl_s:
+            return  # back from a Redis outage: liveness entries are old until their owners refresh them
         for w in [w for w in self.workers.values() if not self._alive(w)]:
             lost = self.assignments.of_worker(w.worker_id)
             logger.warning("worker %s lost (no heartbeat for %.1f s): moving %d requests", w.worker_id,
@@ -270,16 +344,18 @@ class SchedulerService:
                 self.bus.publish(self.names.worker_stream(wid), cancel)
             self.assignments.drop([a.scheduled.request_id for a in lost])
             del self.workers[w.worker_id]
-        live = {k.decode().rsplit(":", 1)[1] for k in self.r.scan_iter(self.names.live_pattern("gateway"))}
+        live = set(Liveness.read(self.r, self.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
         held = [(q.request_id, q.event.reply_to) for q in self.queue.items()] + \
             [(a.scheduled.request_id, a.scheduled.reply_to) for a in self.assignments.by_request.values()]
         dead = self.gateways.dead(live, {gateway_of(reply) for _, reply in held})
         for rid, reply in held:
             if gateway_of(reply) in dead:
-                self.cancel_orphan(rid)
+                self.cancel_orphan(rid, reply)
 
-    def cancel_orphan(self, request_id: str) -> None:
-        res = self.lifecycle.transition(request_id, State.CANCELLED, "client_disconnect")
-        if res.applied:
+    def cancel_orphan(self, request_id: str, reply_to: str) -> None:
+        """Its gateway is gone: settle CANCELLED, telling its reply stream (a gateway that comes back under the
+        same id, and any reader of the stream, sees the end), and stop the work."""
+        end = Cancelled(request_id=request_id, reason="client_disconnect", service="scheduler")
+        if self._try(request_id, State.CANCELLED, "client_disconnect", [Publish(reply_to, end)]):
             logger.info("cancelled %s: its gateway is gone", request_id)
             self.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))

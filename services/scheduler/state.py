@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.deadlines import Work
 from shared.events import Heartbeat, Preprocessed
 
 
@@ -28,11 +29,12 @@ class QueuedRequest:
     deadline: float = field(default=0.0, compare=False)  # epoch seconds; may be tighter than the event's cap
     attempt: int = field(default=1, compare=False)
     output_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    ahead: Work | None = field(default=None, compare=False)  # adaptive deadline: work queued ahead at arrival
 
-    def cost(self, prefill_s: float, decode_s: float) -> float:
-        """Predicted service time on one worker: prompt (and resumed tokens) prefill + every output step."""
-        prompt = len(self.event.prompt_token_ids) + len(self.output_token_ids)
-        return prompt * prefill_s + (self.event.sampling.max_tokens - len(self.output_token_ids)) * decode_s
+    def work(self) -> Work:
+        """Its own work on a worker: prompt (and resumed tokens) to prefill, tokens left to generate."""
+        return Work(len(self.event.prompt_token_ids) + len(self.output_token_ids),
+                    self.event.sampling.max_tokens - len(self.output_token_ids))
 
 
 class RequestQueue:
@@ -44,11 +46,11 @@ class RequestQueue:
         self._tie = itertools.count()
 
     def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = (),
-             deadline: float | None = None) -> QueuedRequest | None:
+             deadline: float | None = None, ahead: Work | None = None) -> QueuedRequest | None:
         if ev.request_id in self._live:
             return None
         item = QueuedRequest((ev.priority, ev.received_at, next(self._tie)), ev.request_id, ev,
-                             ev.deadline if deadline is None else deadline, attempt, output_token_ids)
+                             ev.deadline if deadline is None else deadline, attempt, output_token_ids, ahead)
         self._live[ev.request_id] = item
         heapq.heappush(self._heap, item)
         return item

@@ -81,7 +81,7 @@ class TokenizerService:
         stream = self.names.received_stream
         self.bus.ensure_group(stream, GROUP_TOKENIZER)
         logger.info("tokenizer %s reading %s", self.id, stream)
-        run_loop(stop, self.tick, "tokenizer")
+        run_loop(stop, self.tick, "tokenizer", on_nogroup=lambda: self.bus.ensure_group(stream, GROUP_TOKENIZER))
         self.live.clear(self.r)
 
     def tick(self) -> None:

@@ -15,7 +15,7 @@ import time
 import msgspec
 import redis
 
-from shared.constants import EVENT_FIELD, HEARTBEAT_MAXLEN, Names
+from shared.constants import EVENT_FIELD, HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S, Names
 from shared.events import Heartbeat, encode
 from shared.runtime import Liveness
 
@@ -44,7 +44,7 @@ class Heartbeater:
         try:
             self.live.clear(self.r)
         except redis.RedisError as e:
-            logger.warning("could not clear the liveness key: %s", e)
+            logger.warning("could not clear the liveness entry: %s", e)
 
     def beat(self) -> None:
         hb = self._snapshot
@@ -54,7 +54,8 @@ class Heartbeater:
         pipe = self.r.pipeline(transaction=False)
         pipe.xadd(self.names.heartbeat_stream, {EVENT_FIELD: encode(hb)}, maxlen=HEARTBEAT_MAXLEN,
                   approximate=True)
-        pipe.set(self.live.key, msgspec.json.encode(_summary(hb)), px=self.live.ttl_ms)
+        self.live.queue(pipe, _summary(hb))
+        pipe.expire(self.names.worker_stream(hb.worker_id), PRIVATE_STREAM_TTL_S)  # lives while this worker does
         pipe.execute()
 
     def _run(self) -> None:
@@ -66,7 +67,7 @@ class Heartbeater:
 
 
 def _summary(hb: Heartbeat) -> dict:
-    """What the liveness key shows (read by /ready, /metrics and tests)."""
+    """What the liveness entry shows besides at/ttl (read by /ready, /metrics and tests)."""
     return {"at": hb.sent_at, "running": hb.num_running, "waiting": hb.num_waiting, "held": len(hb.request_ids),
             "total_blocks": hb.total_blocks, "free_blocks": hb.free_blocks, "cached_blocks": hb.cached_blocks,
             "preemptions": hb.num_preemptions, "prefix_cache_queries": hb.prefix_cache_queries,

@@ -18,6 +18,7 @@ from shared import telemetry
 from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER, Names
 from shared.context_store import ContextStore
+from shared.epoch import DatasetEpoch
 from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Sampling, Scheduled, TimedOut
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
@@ -64,6 +65,8 @@ class WorkerService:
         self.step_no = 0
         self.draining = False
         self.step_time_avg = 0.0
+        self.epoch = DatasetEpoch(self.names)
+        self._epoch_checked = 0.0
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
@@ -77,14 +80,16 @@ class WorkerService:
         stop = StopFlag()
         self.warm_up()
         self.bus.ensure_group(self.stream, GROUP_WORKER)
+        self.epoch.check(self.r)
         self.snapshot()
         self.beats.start()
         logger.info("worker %s ready on %s (%s)", self.id, self.stream, self.engine.stats())
-        run_loop(stop, self.tick, "worker")
+        run_loop(stop, self.tick, "worker", on_nogroup=lambda: self.bus.ensure_group(self.stream, GROUP_WORKER))
         self.drain()
 
     def tick(self) -> None:
         """Read what arrived (without blocking while there is work), step, publish, heartbeat."""
+        self.housekeeping()
         busy = self.engine.has_unfinished()
         for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
             self.bus.process(d, self.dispatch)
@@ -99,9 +104,7 @@ class WorkerService:
         if isinstance(ev, Scheduled):
             self.admit(ev)
         elif isinstance(ev, CancelRequested):
-            if self.active.pop(ev.request_id, None) is not None:
-                self.engine.abort_request(ev.request_id)
-                self.tracing.abort(ev.request_id, ev.reason)
+            self.drop(ev.request_id, ev.reason)
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
         # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
@@ -121,11 +124,12 @@ class WorkerService:
             logger.warning("refusing %s: %s", ev.request_id, e)
             fail = Failed(request_id=ev.request_id, reason="worker_error", message=f"the worker refused it: {e}",
                           service="worker", traceparent=ev.traceparent)
-            self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)])
+            self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)],
+                                      fence=ev.attempt)
             return
         self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, telemetry.current_traceparent(ev.traceparent),
                                             len(ev.prompt_token_ids),
-                                            ev.deadline, list(ev.output_token_ids), scheduled=ev)
+                                            ev.deadline, list(ev.output_token_ids), scheduled=ev, attempt=ev.attempt)
 
     def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
         """Give a request back to the scheduler, which places it again; the next worker resumes after
@@ -141,11 +145,35 @@ class WorkerService:
         self.step_no += 1
         self.step_time_avg = 0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 \
             else result.step_time_s
-        self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
+        moved = self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
         self.tracing.on_step(result, self.active, t_start_ns, time.time_ns())
         for out in result.outputs:
             if out.finished:
                 self.active.pop(out.request_id, None)
+        for rid in moved:  # placed elsewhere while this worker was away: not ours to finish
+            self.drop(rid, "moved")
+
+    def drop(self, request_id: str, why: str) -> None:
+        """Stop a request here and forget it (cancelled, moved to another worker, or its data is gone)."""
+        if self.active.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+            self.tracing.abort(request_id, why)
+
+    def housekeeping(self) -> None:
+        """Once per heartbeat interval: drop the entries of its stream it has handled (it is their only reader),
+        and if Redis lost its data, drop what it holds: those requests no longer exist (their gateways answer
+        their clients), and their blocks are freed."""
+        now = time.monotonic()
+        if now - self._epoch_checked < self.s.heartbeat_interval_s:
+            return
+        self._epoch_checked = now
+        if self.last_read_id:
+            self.r.xtrim(self.stream, minid=self.last_read_id, approximate=True)
+        if self.epoch.check(self.r):
+            logger.error("dropping %d requests of the lost dataset", len(self.active))
+            for rid in list(self.active):
+                self.drop(rid, "state_lost")
+            self.bus.ensure_group(self.stream, GROUP_WORKER)
 
     def expire_deadlines(self) -> None:
         now = time.time()
@@ -154,7 +182,8 @@ class WorkerService:
             del self.active[a.request_id]
             self.tracing.abort(a.request_id, "timeout")
             ev = TimedOut(request_id=a.request_id, where="worker", service="worker", traceparent=a.traceparent)
-            self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)])
+            self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)],
+                                      fence=a.attempt)
 
     def snapshot(self) -> None:
         """Hand the heartbeat thread the current figures."""

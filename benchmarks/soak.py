@@ -1,0 +1,291 @@
+"""Soak: mixed load on a `conveyor up` cluster for 10 minutes; are Redis memory and gateway RSS flat?
+
+`conveyor up --workers 1` on a redis-server this benchmark starts (as the launcher would: AOF on, no RDB), so its
+URL is known. --clients loops each send one request after another, chosen at random (seeded) by --mix:
+  json        non-streaming: /generate, /v1/completions or /v1/chat/completions
+  stream      streamed to the end: /generate or /v1/chat/completions
+  disconnect  /generate streamed, the client closes the connection after 0-3 events (0 = while queued)
+  cancel      /generate streamed, DELETE /v1/requests/{X-Request-Id} after 0-2 events, then read to the end
+with short max_tokens (--tokens) so many requests complete. Every --interval seconds it samples Redis used_memory
+and DBSIZE (INFO memory) and the RSS of every process of the cluster (gateway, tokenizer, scheduler, worker,
+redis). After the load it drains the clients, then idles --settle seconds (still sampling).
+Prints, per metric, the value after warm-up (--warmup of the run) and at the end of the load, the least-squares
+slope per minute after warm-up, and the value after idling; and the requests by kind and outcome. Writes JSON
+and a PNG (Redis memory and gateway RSS over time) into --out.
+Run: .venv/bin/python -m benchmarks.soak [--duration 600] [--clients 16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+
+from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, print_table, redis_memory,
+                               rss_by_role, stamp, write_json)
+from shared.redis_server import RedisServer
+
+MIB = 1 << 20
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits.",
+           "Tell me a fun fact about octopuses.", "Why is the sky blue?", "Give three tips for a job interview."]
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    mix = {k: float(v) for k, v in (part.split("=") for part in text.split(","))}
+    unknown = set(mix) - {"json", "stream", "disconnect", "cancel"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown kinds in --mix: {sorted(unknown)}")
+    return mix
+
+
+def request_for(path: str, rng: random.Random, args, stream: bool) -> dict:
+    prompt, n = rng.choice(PROMPTS), rng.randint(*args.tokens)
+    body = {"max_tokens": n, "temperature": rng.choice([0, 0.8]), "stream": stream}
+    if path == "/v1/chat/completions":
+        return {**body, "model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}]}
+    if path == "/v1/completions":
+        return {**body, "model": MODEL_NAME, "prompt": prompt}
+    return {**body, "messages": [{"role": "user", "content": prompt}]}
+
+
+def final_outcome(event: dict, outcome: str | None) -> str | None:
+    """The outcome an SSE event settles: an error event (native or OpenAI shape) or a finish_reason."""
+    if "error" in event:
+        return f"error:{event['error'].get('code')}"
+    choices = event.get("choices") or [{}]
+    if event.get("finish_reason") or choices[0].get("finish_reason"):
+        return "ok"
+    return outcome
+
+
+class Load:
+    def __init__(self, url: str, args):
+        self.url, self.args = url, args
+        self.outcomes: Counter = Counter()
+        self.stopping = asyncio.Event()
+
+    async def client_loop(self, client: httpx.AsyncClient, i: int) -> None:
+        rng = random.Random(self.args.seed * 1000 + i)
+        kinds, weights = zip(*self.args.mix.items())
+        while not self.stopping.is_set():
+            kind = rng.choices(kinds, weights)[0]
+            try:
+                outcome = await getattr(self, kind)(client, rng)
+            except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
+                outcome = f"exception:{type(e).__name__}"
+                await asyncio.sleep(0.5)  # a cluster that refuses everything must not be hammered in a tight loop
+            self.outcomes[f"{kind} {outcome}"] += 1
+
+    async def json(self, client: httpx.AsyncClient, rng: random.Random) -> str:
+        path = rng.choice(["/generate", "/v1/completions", "/v1/chat/completions"])
+        r = await client.post(self.url + path, json=request_for(path, rng, self.args, False))
+        return "ok" if r.status_code == 200 else f"http_{r.status_code}"
+
+    async def stream(self, client: httpx.AsyncClient, rng: random.Random) -> str:
+        path = rng.choice(["/generate", "/v1/chat/completions"])
+        async with client.stream("POST", self.url + path, json=request_for(path, rng, self.args, True)) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            return await self.read_to_end(r.aiter_lines())
+
+    async def disconnect(self, client: httpx.AsyncClient, rng: random.Random) -> str:
+        after = rng.randint(0, 3)
+        async with client.stream("POST", self.url + "/generate", json=request_for("/generate", rng, self.args,
+                                                                                 True)) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            lines, seen = r.aiter_lines(), 0
+            while seen < after:  # leaving the block closes the connection mid-stream
+                event = await next_event(lines)
+                if event is None or final_outcome(event, None):
+                    return "ended_first"
+                seen += 1
+            return "disconnected"
+
+    async def cancel(self, client: httpx.AsyncClient, rng: random.Random) -> str:
+        after = rng.randint(0, 2)
+        async with client.stream("POST", self.url + "/generate", json=request_for("/generate", rng, self.args,
+                                                                                 True)) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            lines = r.aiter_lines()
+            for _ in range(after):
+                event = await next_event(lines)
+                if event is None or final_outcome(event, None):
+                    return "ended_first"
+            d = await client.delete(f"{self.url}/v1/requests/{r.headers['x-request-id']}")
+            outcome = await self.read_to_end(lines)
+            return outcome if d.status_code == 200 else f"delete_http_{d.status_code} {outcome}"
+
+    async def read_to_end(self, lines) -> str:
+        outcome = None
+        while (event := await next_event(lines)) is not None:
+            outcome = final_outcome(event, outcome)
+        return outcome or "no_final_event"
+
+
+async def next_event(lines) -> dict | None:
+    """The next SSE data event, or None at [DONE] or the end of the stream."""
+    async for line in lines:
+        if line.startswith("data: "):
+            return None if line == "data: [DONE]" else json.loads(line[6:])
+    return None
+
+
+def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int) -> dict:
+    procs = cluster.processes()
+    procs["redis"] = psutil.Process(redis_srv.proc.pid)
+    sample = {"t_s": time.monotonic() - t0, "phase": phase, "requests_done": done, "rss": rss_by_role(procs)}
+    try:
+        sample["redis"] = redis_memory(redis_srv.url)
+    except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the soak goes on
+        sample["redis_error"] = repr(e)
+    return sample
+
+
+async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, interval: float) -> None:
+    t0 = state["t0"]
+    while True:
+        s = await asyncio.to_thread(take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()))
+        samples.append(s)
+        await asyncio.sleep(interval - (time.monotonic() - t0) % interval)  # no drift: on the interval's grid
+
+
+async def soak(cluster: ConveyorUp, redis_srv: RedisServer, args) -> tuple[list[dict], Counter]:
+    load, samples = Load(cluster.url, args), []
+    state = {"t0": time.monotonic(), "phase": "load"}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        sampling = asyncio.create_task(sampler(cluster, redis_srv, load, state, samples, args.interval))
+        clients = [asyncio.create_task(load.client_loop(client, i)) for i in range(args.clients)]
+        await asyncio.sleep(args.duration)
+        load.stopping.set()  # no new requests; the ones in flight finish (short max_tokens)
+        samples.append(take_sample(cluster, redis_srv, state["t0"], "end", sum(load.outcomes.values())))
+        state["phase"] = "drain"
+        _, pending = await asyncio.wait(clients, timeout=120)
+        for t in pending:
+            t.cancel()
+        state["phase"] = "idle"
+        await asyncio.sleep(args.settle)
+        samples.append(take_sample(cluster, redis_srv, state["t0"], "idle-end", sum(load.outcomes.values())))
+        sampling.cancel()
+    return sorted(samples, key=lambda s: s["t_s"]), load.outcomes
+
+
+def series(samples: list[dict]) -> dict[str, list[tuple[float, float, str]]]:
+    out: dict[str, list] = {}
+    for s in samples:
+        values = {f"redis {k}": v for k, v in s.get("redis", {}).items()}
+        values.update({f"rss {k}": v for k, v in s["rss"].items()})
+        for name, v in values.items():
+            out.setdefault(name, []).append((s["t_s"], v, s["phase"]))
+    return out
+
+
+def slope_per_min(points: list[tuple[float, float]]) -> float | None:
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (v - mv) for t, v in points) / var * 60 if var else None
+
+
+def analyse(samples: list[dict], args) -> dict:
+    warm_t = args.warmup * args.duration
+    out = {}
+    for name, pts in series(samples).items():
+        load = [(t, v) for t, v, ph in pts if ph in ("load", "end") and t >= warm_t]
+        idle = [v for _, v, ph in pts if ph == "idle-end"]
+        if not load:
+            continue
+        out[name] = {"after_warmup": load[0][1], "end": load[-1][1], "slope_per_min": slope_per_min(load),
+                     "change_pct": (load[-1][1] - load[0][1]) / load[0][1] * 100 if load[0][1] else None,
+                     "after_idle": idle[-1] if idle else None}
+    return out
+
+
+def report(stats: dict, outcomes: Counter) -> None:
+    rows = []
+    for name, s in stats.items():
+        k = 1 if name.endswith("keys") else MIB  # bytes as MiB
+        unit = "keys" if k == 1 else "MiB"
+        rows.append([f"{name} ({unit})", s["after_warmup"] / k, s["end"] / k, s["change_pct"],
+                     (s["slope_per_min"] or 0) / k, None if s["after_idle"] is None else s["after_idle"] / k])
+    print_table(["metric", "after warm-up", "end of load", "change %", "slope /min", "after idle"], rows)
+    print(f"requests: {sum(outcomes.values())}")
+    for key, n in sorted(outcomes.items()):
+        print(f"  {n:7d}  {key}")
+
+
+def plot(samples: list[dict], args, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no PNG")
+        return None
+    s = series(samples)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    for ax, name, label in ((top, "redis used_memory", "Redis used_memory (MiB)"),
+                            (bottom, "rss gateway", "gateway RSS (MiB)")):
+        pts = s.get(name, [])
+        ax.plot([t / 60 for t, _, _ in pts], [v / MIB for _, v, _ in pts], marker=".")
+        ax.set_ylabel(label)
+        ax.axvline(args.warmup * args.duration / 60, color="grey", ls="--", lw=0.8)  # end of warm-up
+        ax.axvline(args.duration / 60, color="grey", ls=":", lw=0.8)  # end of load
+        ax.grid(alpha=0.3)
+    keys = s.get("redis keys", [])
+    twin = top.twinx()
+    twin.plot([t / 60 for t, _, _ in keys], [v for _, v, _ in keys], color="tab:orange", lw=0.8)
+    twin.set_ylabel("Redis keys (DBSIZE)", color="tab:orange")
+    bottom.set_xlabel("minutes (dashed: end of warm-up, dotted: end of load)")
+    fig.suptitle(f"soak: {args.clients} clients, {args.duration:.0f} s, mix {args.mix}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=600, help="seconds of load")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent client loops")
+    ap.add_argument("--mix", type=parse_mix, default=parse_mix("json=35,stream=30,disconnect=15,cancel=20"))
+    ap.add_argument("--tokens", type=int, nargs=2, default=[4, 24], metavar=("MIN", "MAX"), help="max_tokens range")
+    ap.add_argument("--interval", type=float, default=5, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=0.2, help="share of --duration counted as warm-up")
+    ap.add_argument("--settle", type=float, default=15, help="seconds to idle after the load, still sampling")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
+    args = ap.parse_args()
+    run_id = stamp()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"soak-{run_id}-conveyor.log"
+    redis_srv = RedisServer(Path(tempfile.mkdtemp(prefix="soak-redis-")), appendonly=True).start()
+    try:
+        with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url) as cluster:
+            samples, outcomes = asyncio.run(soak(cluster, redis_srv, args))
+    finally:
+        redis_srv.stop()
+    stats = analyse(samples, args)
+    report(stats, outcomes)
+    logs = log_summary(log)
+    print(f"cluster log: {logs['lines']} ERROR/WARNING lines; most frequent: {logs['top'][:5]}")
+    png = plot(samples, args, args.out / f"soak-{run_id}.png")
+    path = write_json(args.out, "soak", {"args": vars(args), "stats": stats, "outcomes": dict(outcomes),
+                                         "samples": samples, "server_log": logs, "png": png}, run_id)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()

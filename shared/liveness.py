@@ -1,0 +1,96 @@
+"""Which processes are alive: one Redis hash per service kind (`Names.live_hash`), never a SCAN.
+
+Field = instance id, value = JSON {"at": the writer's epoch seconds, "ttl": seconds, ...summary}. An entry is
+live while now - at <= ttl (so the hosts' clocks must agree to well within the TTL). Readers delete entries
+dead for longer than PRUNE_TTLS x ttl, so the hash holds only recent instances; the hash key itself expires
+HASH_TTLS x ttl (at least MIN_HASH_TTL_S) after the last write, so a stopped cluster leaves nothing behind.
+
+(A process that comes back after 10 TTLs of silence, between a reader's HGETALL and its HDEL, loses its
+fresh entry to the prune; its next refresh, one interval later, writes it again.)
+
+Writes are queued on a pipeline (sync or asyncio alike: queuing does not wait); reads are one HGETALL, plus
+one HDEL when something is to be pruned. The logic is in the pure functions; the sync and asyncio readers
+only do the I/O around them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import msgspec
+
+from shared.constants import Names
+
+PRUNE_TTLS = 10  # readers delete entries dead for this many TTLs
+HASH_TTLS = 10  # the hash expires this many TTLs after the last write...
+MIN_HASH_TTL_S = 60  # ...and never sooner than this
+
+
+def encode_entry(ttl_s: float, info: dict | None = None, at: float | None = None) -> bytes:
+    """The hash value: the writer's summary plus when it was written and how long it stays live."""
+    entry = dict(info or {})
+    entry["at"] = entry.get("at") or (time.time() if at is None else at)
+    entry["ttl"] = ttl_s
+    return msgspec.json.encode(entry)
+
+
+def hash_ttl_s(ttl_s: float) -> int:
+    return max(MIN_HASH_TTL_S, math.ceil(HASH_TTLS * ttl_s))
+
+
+def queue_write(pipe, names: Names, service: str, instance: str, ttl_s: float, info: dict | None = None) -> None:
+    """Queue the refresh of one instance's entry (and of the hash's expiry) on a pipeline; the caller executes."""
+    key = names.live_hash(service)
+    pipe.hset(key, instance, encode_entry(ttl_s, info))
+    pipe.expire(key, hash_ttl_s(ttl_s))
+
+
+def write(client, names: Names, service: str, instance: str, ttl_s: float, info: dict | None = None):
+    """Refresh one instance's entry; returns what the pipeline's execute returns (await it on asyncio)."""
+    pipe = client.pipeline(transaction=False)
+    queue_write(pipe, names, service, instance, ttl_s, info)
+    return pipe.execute()
+
+
+def remove(client, names: Names, service: str, instance: str):
+    """Forget one instance (a clean stop); returns what the client returns (await it on asyncio)."""
+    return client.hdel(names.live_hash(service), instance)
+
+
+def split_entries(raw: dict, now: float) -> tuple[dict[str, dict], list[str]]:
+    """Decode an HGETALL of a liveness hash: (live instance -> its entry, instances to prune). An entry that
+    cannot be decoded is pruned."""
+    live: dict[str, dict] = {}
+    prune: list[str] = []
+    for field, value in raw.items():
+        instance = field.decode() if isinstance(field, bytes) else str(field)
+        try:
+            entry = msgspec.json.decode(value)
+            age, ttl = now - float(entry["at"]), float(entry["ttl"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            prune.append(instance)
+            continue
+        if age <= ttl:
+            live[instance] = entry
+        elif age > PRUNE_TTLS * ttl:
+            prune.append(instance)
+    return live, prune
+
+
+def read_live(client, names: Names, service: str, now: float | None = None) -> dict[str, dict]:
+    """Live instances of a service kind -> their entries (sync client)."""
+    key = names.live_hash(service)
+    live, prune = split_entries(client.hgetall(key), time.time() if now is None else now)
+    if prune:
+        client.hdel(key, *prune)
+    return live
+
+
+async def aread_live(client, names: Names, service: str, now: float | None = None) -> dict[str, dict]:
+    """Live instances of a service kind -> their entries (asyncio client)."""
+    key = names.live_hash(service)
+    live, prune = split_entries(await client.hgetall(key), time.time() if now is None else now)
+    if prune:
+        await client.hdel(key, *prune)
+    return live
