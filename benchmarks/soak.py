@@ -264,6 +264,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5, help="seconds between samples")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of --duration counted as warm-up")
     ap.add_argument("--settle", type=float, default=15, help="seconds to idle after the load, still sampling")
+    ap.add_argument("--context-ttl", type=int, default=120,
+                    help="CONVEYOR_CONTEXT_TTL_S of the cluster: ended contexts stay this long, so Redis holds "
+                         "about rate x TTL of them; the default lets a 10-minute soak reach its steady state")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
@@ -273,7 +276,8 @@ def main() -> None:
     log = args.out / f"soak-{run_id}-conveyor.log"
     redis_srv = RedisServer(Path(tempfile.mkdtemp(prefix="soak-redis-")), appendonly=True).start()
     try:
-        with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url) as cluster:
+        with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url,
+                        env={"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl)}) as cluster:
             samples, outcomes = asyncio.run(soak(cluster, redis_srv, args))
     finally:
         redis_srv.stop()

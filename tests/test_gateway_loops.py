@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import redis
 
+from services.gateway.core import cancel_until_done
 from services.gateway.errors import Unavailable
 from tests.inproc import gateway_core, mark_live
 
@@ -47,8 +48,7 @@ def test_ready_answers_503_while_the_reply_reader_is_not_running(redis_server, r
         try:
             assert await core.ready() == {"tokenizer": 1, "scheduler": 1, "worker": 1}
             reader = next(t for t in core._tasks if t.get_name() == "replies")
-            reader.cancel()
-            await asyncio.wait([reader])
+            assert not await cancel_until_done([reader], 10)
             with pytest.raises(Unavailable, match="replies"):
                 await core.ready()
         finally:

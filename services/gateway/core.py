@@ -38,6 +38,18 @@ logger = logging.getLogger(__name__)
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
 
 
+async def cancel_until_done(tasks, timeout_s: float) -> set:
+    """Cancel tasks until they end (or timeout_s passes); returns those still running. A cancellation that
+    lands inside redis-py's blocking read can be absorbed there, so one cancel() is not always enough."""
+    loop = asyncio.get_running_loop()
+    deadline, pending = loop.time() + timeout_s, {t for t in tasks if not t.done()}
+    while pending and loop.time() < deadline:
+        for t in pending:
+            t.cancel()
+        _done, pending = await asyncio.wait(pending, timeout=0.1)
+    return pending
+
+
 class GatewayCore:
     def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str):
         self.s = settings
@@ -67,9 +79,7 @@ class GatewayCore:
                        asyncio.create_task(self._keep_alive(), name="liveness")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        _done, pending = await asyncio.wait(self._tasks, timeout=5.0)
+        pending = await cancel_until_done(self._tasks, 5.0)
         if pending:  # a task that ignores cancellation must not hold the process up
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
         try:

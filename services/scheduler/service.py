@@ -63,7 +63,7 @@ class SchedulerService:
         self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
         # scheduler has been in contact for a whole liveness TTL again (their heartbeats resume within it).
-        self._contact_since = self._last_tick = time.monotonic()
+        self._contact_since, self._last_tick = float("-inf"), time.monotonic()
 
     def run(self) -> None:
         stop = StopFlag()

@@ -46,7 +46,7 @@ class StepPublisher:
     def __init__(self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore,
                  token_ttl_s: int):
         self.r = client
-        self.token_ttl_s = token_ttl_s  # bounds an abandoned request's token list; settlement shortens it
+        self.token_ttl_s = token_ttl_s  # refreshed by every append: an ended request's list lasts as its context
         self._deferred: list[tuple[str, str]] = []  # scheduling decisions not yet stamped (Redis was away)
         self.names = names
         self.worker_id = worker_id

@@ -57,7 +57,7 @@ class WorkerService:
         self.engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
                                                engine_config(settings))
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
-                                       settings.context_ttl_s + 3600)
+                                       settings.context_ttl_s)
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)
         self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
