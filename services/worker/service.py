@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError, SamplingOptions
+from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
+                                   SamplingOptions)
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
@@ -54,7 +55,7 @@ class WorkerService:
                        settings.max_deliveries)
         self.lifecycle = Lifecycle(self.r, self.names, "worker", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
-        self.engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
+        self.engine: Engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
                                                engine_config(settings))
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
                                        settings.context_ttl_s + 3600)
