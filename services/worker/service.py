@@ -12,6 +12,8 @@ import time
 
 from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
                                    SamplingOptions)
+from services.worker.engine.sim_model import SimTiming
+from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
@@ -36,6 +38,17 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                         max_num_batched_tokens=s.max_num_batched_tokens,
                         enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype,
                         gemm_tuning=s.gemm_tuning, tuning_cache_dir=str(s.cache_dir))
+
+
+def build_engine(s: WorkerSettings) -> Engine:
+    """The torch engine, or with CONVEYOR_ENGINE=sim the simulated one (no weights are loaded, torch is not
+    imported)."""
+    model_dir = resolve_model_dir(s.model, s.cache_dir)
+    if s.engine == "sim":
+        timing = SimTiming(s.sim_step_overhead_s, s.sim_prefill_s_per_token, s.sim_decode_s_per_seq,
+                           s.sim_decode_s_per_kv_token, s.sim_speedup)
+        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability)
+    return LLMEngine.from_model_dir(model_dir, engine_config(s))
 
 
 def sampling_options(s: Sampling) -> SamplingOptions:
