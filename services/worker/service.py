@@ -68,8 +68,7 @@ class WorkerService:
                        settings.max_deliveries)
         self.lifecycle = Lifecycle(self.r, self.names, "worker", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
-        self.engine: Engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
-                                               engine_config(settings))
+        self.engine = build_engine(settings)
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
                                        settings.context_ttl_s + 3600)
         self.active: dict[str, Active] = {}
