@@ -29,7 +29,7 @@ from shared.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 PREFILLS = (32, 128, 256, 512)
-DECODES = ((1, 32), (8, 32), (32, 32), (8, 480), (32, 224))  # (sequences, context tokens)
+DECODES = ((1, 32), (8, 32), (32, 32), (8, 256))  # (sequences, context tokens)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
