@@ -177,3 +177,17 @@ def test_building_the_sim_engine_loads_no_weights_and_imports_no_torch(model_dir
             "assert e.stats().total_blocks > 0; assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_engine_setting_is_torch_by_default_and_takes_sim(monkeypatch):
+    from pydantic import ValidationError
+
+    from shared.settings import WorkerSettings
+
+    monkeypatch.delenv("CONVEYOR_ENGINE", raising=False)
+    assert WorkerSettings().engine == "torch"
+    monkeypatch.setenv("CONVEYOR_ENGINE", "sim")
+    assert WorkerSettings().engine == "sim"
+    monkeypatch.setenv("CONVEYOR_ENGINE", "vllm")
+    with pytest.raises(ValidationError, match="engine"):
+        WorkerSettings()

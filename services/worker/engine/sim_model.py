@@ -84,7 +84,7 @@ def load_vocab(model_dir: Path) -> SimVocab:
     except Exception as e:  # tokenizers raises its own exception types for a bad file
         raise ModelLoadError(f"the simulated engine needs {path}: {e}") from e
     info = model_info(Path(model_dir))
-    vocab_size = int(_config(Path(model_dir)).get("vocab_size") or tok.get_vocab_size())
+    vocab_size = info.vocab_size or tok.get_vocab_size()
     special = set(tok.get_added_tokens_decoder()) | set(info.eos_token_ids)
     ids = [i for i in range(min(vocab_size, tok.get_vocab_size())) if i not in special]
     texts = tok.decode_batch([[i] for i in ids])
