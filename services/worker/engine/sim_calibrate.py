@@ -4,7 +4,8 @@
 
 Steps of known shape run on the torch engine (the configured model and device): single prefills of
 P prompt tokens, and pure decode steps of B sequences over contexts of L tokens. Each shape's fastest
-forward time is kept (noise only slows a run down), and a least-squares fit of
+forward time over the rounds is kept (noise only slows a run down, and the first round also pays one-off
+kernel selection for every new shape), and a least-squares fit (of relative errors) of
 
     step = overhead + prefill_s_per_token * P + decode_s_per_seq * B + decode_s_per_kv_token * KV
 
@@ -77,7 +78,8 @@ def fit(points: list[tuple[list[float], float]]) -> dict[str, float]:
 
     a = np.array([row for row, _ in points])
     b = np.array([t for _, t in points])
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    # Relative error: a 50 ms decode step counts as much as a 1 s prefill, so the small steps shape the overhead.
+    coef, *_ = np.linalg.lstsq(a / b[:, None], np.ones_like(b), rcond=None)
     names = ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq", "decode_s_per_kv_token")
     return {n: float(max(c, 0.0)) for n, c in zip(names, coef)}
 
