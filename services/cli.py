@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    up.add_argument("--engine", choices=("torch", "sim"), default=None,
+                    help="the workers' engine: torch runs the model, sim simulates its steps without weights "
+                         "(sets CONVEYOR_ENGINE for the workers; default: CONVEYOR_ENGINE, else torch)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     for name in SERVICE_NAMES:

@@ -60,6 +60,8 @@ class Launcher:
             env = dict(base)
             if name == "gateway":
                 env.update(CONVEYOR_PORT=str(self.args.port), CONVEYOR_HOST=self.args.host)
+            if name.startswith("worker") and getattr(self.args, "engine", None):
+                env.update(CONVEYOR_ENGINE=self.args.engine)
             self.children.append(Child(name, env))
             self.children[-1].start()
         try:

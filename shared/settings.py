@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -110,6 +110,17 @@ class WorkerSettings(CommonSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
     gemm_tuning: bool = Field(True, description="CPU: measure the faster GEMM orientation of each layer at start "
                                                 "(kept in the cache dir)")
+    engine: Literal["torch", "sim"] = Field("torch", description="torch runs the model; sim simulates its steps "
+                                            "(same scheduler and KV cache, modelled step time, no weights loaded)")
+    # The simulated step time (docs/simulated_engine.md): defaults from the real engine's costs, SmolLM2-135M, float32,
+    # on the 2-core CPU machine of docs/benchmarks.md (python -m services.worker.engine.sim_calibrate re-measures them).
+    sim_step_overhead_s: float = Field(0.042, ge=0, description="sim: fixed time of every step")
+    sim_prefill_s_per_token: float = Field(0.0013, ge=0, description="sim: per uncached prompt token computed")
+    sim_decode_s_per_seq: float = Field(0.0015, ge=0, description="sim: per sequence decoding in the step")
+    sim_decode_s_per_kv_token: float = Field(0.000008, ge=0, description="sim: per KV token a decode attends over")
+    sim_speedup: float = Field(1.0, gt=0, description="sim: every modelled step time is divided by this")
+    sim_eos_probability: float = Field(0.0, ge=0, le=1, description="sim: chance per output token of ending "
+                                       "with EOS where EOS may end the request (0: run to max_tokens)")
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

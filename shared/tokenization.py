@@ -14,6 +14,7 @@ class ModelInfo:
     model_dir: Path  # folder from_pretrained loads
     max_len: int  # context window in tokens (prompt + output)
     eos_token_ids: tuple[int, ...]  # tokens that end generation
+    vocab_size: int = 0  # rows of the model's embedding: valid token ids are [0, vocab_size); 0 = not stated
 
 
 def model_info(model_dir: Path) -> ModelInfo:
@@ -29,7 +30,8 @@ def model_info(model_dir: Path) -> ModelInfo:
     if gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id", eos)
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelInfo(model_dir, int(max_len), eos_ids)
+    vocab_size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0
+    return ModelInfo(model_dir, int(max_len), eos_ids, int(vocab_size))
 
 
 def load_tokenizer(model_dir: Path):

@@ -20,13 +20,13 @@ from tests.waiting import wait_for
 
 
 @contextlib.contextmanager
-def conveyor_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def conveyor_up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`conveyor up` on a free port, returned once it printed its ready line; killed if still alive after."""
     port = free_port()
     env = {**os.environ, "CONVEYOR_CACHE_DIR": str(CACHE_DIR), "CONVEYOR_KV_CACHE_BYTES": str(128 << 20),
            "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port), *args], env=env,
                             stdout=subprocess.PIPE, stderr=log, cwd=os.getcwd())
     try:
         line = proc.stdout.readline().decode()  # blocks until ready (or the launcher exits)
@@ -72,3 +72,17 @@ def test_conveyor_up_restarts_a_killed_worker_and_tokenizer_and_serves_again(tmp
         assert "restarting in" in (tmp_path / "up.log").read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_conveyor_up_engine_sim_gives_simulated_engines_to_the_workers_only(tmp_path):
+    with conveyor_up(tmp_path, "--engine", "sim", "--workers", "2") as (proc, url):
+        r = httpx.post(f"{url}/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
+        children = psutil.Process(proc.pid).children()
+        workers = [c for c in children if c.cmdline()[-2:] == ["services.cli", "worker"]]
+        gateway = [c for c in children if c.cmdline()[-2:] == ["services.cli", "gateway"]]
+        assert len(workers) == 2 and all(w.environ().get("CONVEYOR_ENGINE") == "sim" for w in workers)
+        assert all("libtorch" not in Path(f"/proc/{w.pid}/maps").read_text() for w in workers)
+        assert gateway[0].environ().get("CONVEYOR_ENGINE") is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

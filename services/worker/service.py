@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError, SamplingOptions
+from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
+                                   SamplingOptions)
+from services.worker.engine.sim_model import SimTiming
+from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
@@ -37,6 +40,17 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                         gemm_tuning=s.gemm_tuning, tuning_cache_dir=str(s.cache_dir))
 
 
+def build_engine(s: WorkerSettings) -> Engine:
+    """The torch engine, or with CONVEYOR_ENGINE=sim the simulated one (no weights are loaded, torch is not
+    imported)."""
+    model_dir = resolve_model_dir(s.model, s.cache_dir)
+    if s.engine == "sim":
+        timing = SimTiming(s.sim_step_overhead_s, s.sim_prefill_s_per_token, s.sim_decode_s_per_seq,
+                           s.sim_decode_s_per_kv_token, s.sim_speedup)
+        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability)
+    return LLMEngine.from_model_dir(model_dir, engine_config(s))
+
+
 def sampling_options(s: Sampling) -> SamplingOptions:
     return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                            repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
@@ -54,8 +68,7 @@ class WorkerService:
                        settings.max_deliveries)
         self.lifecycle = Lifecycle(self.r, self.names, "worker", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
-        self.engine = LLMEngine.from_model_dir(resolve_model_dir(settings.model, settings.cache_dir),
-                                               engine_config(settings))
+        self.engine = build_engine(settings)
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
                                        settings.context_ttl_s)
         self.active: dict[str, Active] = {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span
 
+from services.worker.engine.protocol import Engine
 from shared import telemetry
 
 
@@ -23,7 +24,7 @@ class _Spans:
 
 
 class WorkerTracing:
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.spans: dict[str, _Spans] = {}
         self._scheduled: list[tuple[str, str]] = []  # this step's scheduling decisions (before its forward pass)
@@ -61,11 +62,9 @@ class WorkerTracing:
         telemetry.transition_event(a.request_id, "PREFILLING", "", t_start_ns / 1e9, span=span)
 
     def _chunks(self, t_end_ns: int) -> None:
-        seqs = getattr(self.engine, "_seqs", {})
         for rid, s in self.spans.items():
-            if s.prefill is not None and (seq := seqs.get(rid)) is not None:
-                s.prefill.add_event("prefill_chunk", {"conveyor.computed_tokens": int(seq.num_computed_tokens)},
-                                    timestamp=t_end_ns)
+            if s.prefill is not None and (computed := self.engine.computed_tokens(rid)) is not None:
+                s.prefill.add_event("prefill_chunk", {"conveyor.computed_tokens": computed}, timestamp=t_end_ns)
 
     def _moved(self, a, status: str, t_ns: int) -> None:
         s = self.spans.setdefault(a.request_id, _Spans())

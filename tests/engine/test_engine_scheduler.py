@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
 from services.worker.engine import EngineConfig, EngineRequest, SamplingOptions
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.request import Sequence, SequenceStatus
@@ -23,7 +21,7 @@ def make(num_blocks=16, block_size=4, budget=64, prefix=True, max_seqs=8):
 
 def seq(prompt_len, priority=0, first_token=1):
     req = EngineRequest(f"r{next(_ids)}", list(range(first_token, first_token + prompt_len)), GREEDY, priority)
-    return Sequence(req, next(_ids), frozenset({0}), torch.device("cpu"))
+    return Sequence(req, next(_ids), frozenset({0}))
 
 
 def advance(sched: Scheduler, batch) -> None:

@@ -1,7 +1,8 @@
 """Conveyor's inference engine: paged KV cache, prefix caching, chunked prefill, preemption.
 
-Built on transformers' own model definitions (any Llama-family causal LM); only the attention
-product is replaced (see attention.py).
+What computes a step is an injected model runner (protocol.py): transformers' own model definitions
+(any Llama-family causal LM; only the attention product is replaced, see attention.py), or the
+simulator (sim_runner.py). Importing this package does not import torch.
 """
 
 from services.worker.engine.config import EngineConfig
@@ -9,10 +10,11 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.errors import (OOM, TOO_LONG, WORKER_ERROR, EngineError, EngineLoadError,
                                            FatalEngineError, InvalidRequestError, RecoverableEngineError)
 from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult
+from services.worker.engine.protocol import Engine, ModelRunner
 from services.worker.engine.request import EngineRequest, SamplingOptions, SequenceStatus
 
 __all__ = [
-    "EngineConfig", "EngineError", "EngineLoadError", "EngineRequest", "EngineStats", "FatalEngineError",
-    "InvalidRequestError", "LLMEngine", "OOM", "RecoverableEngineError", "RequestOutput", "SamplingOptions",
-    "SequenceStatus", "StepResult", "TOO_LONG", "WORKER_ERROR",
+    "Engine", "EngineConfig", "EngineError", "EngineLoadError", "EngineRequest", "EngineStats", "FatalEngineError",
+    "InvalidRequestError", "LLMEngine", "ModelRunner", "OOM", "RecoverableEngineError", "RequestOutput",
+    "SamplingOptions", "SequenceStatus", "StepResult", "TOO_LONG", "WORKER_ERROR",
 ]

@@ -1,4 +1,8 @@
-"""LLMEngine: requests in, one scheduling + forward + sampling step at a time, outputs out.
+"""LLMEngine: requests in, one scheduling + compute + sampling step at a time, outputs out.
+
+The scheduler, the paged block manager and the prefix cache are the engine's; what computes a step is
+an injected ModelRunner (protocol.py): the torch runner, or the simulator. Nothing here imports torch
+(the torch runner is imported only by from_model / from_model_dir).
 
 Not thread-safe: one thread owns the engine and calls add_request / abort_request / step.
 Failure isolation: an error tied to one request fails that request only (RequestOutput with
@@ -12,21 +16,13 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Callable
-
-import torch
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import OOM, TOO_LONG, WORKER_ERROR, InvalidRequestError
-from services.worker.engine.gemm import tune_linears
-from services.worker.engine.kv_cache import PagedKVCache
-from services.worker.engine.loader import (eos_token_ids, install_paged_attention, kv_pool_blocks, load_model,
-                                           model_context_len, resolve_device, resolve_dtype)
-from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult
+from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
-from services.worker.engine.sampler import sample
 from services.worker.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -35,24 +31,18 @@ _EMA = 0.1  # weight of the newest step in the per-token time averages
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig, eos_ids: frozenset[int]):
-        install_paged_attention(model)
+    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_ids: frozenset[int], vocab_size: int,
+                 context_len: int):
+        """runner computes the steps over its pool of runner.num_blocks KV blocks; vocab_size bounds valid
+        token ids; context_len is the model's context window."""
         self.config = config
-        self.model = model
-        self.device = next(model.parameters()).device
-        if config.gemm_tuning and self.device.type == "cpu":
-            tune_linears(model, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
-        num_blocks = kv_pool_blocks(config, model, self.device)
+        self.runner = runner
+        num_blocks = runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        with torch.inference_mode():
-            self.kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv_cache, self.device)
         self.scheduler = Scheduler(config, self.blocks)
         self.eos_token_ids = frozenset(eos_ids)
-        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.vocab_size = int(text_cfg.vocab_size)
-        window = model_context_len(model)
-        self._model_max_len = min(window, config.max_model_len) if config.max_model_len else window
+        self.vocab_size = int(vocab_size)
+        self._model_max_len = min(context_len, config.max_model_len) if config.max_model_len else context_len
         # a sequence may never outgrow the pool: past this it finishes with "length"
         self.max_len = min(self._model_max_len, num_blocks * config.block_size)
         self._seqs: dict[str, Sequence] = {}
@@ -61,19 +51,27 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._prefill_s_per_token = 0.0
         self._decode_s_per_token = 0.0
-        logger.info("engine ready: %d KV blocks x %d tokens on %s (%s), max_len %d, eos %s", num_blocks,
-                    config.block_size, self.device, model.dtype, self.max_len, sorted(self.eos_token_ids))
+        logger.info("engine ready: %d KV blocks x %d tokens, max_len %d, eos %s", num_blocks,
+                    config.block_size, self.max_len, sorted(self.eos_token_ids))
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str, config: EngineConfig) -> LLMEngine:
+        from services.worker.engine.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
+
         device = resolve_device(config.device)
         model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
-        return cls(model, config, eos_token_ids(model_dir, model))
+        return cls.from_model(model, config, eos_token_ids(model_dir, model))
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, eos_ids: frozenset[int] | None = None) -> LLMEngine:
-        """Wrap an already loaded model (its attention implementation is switched to paged)."""
-        return cls(model, config, eos_ids if eos_ids is not None else eos_token_ids(None, model))
+        """Wrap an already loaded transformers model in the torch runner (its attention is switched to paged)."""
+        # Imported here: torch and transformers load only when a torch engine is built.
+        from services.worker.engine.loader import eos_token_ids, model_context_len, model_vocab_size
+        from services.worker.engine.model_runner import ModelRunner as TorchRunner
+
+        runner = TorchRunner.for_model(model, config)
+        eos = eos_ids if eos_ids is not None else eos_token_ids(None, model)
+        return cls(runner, config, eos, model_vocab_size(model), model_context_len(model))
 
     @property
     def model_max_len(self) -> int:
@@ -83,7 +81,7 @@ class LLMEngine:
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Raises InvalidRequestError for malformed ones (nothing is queued)."""
         self._validate(req)
-        seq = Sequence(req, next(self._arrivals), self.eos_token_ids, self.device)
+        seq = Sequence(req, next(self._arrivals), self.eos_token_ids)
         if seq.num_tokens >= self.max_len:
             seq.status = SequenceStatus.FAILED
             self._pending.append(RequestOutput(
@@ -96,6 +94,7 @@ class LLMEngine:
         if done is not None:  # resumed with nothing left to generate
             self._pending.append(RequestOutput(req.request_id, [], seq.num_emitted, True, done))
             return
+        self.runner.init_sequence(seq)
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -134,7 +133,7 @@ class LLMEngine:
         return bool(self._seqs) or bool(self._pending)
 
     # ---- stepping -------------------------------------------------------------------------
-    def step(self, on_scheduled: Callable[[list[tuple[str, str]]], None] | None = None) -> StepResult:
+    def step(self, on_scheduled: OnScheduled | None = None) -> StepResult:
         """One step. on_scheduled, if given, gets the scheduling decisions (PREFILLING, PREEMPTED) before the
         forward pass runs, so they can be stamped when they happen; they are then not repeated in
         result.transitions, which keeps only what the forward pass caused (DECODING)."""
@@ -161,15 +160,15 @@ class LLMEngine:
                 step = self.runner.prepare(items)
                 logits, forward_s = self.runner.forward(step)
                 break
-            except torch.OutOfMemoryError as e:
-                if len(items) == 1:
-                    self._fail(items[0][0], OOM, f"out of device memory even alone: {e}", result)
-                    return []
-                logger.warning("OOM on a step of %d sequences; retrying with %d", len(items), len(items) // 2)
-                items = items[: len(items) // 2]  # the rest keep their blocks and run next step
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
             except Exception as e:  # isolate: the culprit fails alone, the others still run
+                if self.runner.is_out_of_memory(e):
+                    if len(items) == 1:
+                        self._fail(items[0][0], OOM, f"out of device memory even alone: {e}", result)
+                        return []
+                    logger.warning("OOM on a step of %d sequences; retrying with %d", len(items), len(items) // 2)
+                    items = items[: len(items) // 2]  # the rest keep their blocks and run next step
+                    self.runner.free_memory()
+                    continue
                 if len(items) == 1:
                     logger.exception("forward failed for %s", items[0][0].request_id)
                     self._fail(items[0][0], WORKER_ERROR, f"{type(e).__name__}: {e}", result)
@@ -182,17 +181,17 @@ class LLMEngine:
             self.scheduler.register_computed_blocks(seq)
         return self._sample(logits, step.sample_seqs, result)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], result: StepResult) -> list[tuple[Sequence, int]]:
+    def _sample(self, logits, seqs: list[Sequence], result: StepResult) -> list[tuple[Sequence, int]]:
         if not seqs:
             return []
         try:
-            return list(zip(seqs, sample(logits, seqs)))
+            return list(zip(seqs, self.runner.sample(logits, seqs)))
         except Exception:  # find the row(s) at fault; the others keep their tokens
             logger.exception("batched sampling failed; sampling row by row")
         out = []
         for i, seq in enumerate(seqs):
             try:
-                out.append((seq, sample(logits[i:i + 1], [seq])[0]))
+                out.append((seq, self.runner.sample(logits[i:i + 1], [seq])[0]))
             except Exception as e:
                 logger.exception("sampling failed for %s", seq.request_id)
                 self._fail(seq, WORKER_ERROR, f"sampling: {type(e).__name__}: {e}", result)
@@ -270,6 +269,11 @@ class LLMEngine:
         if seq is not None:
             return len(seq.block_table), seq.num_cached_tokens
         return self._ended_kv.get(request_id)
+
+    def computed_tokens(self, request_id: str) -> int | None:
+        """Tokens of the request whose K/V are computed (its prefill progress); None for unknown requests."""
+        seq = self._seqs.get(request_id)
+        return None if seq is None else seq.num_computed_tokens
 
     def check_no_leak(self) -> None:
         """With no unfinished request, every block must be free or cached-and-unreferenced."""

@@ -85,3 +85,8 @@ def kv_pool_blocks(config: EngineConfig, model, device: torch.device) -> int:
     logger.info("KV budget %.1f MiB -> %d blocks of %d bytes", budget / 2**20, n,
                 bytes_per_block(model.config, config.block_size, dtype))
     return n
+
+
+def model_vocab_size(model) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.vocab_size)

@@ -1,4 +1,5 @@
-"""Turns a scheduled step into one packed forward pass of a transformers causal LM.
+"""The torch model runner: a scheduled step becomes one packed forward pass of a transformers causal LM,
+and its logits are sampled (sampler.py).
 
 Packed layout of a step (T tokens, one [1, T] batch):
   rows [0, Nd)   one token per decode-format sequence (a decode, or a 1-token prefill chunk)
@@ -15,8 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.gemm import tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.request import Sequence
+from services.worker.engine.sampler import sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +42,43 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.q_per_kv = model.config.num_attention_heads // kv_cache.num_kv_heads
+        self.num_blocks = kv_cache.num_blocks
         self._arange = torch.arange(0, dtype=torch.long, device=device)  # grown on demand
+
+    @classmethod
+    def for_model(cls, model, config: EngineConfig) -> ModelRunner:
+        """Switch the model's attention to paged, tune its GEMMs (CPU) and size and allocate its KV pool."""
+        install_paged_attention(model)
+        device = next(model.parameters()).device
+        if config.gemm_tuning and device.type == "cpu":
+            tune_linears(model, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
+        num_blocks = kv_pool_blocks(config, model, device)
+        with torch.inference_mode():
+            kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
+        logger.info("torch runner on %s (%s): %d KV blocks", device, model.dtype, num_blocks)
+        return cls(model, kv_cache, device)
+
+    def init_sequence(self, seq: Sequence) -> None:
+        """A sampled (non-greedy) request draws from its own generator: same seed, same tokens, whatever
+        the batch."""
+        if seq.sampling.greedy:
+            return
+        gen = torch.Generator(device=self.device)
+        if seq.sampling.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seq.sampling.seed)
+        seq.generator = gen
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return sample(logits, seqs)
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        return isinstance(error, torch.OutOfMemoryError)
+
+    def free_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _iota(self, n: int) -> torch.Tensor:
         if self._arange.numel() < n:

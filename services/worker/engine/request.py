@@ -12,8 +12,6 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from services.worker.engine.errors import InvalidRequestError
 
 
@@ -83,7 +81,7 @@ class Sequence:
                  "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
                  "error_reason", "error", "stop_ids")
 
-    def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int], device: torch.device):
+    def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
         self.sampling = req.sampling
         self.priority = req.priority
@@ -102,13 +100,9 @@ class Sequence:
         self.error: str | None = None
         ignore = req.sampling.ignore_eos
         self.stop_ids = frozenset(req.sampling.stop_token_ids) | (frozenset() if ignore else eos_token_ids)
-        self.generator: torch.Generator | None = None
-        if not req.sampling.greedy:
-            self.generator = torch.Generator(device=device)
-            if req.sampling.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(req.sampling.seed)
+        # The model runner's per-request sampling state, set by its init_sequence (a torch.Generator for the
+        # torch runner): kept here so that this module, and whatever imports the request types, needs no torch.
+        self.generator: object | None = None
 
     @property
     def num_tokens(self) -> int:

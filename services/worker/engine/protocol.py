@@ -1,0 +1,65 @@
+"""The engine's two boundaries, as typing Protocols (no torch here, so importing them is cheap).
+
+`Engine` is everything the worker service and its tracing call on an engine; `LLMEngine` is the one
+implementation. `ModelRunner` is what the engine needs from whatever computes a step: the torch runner
+(model_runner.py: a packed forward pass and the sampler) or the simulator (sim_runner.py: a modelled step
+time and deterministic tokens). The scheduler, the paged block manager and the prefix cache are the
+engine's own and the same whichever runner computes the steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence as Seq
+
+from services.worker.engine.outputs import EngineStats, StepResult
+from services.worker.engine.request import EngineRequest, Sequence
+
+OnScheduled = Callable[[list[tuple[str, str]]], None]
+
+
+class Engine(Protocol):
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request; raises RecoverableEngineError (nothing queued) for a malformed one."""
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request now, its blocks freed; False if unknown."""
+
+    def step(self, on_scheduled: OnScheduled | None = None) -> StepResult:
+        """One scheduling + compute + sampling step; on_scheduled gets the scheduling decisions before the
+        compute runs."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def request_kv_info(self, request_id: str) -> tuple[int, int] | None:
+        """(blocks held, prompt tokens served from the prefix cache), or None for unknown requests."""
+
+    def computed_tokens(self, request_id: str) -> int | None:
+        """Tokens of the request whose K/V are computed (prefill progress), or None for unknown requests."""
+
+
+class PreparedStep(Protocol):
+    sample_seqs: list[Sequence]  # the sequences that get a next token from this step, in row order
+
+
+class ModelRunner(Protocol):
+    num_blocks: int  # KV blocks the runner's pool holds (the block manager hands them out)
+
+    def init_sequence(self, seq: Sequence) -> None:
+        """Set up a new sequence's sampling state (seq.generator)."""
+
+    def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
+        """items: (sequence, tokens to compute from its num_computed_tokens)."""
+
+    def forward(self, step: Any) -> tuple[Seq[Any], float]:
+        """-> (one row of scores per step.sample_seqs, sliceable by row; seconds the compute took)."""
+
+    def sample(self, rows: Seq[Any], seqs: list[Sequence]) -> list[int]:
+        """Next token of each sequence from its row (honouring its SamplingOptions)."""
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """Whether error is the device running out of memory (the engine then halves the batch)."""
+
+    def free_memory(self) -> None:
+        """Give cached device memory back after an out-of-memory error."""

@@ -1,0 +1,108 @@
+"""What the simulated engine knows of the model: its step-time model and its vocabulary (data only).
+
+Built from the model folder's config.json, generation_config.json and tokenizer.json, read with the
+`tokenizers` library: no weights are loaded and torch is never imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.engine.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.tokenization import model_info
+
+_MIN_WORDS = 64  # fewer plain-word tokens than this: the tokenizer is unusual, emit any non-special id
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """Modelled time of one engine step (seconds): a fixed overhead, plus prefill per uncached prompt token
+    computed, plus decode per sequence and per KV token it attends over; all divided by speedup."""
+
+    step_overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_seq: float
+    decode_s_per_kv_token: float
+    speedup: float = 1.0
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        t = (self.step_overhead_s + self.prefill_s_per_token * prefill_tokens
+             + self.decode_s_per_seq * decode_seqs + self.decode_s_per_kv_token * kv_tokens)
+        return t / self.speedup
+
+
+@dataclass(frozen=True)
+class SimVocab:
+    """The served model's facts the simulator needs, and the ids it emits."""
+
+    vocab_size: int  # ids in [0, vocab_size) are valid input
+    context_len: int
+    eos_token_ids: frozenset[int]
+    words: tuple[int, ...]  # what the simulator emits: plain words (" the", " river"), never special tokens
+
+    def next_token(self, key: bytes, index: int, stop_ids: frozenset[int], may_stop: bool,
+                   eos_probability: float) -> int:
+        """Output token `index` of the sequence keyed by (prompt, seed): the same whatever the batch, the
+        worker or the step it is computed on. A stop id is never chosen before may_stop (min_tokens)."""
+        h = hashlib.blake2b(key + index.to_bytes(8, "little"), digest_size=16).digest()
+        pick, draw = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little") / 2.0 ** 64
+        eos = sorted(stop_ids & self.eos_token_ids)  # empty with ignore_eos
+        if may_stop and eos and draw < eos_probability:
+            return eos[0]
+        for i in range(len(self.words)):
+            token = self.words[(pick + i) % len(self.words)]
+            if may_stop or token not in stop_ids:
+                return token
+        raise ModelLoadError("every word the simulator can emit is a stop token")
+
+
+def sequence_key(prompt: list[int], seed: int) -> bytes:
+    """What a simulated sequence's tokens are a function of: its prompt and its seed."""
+    h = hashlib.blake2b(b"conveyor-sim", digest_size=16)
+    h.update(seed.to_bytes(16, "little", signed=True))
+    h.update(b",".join(str(t).encode() for t in prompt))
+    return h.digest()
+
+
+def _config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+
+
+def load_vocab(model_dir: Path) -> SimVocab:
+    from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers, no torch
+
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own exception types for a bad file
+        raise ModelLoadError(f"the simulated engine needs {path}: {e}") from e
+    info = model_info(Path(model_dir))
+    vocab_size = info.vocab_size or tok.get_vocab_size()
+    special = set(tok.get_added_tokens_decoder()) | set(info.eos_token_ids)
+    ids = [i for i in range(min(vocab_size, tok.get_vocab_size())) if i not in special]
+    texts = tok.decode_batch([[i] for i in ids])
+    words = [i for i, s in zip(ids, texts) if len(s) >= 3 and s[0] == " " and s[1:].isascii() and s[1:].isalpha()]
+    return SimVocab(vocab_size, info.max_len, frozenset(info.eos_token_ids),
+                    tuple(words if len(words) >= _MIN_WORDS else ids))
+
+
+def kv_pool_blocks(model_dir: Path, config: EngineConfig) -> int:
+    """As many KV blocks as the torch engine would have on CPU with the same byte budget (float32 unless
+    dtype says otherwise), so preemption and prefix-cache eviction happen where they would for real."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    cfg = _config(Path(model_dir))
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    itemsize = 2 if config.dtype in ("bfloat16", "float16") else 4
+    per_block = 2 * cfg["num_hidden_layers"] * config.block_size * kv_heads * head_dim * itemsize
+    return max(1, config.kv_cache_bytes // per_block)

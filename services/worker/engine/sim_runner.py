@@ -1,0 +1,91 @@
+"""The simulated model runner: the real engine (scheduler, paged block manager, prefix cache) with a
+modelled step time instead of a forward pass, and deterministic tokens instead of sampled ones.
+
+A step sleeps SimTiming.step_time(uncached prompt tokens computed, decoding sequences, KV tokens they
+attend over); what a step computes is decided by the engine's own scheduler, so chunked prefill,
+prefix-cache hits, preemption and batching shape the timing exactly as they shape the real engine's.
+Its tokens are plain words of the served tokenizer, a function of (prompt, seed, output index), so the
+gateway's detokenizer and stop strings see ordinary text, and a request resumed on another worker
+continues the same sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.request import Sequence, SequenceStatus
+from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SimStep:
+    """A prepared simulated step: what its time is made of, and who gets a token."""
+
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    kv_tokens: int = 0
+
+
+class SimRunner:
+    def __init__(self, timing: SimTiming, vocab: SimVocab, num_blocks: int, eos_probability: float = 0.0,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.timing = timing
+        self.vocab = vocab
+        self.num_blocks = num_blocks
+        self.eos_probability = eos_probability  # chance per token of ending with EOS, when EOS may end it
+        self._sleep = sleep
+
+    def init_sequence(self, seq: Sequence) -> None:
+        # Greedy ignores the seed, as the real sampler does; a sampled request without one gets a random one.
+        opts = seq.sampling
+        seed = 0 if opts.greedy else (opts.seed if opts.seed is not None else random.getrandbits(63))
+        seq.generator = sequence_key(seq.token_ids[:seq.num_prompt_tokens], seed)
+
+    def prepare(self, items: list[tuple[Sequence, int]]) -> SimStep:
+        step = SimStep()
+        for seq, n in items:
+            if n == 1 and seq.status == SequenceStatus.DECODING:
+                step.decode_seqs += 1
+                step.kv_tokens += seq.num_computed_tokens + 1
+            else:  # a prefill chunk: prompt (or recomputed) tokens not served by the prefix cache
+                step.prefill_tokens += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                step.sample_seqs.append(seq)
+        return step
+
+    def forward(self, step: SimStep) -> tuple[list[None], float]:
+        """Sleeps the modelled time; -> (a placeholder row per sampled sequence, the modelled time)."""
+        modelled = self.timing.step_time(step.prefill_tokens, step.decode_seqs, step.kv_tokens)
+        self._sleep(modelled)
+        return [None] * len(step.sample_seqs), modelled
+
+    def sample(self, rows: list[None], seqs: list[Sequence]) -> list[int]:
+        return [self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
+                                      seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
+                for seq in seqs]
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        return False  # nothing is allocated: a simulated step never runs out of memory
+
+    def free_memory(self) -> None:
+        return None
+
+
+def build_sim_engine(model_dir: Path | str, config: EngineConfig, timing: SimTiming,
+                     eos_probability: float = 0.0) -> LLMEngine:
+    """An LLMEngine whose steps are simulated: reads the model folder's config and tokenizer, no weights."""
+    vocab = load_vocab(Path(model_dir))
+    runner = SimRunner(timing, vocab, kv_pool_blocks(Path(model_dir), config), eos_probability)
+    logger.info("simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words),
+                eos_probability)
+    return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)
