@@ -1,10 +1,13 @@
-"""Adaptive deadlines as a pure policy: an allowance fixed in work, priced with the latest measured costs."""
+"""Adaptive deadlines: an allowance fixed in work, priced with the latest measured costs (a pure policy), and
+extended for a queued request while the queue ahead of it moves (the scheduler on a real Redis)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
+from tests.scheduling import deliver, heartbeat, preprocessed_request, scheduler, state
 
 POLICY = DeadlinePolicy(factor=1.5, min_s=5.0, max_s=300.0)
 AHEAD, OWN = Work(prefill_tokens=3200, decode_tokens=1600), Work(prefill_tokens=32, decode_tokens=16)
@@ -35,3 +38,39 @@ def test_the_allowance_is_clamped_to_the_floor_and_the_cap():
 
 def test_no_measured_worker_gives_no_prediction():
     assert Costs.of([]) is None
+
+
+def _queued_behind(redis_server, names, redis_client):
+    """Two adaptive requests queued on a cluster whose only worker has no free slot."""
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat(max_num_seqs=0))
+    first, second = (preprocessed_request(redis_server, names, adaptive=True) for _ in range(2))
+    for ev in (first, second):
+        deliver(s, names.preprocessed_stream, ev)
+    return s, s.queue._live[first.request_id], s.queue._live[second.request_id]
+
+
+def test_a_queued_request_past_its_allowance_is_extended_while_the_queue_ahead_moves(redis_server, redis_client,
+                                                                                       names):
+    s, _first, second = _queued_behind(redis_server, names, redis_client)
+    second.ahead = Work(second.ahead.prefill_tokens + 5000, second.ahead.decode_tokens)  # more was ahead before
+    second.deadline = time.time() - 1
+    s.expire_deadlines()
+    assert second.request_id in s.queue and second.deadline > time.time()
+    assert state(redis_client, names, second.request_id) == "QUEUED"
+
+
+def test_a_queued_request_past_its_allowance_behind_a_queue_that_did_not_move_times_out(redis_server, redis_client,
+                                                                                          names):
+    s, _first, second = _queued_behind(redis_server, names, redis_client)
+    second.deadline = time.time() - 1  # and the work ahead of it is what it was when it was judged
+    s.expire_deadlines()
+    assert second.request_id not in s.queue
+    assert state(redis_client, names, second.request_id) == "TIMED_OUT"
+
+
+def test_the_first_in_line_is_extended_while_live_workers_step(redis_server, redis_client, names):
+    s, first, _second = _queued_behind(redis_server, names, redis_client)
+    first.deadline = time.time() - 1
+    s.expire_deadlines()
+    assert first.request_id in s.queue and first.deadline > time.time()

@@ -3,81 +3,24 @@ write a stale owner could make, changes nothing the second time. Real Redis, rea
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 import time
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from services.scheduler.service import SchedulerService
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active, StepPublisher
-from shared.bus import Delivery
 from shared.context_store import ContextStore
-from shared.events import (CancelRequested, HandBack, Heartbeat, Preprocessed, Sampling, decode)
+from shared.events import CancelRequested, HandBack, decode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.runtime import Liveness
-from shared.settings import SchedulerSettings
+from tests.scheduling import (WORKER, deliver, heartbeat, placed, preprocessed_request, scheduled_on, scheduler,
+                              state)
 from tests.waiting import wait_for
-
-WORKER = "w1"
-
-
-def scheduler(redis_server, names, **kw) -> SchedulerService:
-    s = SchedulerService(SchedulerSettings(redis_url=redis_server.url, namespace=names.ns, **kw))
-    s.ensure_groups()
-    return s
-
-
-def heartbeat(worker_id: str = WORKER, **kw) -> Heartbeat:
-    base = dict(worker_id=worker_id, sent_at=time.time(), max_num_seqs=8, num_running=0, num_waiting=0,
-                request_ids=(), last_read_id="", total_blocks=100, free_blocks=100, cached_blocks=0, block_size=16,
-                step_time_s=0.05, prefill_s_per_token=0.001, decode_s_per_token=0.05, num_preemptions=0,
-                prefix_cache_queries=0, prefix_cache_hits=0)
-    return Heartbeat(**{**base, **kw})
-
-
-def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool = False) -> Preprocessed:
-    """A request created by the gateway's script and moved to PREPROCESSED as the tokenizer does."""
-    reply_to = reply_to or names.reply_stream("gw1")
-    now = time.time()
-    ev = Preprocessed(request_id=f"r{time.monotonic_ns()}", reply_to=reply_to, prompt_token_ids=(1, 2, 3),
-                      sampling=Sampling(max_tokens=4, temperature=0.0), priority=0, deadline=now + 60,
-                      adaptive_deadline=adaptive, received_at=now)
-
-    async def create():
-        client = aioredis.Redis.from_url(redis_server.url)
-        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to}, {}, "unused", ev)
-        await client.aclose()
-
-    asyncio.run(create())
-    client = redis.Redis.from_url(redis_server.url)
-    Lifecycle(client, names, "tokenizer", 60).transition(ev.request_id, State.PREPROCESSED)
-    return ev
-
-
-def deliver(s: SchedulerService, stream: str, event) -> None:
-    s.bus.process(Delivery(stream, "scheduler", "0-1", event), s.dispatch)
-
-
-def state(redis_client, names, rid: str) -> str:
-    return redis_client.hget(names.layer(rid, "meta"), "state").decode()
-
-
-def scheduled_on(redis_client, names, worker: str = WORKER) -> list:
-    return [decode(f[b"e"]) for _, f in redis_client.xrange(names.worker_stream(worker))]
-
-
-def placed(redis_server, names, s: SchedulerService) -> Preprocessed:
-    s.on_heartbeat(heartbeat())
-    ev = preprocessed_request(redis_server, names)
-    deliver(s, names.preprocessed_stream, ev)
-    s.place()
-    return ev
 
 
 def test_redelivered_preprocessed_leaves_a_placed_request_where_it_is(redis_server, redis_client, names):

@@ -181,13 +181,29 @@ class SchedulerService:
         item.ahead = total(q.work() for q in self.queue.ahead_of(item))
         self.judge_deadline(item)
 
-    def judge_deadline(self, item) -> None:
-        costs = Costs.of([w.hb for w in self.workers.values() if w.hb is not None and self._alive(w)])
+    def judge_deadline(self, item, since: float | None = None) -> None:
+        """Price the item's work (ahead of it, then its own) with the latest costs; its allowance runs from its
+        arrival, or from `since` when it is extended."""
+        costs = Costs.of([w.hb for w in self._live_views()])
         if costs is None or item.ahead is None:
             return  # nothing measured yet (or only workers known from stored placements): keep the cap
         predicted = costs.seconds(item.ahead, item.work())
-        item.deadline = self.deadlines.deadline(item.event.received_at, item.event.deadline, predicted)
+        start = item.event.received_at if since is None else since
+        item.deadline = self.deadlines.deadline(start, item.event.deadline, predicted)
         self.store.update(self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted})
+
+    def extend_if_progressing(self, item, ahead_now: Work, now: float) -> bool:
+        """Its allowance passed. If the queue ahead of it moved since it was last judged (or it is first in line
+        and live workers are stepping), it is progressing at the cluster's real rate: give it a fresh allowance
+        from now for what is left. Otherwise its wait is beyond the prediction: a stall."""
+        moved = ahead_now.prefill_tokens + ahead_now.decode_tokens < \
+            item.ahead.prefill_tokens + item.ahead.decode_tokens
+        first_in_line = ahead_now == Work(0, 0) and bool(self._live_views())
+        if not (moved or first_in_line):
+            return False
+        item.ahead = ahead_now
+        self.judge_deadline(item, since=now)
+        return item.deadline > now
 
     def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str) -> bool:
         """Put a request that left its worker back in the queue; the next worker resumes after
@@ -274,9 +290,10 @@ class SchedulerService:
             self.janitor.sweep(now)
             for stream in (self.names.received_stream, *self.streams):
                 self.bus.trim_consumed(stream)
-        for q in self.queue.expired(now):
-            self.judge_deadline(q)  # with the latest costs: a machine that got slower stretches the allowance
-            if q.deadline > now:
+        expired = self.queue.expired(now)
+        ahead = self.queue.work_ahead() if any(q.ahead is not None for q in expired) else {}
+        for q in expired:
+            if q.ahead is not None and self.extend_if_progressing(q, ahead[q.request_id], now):
                 continue
             self.queue.remove(q.request_id)
             self.r.hdel(self.names.queue, q.request_id)
@@ -287,7 +304,7 @@ class SchedulerService:
 
     def place(self) -> None:
         """Place queued requests in (priority, arrival) order while some live worker has room."""
-        live = [w for w in self.workers.values() if w.hb is not None and self._alive(w)]
+        live = self._live_views()
         while live and (head := self.queue.peek()) is not None:
             need = blocks_needed(len(head.event.prompt_token_ids) + len(head.output_token_ids), live[0].hb.block_size)
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
@@ -325,6 +342,9 @@ class SchedulerService:
             worker.inflight[ev.request_id] = (res.entry_ids[0], need)
             self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out))
         return res
+
+    def _live_views(self) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.hb is not None and self._alive(w)]
 
     def _alive(self, w: WorkerView) -> bool:
         return w.alive(self.s.liveness_ttl_s, self.s.worker_hang_timeout_s)

@@ -73,6 +73,15 @@ class RequestQueue:
     def expired(self, now: float) -> list[QueuedRequest]:
         return [q for q in self._live.values() if q.deadline <= now]
 
+    def work_ahead(self) -> dict[str, Work]:
+        """For every queued request, the work queued ahead of it (one pass in queue order)."""
+        out, prefill, decode = {}, 0, 0
+        for q in sorted(self._live.values()):
+            out[q.request_id] = Work(prefill, decode)
+            own = q.work()
+            prefill, decode = prefill + own.prefill_tokens, decode + own.decode_tokens
+        return out
+
     def ahead_of(self, item: QueuedRequest) -> list[QueuedRequest]:
         return [q for q in self._live.values() if q.sort_key < item.sort_key]
 
