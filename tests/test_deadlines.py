@@ -60,17 +60,18 @@ def test_a_queued_request_past_its_allowance_is_extended_while_the_queue_ahead_m
     assert state(redis_client, names, second.request_id) == "QUEUED"
 
 
-def test_a_queued_request_past_its_allowance_behind_a_queue_that_did_not_move_times_out(redis_server, redis_client,
-                                                                                          names):
+def test_a_queued_request_past_its_allowance_is_extended_while_live_workers_step(redis_server, redis_client, names):
+    s, first, second = _queued_behind(redis_server, names, redis_client)
+    for q in (first, second):  # neither the queue moved nor anyone was placed: the worker is busy, not stuck
+        q.deadline = time.time() - 1
+    s.expire_deadlines()
+    assert all(q.request_id in s.queue and q.deadline > time.time() for q in (first, second))
+
+
+def test_a_queued_request_past_its_allowance_with_no_live_worker_times_out(redis_server, redis_client, names):
     s, _first, second = _queued_behind(redis_server, names, redis_client)
-    second.deadline = time.time() - 1  # and the work ahead of it is what it was when it was judged
+    s.workers.clear()  # its only worker is gone: nothing will ever serve the queue
+    second.deadline = time.time() - 1
     s.expire_deadlines()
     assert second.request_id not in s.queue
     assert state(redis_client, names, second.request_id) == "TIMED_OUT"
-
-
-def test_the_first_in_line_is_extended_while_live_workers_step(redis_server, redis_client, names):
-    s, first, _second = _queued_behind(redis_server, names, redis_client)
-    first.deadline = time.time() - 1
-    s.expire_deadlines()
-    assert first.request_id in s.queue and first.deadline > time.time()

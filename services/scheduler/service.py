@@ -193,13 +193,13 @@ class SchedulerService:
         self.store.update(self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted})
 
     def extend_if_progressing(self, item, ahead_now: Work, now: float) -> bool:
-        """Its allowance passed. If the queue ahead of it moved since it was last judged (or it is first in line
-        and live workers are stepping), it is progressing at the cluster's real rate: give it a fresh allowance
-        from now for what is left. Otherwise its wait is beyond the prediction: a stall."""
+        """Its allowance passed. While the queue ahead of it moves, or live workers are stepping (their step
+        counters move: the hang timeout tells), it is progressing at the cluster's real rate, just slower than
+        predicted: it gets a fresh allowance from now for the work left, priced with the latest costs. With
+        neither (no live worker, or every one hung) its wait is a stall: it times out."""
         moved = ahead_now.prefill_tokens + ahead_now.decode_tokens < \
             item.ahead.prefill_tokens + item.ahead.decode_tokens
-        first_in_line = ahead_now == Work(0, 0) and bool(self._live_views())
-        if not (moved or first_in_line):
+        if not (moved or self._live_views()):
             return False
         item.ahead = ahead_now
         self.judge_deadline(item, since=now)
