@@ -78,10 +78,15 @@ class StepPublisher:
         return lost
 
     def _stale(self, pipe, rids: list[str], active: dict[str, Active]) -> set[str]:
+        pipe.watch(*[self.names.layer(rid, "exec") for rid in rids])
+        return self.not_owned(pipe, rids, active)
+
+    def not_owned(self, client, rids: list[str], active: dict[str, Active]) -> set[str]:
         """Of rids, those this worker no longer owns (exec.attempt moved on, or the context is gone)."""
+        if not rids:
+            return set()
         keys = [self.names.layer(rid, "exec") for rid in rids]
-        pipe.watch(*keys)
-        found = pipe.eval(_ATTEMPTS_LUA, len(keys), *keys)
+        found = client.eval(_ATTEMPTS_LUA, len(keys), *keys)
         return {rid for rid, at in zip(rids, found) if at is None or int(at) != active[rid].attempt}
 
     def publish_scheduled(self, transitions: list[tuple[str, str]], active: dict[str, Active]) -> None:

@@ -174,8 +174,8 @@ class WorkerService:
 
     def housekeeping(self) -> None:
         """Once per heartbeat interval: drop the entries of its stream it has handled (it is their only reader),
-        and if Redis lost its data, drop what it holds: those requests no longer exist (their gateways answer
-        their clients), and their blocks are freed."""
+        and if Redis lost its data, drop the requests whose context went with it (their gateways answer their
+        clients), freeing their blocks."""
         now = time.monotonic()
         if now - self._epoch_checked < self.s.heartbeat_interval_s:
             return
@@ -183,8 +183,10 @@ class WorkerService:
         if self.last_read_id:
             self.r.xtrim(self.stream, minid=self.last_read_id, approximate=True)
         if self.epoch.check(self.r):
-            logger.error("dropping %d requests of the lost dataset", len(self.active))
-            for rid in list(self.active):
+            # Only those whose context is gone: a request placed here since the loss belongs to the new dataset.
+            lost = self.publisher.not_owned(self.r, list(self.active), self.active)
+            logger.error("dropping %d of %d requests: the lost dataset's", len(lost), len(self.active))
+            for rid in lost:
                 self.drop(rid, "state_lost")
             self.bus.ensure_group(self.stream, GROUP_WORKER)
 
