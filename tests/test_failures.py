@@ -16,7 +16,7 @@ from shared.constants import Names
 from shared.context_store import ContextStore
 from shared.constants import EVENT_FIELD
 from shared.events import SCHEMA_VERSION, RequestReceived, Sampling, Scheduled, decode, encode
-from shared.lifecycle import Lifecycle, Owner, Publish, State
+from shared.lifecycle import Lifecycle, Owner, State
 from tests.waiting import wait_for
 
 
