@@ -96,31 +96,25 @@ class Load:
                 return f"http_{r.status_code}"
             return await self.read_to_end(r.aiter_lines())
 
+    def generate_stream(self, client: httpx.AsyncClient, rng: random.Random):
+        return client.stream("POST", self.url + "/generate", json=request_for("/generate", rng, self.args, True))
+
     async def disconnect(self, client: httpx.AsyncClient, rng: random.Random) -> str:
         after = rng.randint(0, 3)
-        async with client.stream("POST", self.url + "/generate", json=request_for("/generate", rng, self.args,
-                                                                                 True)) as r:
+        async with self.generate_stream(client, rng) as r:
             if r.status_code != 200:
                 return f"http_{r.status_code}"
-            lines, seen = r.aiter_lines(), 0
-            while seen < after:  # leaving the block closes the connection mid-stream
-                event = await next_event(lines)
-                if event is None or final_outcome(event, None):
-                    return "ended_first"
-                seen += 1
-            return "disconnected"
+            lines = r.aiter_lines()  # leaving the block after `after` events closes the connection mid-stream
+            return "ended_first" if await skip_events(lines, after) else "disconnected"
 
     async def cancel(self, client: httpx.AsyncClient, rng: random.Random) -> str:
         after = rng.randint(0, 2)
-        async with client.stream("POST", self.url + "/generate", json=request_for("/generate", rng, self.args,
-                                                                                 True)) as r:
+        async with self.generate_stream(client, rng) as r:
             if r.status_code != 200:
                 return f"http_{r.status_code}"
             lines = r.aiter_lines()
-            for _ in range(after):
-                event = await next_event(lines)
-                if event is None or final_outcome(event, None):
-                    return "ended_first"
+            if await skip_events(lines, after):
+                return "ended_first"
             d = await client.delete(f"{self.url}/v1/requests/{r.headers['x-request-id']}")
             outcome = await self.read_to_end(lines)
             return outcome if d.status_code == 200 else f"delete_http_{d.status_code} {outcome}"
@@ -138,6 +132,15 @@ async def next_event(lines) -> dict | None:
         if line.startswith("data: "):
             return None if line == "data: [DONE]" else json.loads(line[6:])
     return None
+
+
+async def skip_events(lines, n: int) -> bool:
+    """Read n events; True if the stream ended (or reached its final event) first."""
+    for _ in range(n):
+        event = await next_event(lines)
+        if event is None or final_outcome(event, None):
+            return True
+    return False
 
 
 def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int) -> dict:
