@@ -170,3 +170,27 @@ def test_a_stale_attempt_cannot_move_the_request(redis_server, redis_client, nam
     assert res.fenced and not res.applied
     assert state(redis_client, names, ev.request_id) == "SCHEDULED"
     assert redis_client.xlen(ev.reply_to) == 0
+
+
+def test_after_a_data_loss_a_worker_keeps_the_requests_placed_since(redis_server, redis_client, names):
+    """The worker notices the loss after a request of the new dataset reached it: it drops only the old ones."""
+    from services.worker.engine import EngineRequest, SamplingOptions
+    from services.worker.service import WorkerService
+    from shared.settings import WorkerSettings
+    from tests.conftest import CACHE_DIR
+
+    w = WorkerService(WorkerSettings(redis_url=redis_server.url, namespace=names.ns, engine="sim",
+                                     cache_dir=CACHE_DIR, instance_id=WORKER))
+    w.housekeeping()  # adopts the dataset's epoch
+    s = scheduler(redis_server, names)
+    old = placed(redis_server, names, s)
+    redis_client.flushall()  # the loss; then a request of the new dataset is placed on the worker
+    s = scheduler(redis_server, names)
+    new = placed(redis_server, names, s)
+    for ev in (old, new):
+        w.engine.add_request(EngineRequest(request_id=ev.request_id, prompt_token_ids=[1, 2, 3],
+                                           sampling=SamplingOptions(temperature=0.0, max_tokens=4)))
+        w.active[ev.request_id] = Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)
+    w._epoch_checked = 0.0  # its next heartbeat interval has come
+    w.housekeeping()
+    assert set(w.active) == {new.request_id}
