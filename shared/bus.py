@@ -109,7 +109,7 @@ class Bus:
             pending = self.r.xpending(stream, g["name"])
             floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
         if floors:
-            self.r.xtrim(stream, minid=min(floors, key=_entry_key), approximate=False)
+            self.r.xtrim(stream, minid=min(floors, key=entry_key), approximate=False)
 
     def sweep(self, stream: str, group: str, count: int = 64) -> list[Delivery]:
         """Claim entries idle longer than claim_idle_ms; dead-letter the over-delivered ones."""
@@ -175,7 +175,8 @@ def _best_effort_decode(payload: bytes | None):
         return raw if isinstance(raw, dict) else None
 
 
-def _entry_key(entry_id: str) -> tuple[int, int]:
+def entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a sortable (milliseconds, sequence) pair."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
 

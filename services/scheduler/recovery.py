@@ -17,7 +17,7 @@ import time
 
 import msgspec
 
-from services.scheduler.state import entry_key
+from shared.bus import entry_key
 from shared.events import CancelRequested, Preprocessed, Scheduled
 
 logger = logging.getLogger(__name__)

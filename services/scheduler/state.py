@@ -13,12 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from services.scheduler.deadlines import Work
+from shared.bus import entry_key
 from shared.events import Heartbeat, Preprocessed
-
-
-def entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass(order=True)
