@@ -37,7 +37,8 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                         gpu_memory_fraction=s.gpu_memory_fraction, max_num_seqs=s.max_num_seqs,
                         max_num_batched_tokens=s.max_num_batched_tokens,
                         enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype,
-                        gemm_tuning=s.gemm_tuning, tuning_cache_dir=str(s.cache_dir))
+                        gemm_tuning=s.gemm_tuning, cpu_kernels=s.cpu_kernels, fused_model=s.fused_model,
+                        tuning_cache_dir=str(s.cache_dir))
 
 
 def build_engine(s: WorkerSettings) -> Engine:

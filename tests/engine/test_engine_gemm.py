@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from services.worker.engine import gemm
-from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, tune_linears
+from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
 
 
 @pytest.fixture(autouse=True)
@@ -24,10 +24,15 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
 
 
+def tune(model: nn.Module, rows: int, cache_dir) -> None:
+    tune_linears(plain_linears(model), None, rows, rows, cache_dir)
+
+
 def force(model: nn.Module, kernel: str) -> None:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.conveyor_gemm_plan = Plan((kernel,) * 8)
+            m.conveyor_packed = gemm.pack(m.weight.detach())
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -37,7 +42,7 @@ def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(k
     x = torch.randn(1, rows, 32)
     with torch.inference_mode():
         expected = model(x)
-        tune_linears(model, 128, 128, None)
+        tune(model, 128, None)
         force(model, kernel)
         got = model(x)
     assert got.shape == expected.shape == (1, rows, 16)
@@ -51,37 +56,37 @@ def test_plan_bucket_is_the_next_power_of_two_of_the_row_count():
 
 
 def test_a_kernel_that_fails_here_is_never_planned(monkeypatch):
-    def broken(x, w, b):
+    def broken(x, w, b, packed):
         raise RuntimeError("not built into this torch")
     monkeypatch.setitem(KERNELS, "onednn", broken)
     model = tiny_model()
-    tune_linears(model, 64, 64, None)
+    tune(model, 64, None)
     assert all("onednn" not in m.conveyor_gemm_plan.kernels for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def test_measured_plan_is_saved_and_a_restart_reuses_it_without_measuring(tmp_path, monkeypatch):
     first = tiny_model()
-    tune_linears(first, 64, 64, tmp_path)
+    tune(first, 64, tmp_path)
     assert (tmp_path / PLAN_FILE).exists()
     plans = [m.conveyor_gemm_plan for m in first.modules() if isinstance(m, nn.Linear)]
     monkeypatch.setattr(gemm, "_memory", {})  # a new process
     monkeypatch.setattr(gemm, "measure", lambda *a: pytest.fail("measured again despite the saved plan"))
     second = tiny_model()
-    tune_linears(second, 64, 64, tmp_path)
+    tune(second, 64, tmp_path)
     assert [m.conveyor_gemm_plan for m in second.modules() if isinstance(m, nn.Linear)] == plans
 
 
 def test_unreadable_plan_file_is_measured_again_and_rewritten(tmp_path):
     (tmp_path / PLAN_FILE).write_text("{not json")
     model = tiny_model()
-    tune_linears(model, 16, 16, tmp_path)
+    tune(model, 16, tmp_path)
     assert all(hasattr(m, "conveyor_gemm_plan") for m in model.modules() if isinstance(m, nn.Linear))
     assert (tmp_path / PLAN_FILE).read_text().startswith("{\n")
 
 
 def test_tuning_keeps_the_tied_output_head_sharing_the_embedding(engine_model):
     head = engine_model.get_output_embeddings()
-    tune_linears(engine_model, 64, 64, None)
+    tune_linears(plain_linears(engine_model), head, 64, 64, None)
     assert head.weight.data_ptr() == engine_model.get_input_embeddings().weight.data_ptr()
     assert type(head) is nn.Linear and hasattr(head, "conveyor_gemm_plan")
 
@@ -94,8 +99,8 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
             "from services.worker.engine import gemm\n"
             "logging.basicConfig(level=logging.INFO)\n"
             "real = gemm.measure\n"
-            "gemm.measure = lambda w, b: time.sleep(1.0) or real(w, b)  # a window wide enough to overlap\n"
-            "gemm.tune_linears(nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)), 16, 16, sys.argv[1])\n")
+            "gemm.measure = lambda t: time.sleep(1.0) or real(t)  # a window wide enough to overlap\n"
+            "gemm.tune_linears([nn.Linear(32, 48), nn.Linear(48, 16)], None, 16, 16, sys.argv[1])\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     logs = [p.communicate(timeout=120)[1] for p in procs]

@@ -8,6 +8,10 @@ every layer through the `conveyor_attn` keyword of `model(...)`.
 
 GQA without copies: the H = KVH * G query heads are regrouped as [KVH, G * Q] query rows per
 KV head, so K/V are gathered once per layer and never repeated.
+
+Decode rows on CPU in float32 skip the gather: the engine's own kernel (csrc/paged_decode.cpp, loaded
+by cpu_ops.py) reads each sequence's K/V where it lies in the pool. The runner decides per step by
+giving the decode group `context_lens` (kernel) or a mask (gather + SDPA, every other case).
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ class AttnGroup:
     """Sequences attended together with one gather and one SDPA call per layer."""
 
     block_tables: torch.Tensor  # [S, MB] long, padded with block 0 (masked)
-    mask: torch.Tensor  # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows)
+    mask: torch.Tensor | None  # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows)
     row_pos: torch.Tensor  # [S, R] position of each query row (for sliding-window layers)
     q_index: torch.Tensor | None = None  # [S, Q] rows of the group's packed tokens (prefill only)
     out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
+    context_lens: torch.Tensor | None = None  # [S] long: set = decode through the CPU kernel (no mask)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -68,29 +73,49 @@ def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, 
     return out.view(s, kvh, groups, qlen, dim).permute(0, 3, 1, 2, 4).reshape(s, qlen, heads, dim)
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window: int | None = None, conveyor_attn: PagedAttentionMetadata | None = None,
-                            **kwargs):
-    """query [1, H, T, D], key/value [1, KVH, T, D] (rotary applied) -> ([1, T, H, D], None)."""
-    if conveyor_attn is None:
-        raise RuntimeError("conveyor_paged attention called without step metadata (use the engine's runner)")
-    meta = conveyor_attn
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    # Mistral/Qwen2-style models pass the window of sliding layers (None on full-attention layers)
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+def _decode_kernel(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
+                   window: int | None) -> torch.Tensor:
+    """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp)."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    key, value = cache.layer_slots(layer)
+    torch.ops.conveyor.paged_decode(out, q, key, value, group.block_tables, group.context_lens, cache.block_size,
+                                    scaling, window or 0)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, layer: int,
+                    scaling: float, window: int | None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (rotary applied) -> [T, H, D]; writes k/v into the pool first."""
+    meta.kv_cache.write(layer, meta.slot_mapping, k, v)
     parts = []
     nd = meta.num_decode_tokens
     if meta.decode is not None:
-        parts.append(_attend(q[:nd].unsqueeze(1), meta.decode, meta.kv_cache, layer, scale, window).squeeze(1))
+        d = meta.decode
+        if d.context_lens is not None:
+            parts.append(_decode_kernel(q[:nd], d, meta.kv_cache, layer, scaling, window))
+        else:
+            parts.append(_attend(q[:nd].unsqueeze(1), d, meta.kv_cache, layer, scaling, window).squeeze(1))
     if meta.prefill is not None:
         p = meta.prefill
         rows = q[nd:][p.q_index]  # [S, Q, H, D]
-        out = _attend(rows, p, meta.kv_cache, layer, scale, window)
+        out = _attend(rows, p, meta.kv_cache, layer, scaling, window)
         parts.append(out.reshape(-1, *out.shape[2:])[p.out_index])
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window: int | None = None, conveyor_attn: PagedAttentionMetadata | None = None,
+                            **kwargs):
+    """transformers' attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    if conveyor_attn is None:
+        raise RuntimeError("conveyor_paged attention called without step metadata (use the engine's runner)")
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # Mistral/Qwen2-style models pass the window of sliding layers (None on full-attention layers)
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    out = paged_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), conveyor_attn, module.layer_idx,
+                          scale, window)
     return out.unsqueeze(0), None
 
 

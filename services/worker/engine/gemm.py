@@ -5,14 +5,19 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   linear   F.linear (MKL sgemm, the weight as the transposed operand)
   flipped  (W @ x.T).T: the same products and sums, the other operand order, another kernel
   onednn   oneDNN's linear (the primitive torch.compile's CPU backend uses)
-Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped` and 22 ms
-`onednn`; the MLP projections differ by ~10 %; at other sizes `linear` wins. So the choice is
+  packed   oneDNN's linear on a copy of the weight reordered once into its blocked layout (what vLLM's
+           CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
+Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
+`onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
 measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU) and per
-power-of-two bucket of M, at engine start, min of interleaved runs; then kept in memory and in a
-JSON file under the cache directory, so a restarted worker does not measure again.
+power-of-two bucket of M, at engine start, over passes through the model's layers in order (see
+measure); then kept in memory and in a JSON file under the cache directory, so a restarted worker
+does not measure again.
 
 How it is applied: each nn.Linear keeps its type, weights and ties (the LM head still shares the
-embedding's storage); only its `forward` is overridden, on the instance.
+embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses
+`packed` for some M also holds the packed copy (one more copy of that weight: memory for speed, on
+CPU only).
 """
 
 from __future__ import annotations
@@ -37,26 +42,38 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v2.json"
-_REPS = 3  # fewest timed runs per variant (after one warm-up); the minimum is kept (noise only adds time)
+PLAN_FILE = "gemm-plan-v3.json"
+_REPS = 2  # timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time)
 _MARGIN = 0.9  # another kernel must be >= 10 % faster than `linear` to be chosen (the safe default)
 _memory: dict[str, tuple[str, ...]] = {}  # this process's plans, by key()
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+_PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
-def _flipped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _flipped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     y = torch.mm(w, x.t()).t().contiguous()  # [N, K] @ [K, M] -> [N, M] -> [M, N]
     return y if b is None else y + b
 
 
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn}  # x [M, K], w [N, K] -> [M, N]
+def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+# x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
+KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn, "packed": _packed}
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,7 @@ class Plan:
 
 
 @functools.cache
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -82,45 +99,73 @@ def _cpu_name() -> str:
 
 
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int) -> str:
-    return "|".join(map(str, (_cpu_name(), torch.__version__, torch.get_num_threads(), dtype, out_features,
+    return "|".join(map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), dtype, out_features,
                               in_features, buckets)))
 
 
-def _usable(name: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+def _usable(name: str, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """A kernel is a candidate only if it runs here and agrees with F.linear."""
+    if name == "packed" and packed is None:
+        return False
     try:
-        return torch.allclose(KERNELS[name](x, w, None), F.linear(x, w), rtol=1e-3, atol=1e-3)
+        return torch.allclose(KERNELS[name](x, w, None, packed), F.linear(x, w), rtol=1e-3, atol=1e-3)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # op missing in this torch build / dtype
         logger.info("GEMM kernel %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
         return False
 
 
-def _fastest(x: torch.Tensor, w: torch.Tensor, names: list[str]) -> str:
-    """Interleaved timed runs (so drift hits all alike), min of each; enough runs for ~10 ms each."""
-    t0 = time.perf_counter()
-    for name in names:  # warm (allocator, the library's per-shape setup)
-        KERNELS[name](x, w, None)
-    reps = max(_REPS, min(200, int(0.01 * len(names) / max(time.perf_counter() - t0, 1e-6))))
-    best = dict.fromkeys(names, float("inf"))
-    for _ in range(reps):
-        for name in names:
-            t = time.perf_counter()
-            KERNELS[name](x, w, None)
-            best[name] = min(best[name], time.perf_counter() - t)
-    winner = min(best, key=best.get)
-    return winner if best[winner] < _MARGIN * best["linear"] else "linear"
-
-
 @torch.inference_mode()
-def measure(weight: torch.Tensor, buckets: int) -> tuple[str, ...]:
-    """The fastest kernel for M = 1, 2, 4, ... 2**(buckets-1) rows against `weight` [N, K]."""
-    probe = torch.randn(3, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    names = [n for n in KERNELS if n == "linear" or _usable(n, probe, weight)]
-    choice = []
-    for i in range(buckets):
-        x = torch.randn(2 ** i, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        choice.append(_fastest(x, weight, names))
-    return tuple(choice)
+def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, ...]]:
+    """The fastest kernel per plan key for M = 1, 2, 4, ... 2**(buckets-1) rows.
+
+    Timed as the engine runs them: whole passes over every target layer in forward order, so each
+    weight comes in from memory as it does in a step (a model's weights outgrow the caches; timing one
+    weight in a loop keeps it cached and favours the kernels that stream memory worst). Per bucket: one
+    warm-up pass per kernel (the library's per-shape setup), then passes interleaved across kernels
+    (so drift hits all alike); a key's time is its layers' summed time in its fastest pass.
+    """
+    packs = {id(m): _try_pack(m.weight.detach()) for m, _, _ in targets}
+    names: dict[str, list[str]] = {}
+    for m, k, _ in targets:
+        if k not in names:
+            probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+            names[k] = [n for n in KERNELS if n == "linear" or _usable(n, probe, m.weight, packs[id(m)])]
+    plans: dict[str, list[str]] = {k: [] for k in names}
+    for i in range(max(b for _, _, b in targets)):
+        live = [(m, k) for m, k, b in targets if i < b]
+        xs = {m.in_features: torch.randn(2 ** i, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+              for m, _ in live}
+        best: dict[tuple[str, str], float] = {}
+        for rep in range(1 + _REPS):
+            for n in KERNELS:
+                sums = _timed_pass(n, live, names, xs, packs)
+                for k, v in sums.items():
+                    if rep:
+                        best[(k, n)] = min(best.get((k, n), float("inf")), v)
+        for k in {k for _, k in live}:
+            winner = min(names[k], key=lambda n: best[(k, n)])
+            plans[k].append(winner if best[(k, winner)] < _MARGIN * best[(k, "linear")] else "linear")
+    return {k: tuple(v) for k, v in plans.items()}
+
+
+def _timed_pass(name: str, live: list[tuple[nn.Linear, str]], names: dict[str, list[str]],
+                xs: dict[int, torch.Tensor], packs: dict[int, torch.Tensor | None]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for m, k in live:
+        if name not in names[k]:
+            continue
+        t = time.perf_counter()
+        KERNELS[name](xs[m.in_features], m.weight, None, packs[id(m)])
+        sums[k] = sums.get(k, 0.0) + time.perf_counter() - t
+    return sums
+
+
+def _try_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    try:
+        return pack(weight)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN in this build / dtype
+        logger.info("GEMM weight packing unavailable for %s %s: %s", tuple(weight.shape), weight.dtype, e)
+        return None
 
 
 class PlanStore:
@@ -190,46 +235,52 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     name = self.conveyor_gemm_plan.kernel_for(x2.shape[0])
     if name == "linear":
         return F.linear(x, self.weight, self.bias)
-    y = KERNELS[name](x2, self.weight, self.bias)
+    y = KERNELS[name](x2, self.weight, self.bias, self.conveyor_packed)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def tune_linears(model: nn.Module, max_rows: int, max_head_rows: int, cache_dir: Path | str | None) -> int:
-    """Give every nn.Linear of `model` a measured kernel plan; returns how many use more than `linear`.
+def tune_linears(layers: list[nn.Linear], head: nn.Linear | None, max_rows: int, max_head_rows: int,
+                 cache_dir: Path | str | None) -> int:
+    """Give each of `layers` (plain nn.Linear) a measured kernel plan; returns how many use more than `linear`.
 
     max_rows: most rows a layer sees in one step (the step's token budget); max_head_rows: most rows
-    of the output head (the sequences sampled in one step; transformers keeps only those rows).
+    of the output head `head` (the sequences sampled in one step: only those rows reach it).
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets: list[tuple[nn.Linear, str, int]] = []  # (layer, plan key, buckets)
-    for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dim() != 2:
-            continue  # subclasses (quantized layers, ...) keep their own forward
+    for module in layers:
         rows = max_head_rows if module is head else max_rows
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
         targets.append((module, key(module.out_features, module.in_features, module.weight.dtype, buckets), buckets))
     store = PlanStore(cache_dir)
-    missing = {k: (m, b) for m, k, b in targets if store.get(k) is None}
-    if missing:
-        _measure_missing(store, missing)
-    mixed = 0
+    if any(store.get(k) is None for _, k, _ in targets):
+        _measure_missing(store, targets)
+    mixed, packed_bytes = 0, 0
     for module, k, _ in targets:
         plan = store.get(k)
         module.conveyor_gemm_plan = Plan(plan)
+        module.conveyor_packed = pack(module.weight.detach()) if "packed" in plan else None
+        packed_bytes += module.weight.nbytes if "packed" in plan else 0
         module.forward = types.MethodType(_planned_forward, module)
         mixed += any(n != "linear" for n in plan)
+    logger.info("GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; packed weight copies "
+                "%.1f MiB", mixed, len(targets), packed_bytes / 2**20)
     return mixed
 
 
-def _measure_missing(store: PlanStore, missing: dict[str, tuple[nn.Linear, int]]) -> None:
+def plain_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's nn.Linear layers that tuning may take over (subclasses, e.g. quantized, keep their forward)."""
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]
+
+
+def _measure_missing(store: PlanStore, targets: list[tuple[nn.Linear, str, int]]) -> None:
     """Measure the plans not known yet, one process at a time: workers starting together would
     otherwise time their kernels against each other and keep skewed plans."""
     t0, measured = time.perf_counter(), 0
     with store.exclusive():
-        for k, (module, buckets) in missing.items():
-            if store.get(k) is None:  # another process may have measured it while this one waited
-                store.put(k, measure(module.weight.detach(), buckets))
-                measured += 1
-        if measured:
+        if any(store.get(k) is None for _, k, _ in targets):  # another process may have measured them meanwhile
+            for k, plan in measure(targets).items():
+                if store.get(k) is None:
+                    store.put(k, plan)
+                    measured += 1
             store.save()
     logger.info("GEMM kernels measured for %d weight shapes in %.1f s", measured, time.perf_counter() - t0)

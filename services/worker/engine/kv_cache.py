@@ -59,6 +59,10 @@ class PagedKVCache:
         self._flat_key[layer].index_copy_(0, slots, key)
         self._flat_value[layer].index_copy_(0, slots, value)
 
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """key, value of one layer as [num_blocks * block_size, KVH, D] (contiguous views, no copy)."""
+        return self._flat_key[layer], self._flat_value[layer]
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables [G, MB] -> key, value [G, MB * block_size, KVH, D] (one copy per tensor)."""
         g, mb = block_tables.shape

@@ -17,7 +17,9 @@ import torch
 
 from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.gemm import tune_linears
+from services.worker.engine import cpu_ops
+from services.worker.engine.fused_llama import FusedLlama
+from services.worker.engine.gemm import plain_linears, tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.request import Sequence
@@ -36,8 +38,13 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, device: torch.device):
+    def __init__(self, model, kv_cache: PagedKVCache, device: torch.device, fused: FusedLlama | None = None,
+                 decode_kernel: bool = False):
+        """fused: the engine's own forward for this model (else transformers' modules); decode_kernel: decode
+        attention through the CPU kernel (cpu_ops.py) instead of gather + SDPA."""
         self.model = model
+        self.fused = fused
+        self.decode_kernel = decode_kernel
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -47,16 +54,23 @@ class ModelRunner:
 
     @classmethod
     def for_model(cls, model, config: EngineConfig) -> ModelRunner:
-        """Switch the model's attention to paged, tune its GEMMs (CPU) and size and allocate its KV pool."""
+        """Switch the model's attention to paged, fuse its forward where supported, tune its GEMMs (CPU),
+        build the CPU kernels, and size and allocate its KV pool."""
         install_paged_attention(model)
         device = next(model.parameters()).device
+        fused = FusedLlama.build(model) if config.fused_model else None
         if config.gemm_tuning and device.type == "cpu":
-            tune_linears(model, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
+            layers = fused.linears() if fused else plain_linears(model)
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            tune_linears(layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
+        kernel = config.cpu_kernels and device.type == "cpu" and model.dtype == torch.float32
+        kernel = kernel and cpu_ops.load(config.tuning_cache_dir)
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
-        logger.info("torch runner on %s (%s): %d KV blocks", device, model.dtype, num_blocks)
-        return cls(model, kv_cache, device)
+        logger.info("torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s", device, model.dtype,
+                    num_blocks, "fused" if fused else "transformers", "CPU kernel" if kernel else "gather + SDPA")
+        return cls(model, kv_cache, device, fused, kernel)
 
     def init_sequence(self, seq: Sequence) -> None:
         """A sampled (non-greedy) request draws from its own generator: same seed, same tokens, whatever
@@ -100,6 +114,8 @@ class ModelRunner:
             tables.append(seq.block_table[: pos // bs + 1])
         bt = self._block_tables(tables)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.decode_kernel:
+            return AttnGroup(bt, None, pos_t[:, None], context_lens=pos_t + 1), tokens, positions, slots
         # key j is visible to the query at position p iff j <= p; padding blocks lie beyond p.
         mask = (self._iota(bt.shape[1] * bs)[None, :] <= pos_t[:, None])[:, None, None, :]  # [S, 1, 1, L]
         return AttnGroup(bt, mask, pos_t[:, None]), tokens, positions, slots
@@ -161,8 +177,11 @@ class ModelRunner:
     def forward(self, step: PreparedStep) -> tuple[torch.Tensor, float]:
         """-> (logits [N, V] for step.sample_seqs, seconds spent in the model call)."""
         t0 = time.perf_counter()
-        out = self.model(input_ids=step.input_ids, position_ids=step.positions, logits_to_keep=step.logits_rows,
-                         use_cache=False, conveyor_attn=step.meta)
+        if self.fused is not None:
+            logits = self.fused.forward(step.input_ids[0], step.positions[0], step.meta, step.logits_rows)
+        else:
+            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, logits_to_keep=step.logits_rows,
+                                use_cache=False, conveyor_attn=step.meta).logits[0]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the measured time is the device's, not the launch's
-        return out.logits[0], time.perf_counter() - t0
+        return logits, time.perf_counter() - t0

