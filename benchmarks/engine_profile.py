@@ -32,9 +32,9 @@ VARIANTS = {
 }
 
 
-def build(name: str, cache_dir: str) -> LLMEngine:
+def build(name: str, cache_dir: str, dtype: str) -> LLMEngine:
     s = CommonSettings()
-    cfg = EngineConfig(enable_prefix_caching=False, tuning_cache_dir=cache_dir, **VARIANTS[name])
+    cfg = EngineConfig(enable_prefix_caching=False, tuning_cache_dir=cache_dir, dtype=dtype, **VARIANTS[name])
     return LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
 
 
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     ap.add_argument("--profile", default=None, help="print torch.profiler tables for this variant")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice); "
                     "1 is steadier on a shared machine (no thread waits for a descheduled peer)")
     args = ap.parse_args()
@@ -88,7 +89,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cache_dir = str(CommonSettings().cache_dir)
     names = args.variants.split(",")
-    engines = {n: build(n, cache_dir) for n in names}
+    engines = {n: build(n, cache_dir, args.dtype) for n in names}
     decode = {n: [] for n in names}
     prefill = {n: [] for n in names}
     for r in range(args.rounds + 1):  # prefills on idle engines (one step each); round 0 warms up

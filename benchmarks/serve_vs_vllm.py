@@ -8,6 +8,8 @@ with the ratio Conveyor/vLLM of output tok/s, and mean TTFT and TPOT of both.
 
 Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128,512x128,32x256]
      [--concurrency 1,8,32,64] [--out DIR]
+  bfloat16 on both: --conveyor-env CONVEYOR_DTYPE=bfloat16 --vllm-args='--dtype bfloat16'
+Also prints the CPU seconds each Conveyor process spent during its rounds.
 The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
 """
 
@@ -15,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, model_dir, print_table,
                                raise_fd_limit, stamp, vllm_installed, write_json)
 
+ROLES = ("worker#0", "gateway", "tokenizer", "scheduler", "redis", "launcher")
 KEYS = ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 
 
@@ -49,7 +55,31 @@ def bench(port: int, model: Path, shape: tuple[int, int], concurrency: int, prom
     return res
 
 
-def run(servers: dict[str, int], model: Path, args, out: Path) -> list[dict]:
+def cpu_seconds(procs: dict) -> dict[str, float]:
+    out = {}
+    for role, p in procs.items():
+        try:
+            t = p.cpu_times()
+            out[role] = t.user + t.system
+        except psutil.Error:  # exited meanwhile
+            pass
+    return out
+
+
+def measured(name: str, conveyor: ConveyorUp, fn) -> dict:
+    """fn()'s result; for Conveyor with the CPU seconds each of its processes spent meanwhile (where the
+    machine's two cores went: the worker's forward passes or the pipeline around them)."""
+    if name != "conveyor":
+        return fn()
+    procs = conveyor.processes()
+    before = cpu_seconds(procs)
+    res = fn()
+    after = cpu_seconds(procs)
+    res["cpu_s"] = {role: round(after[role] - before[role], 2) for role in after if role in before}
+    return res
+
+
+def run(servers: dict[str, int], model: Path, args, out: Path, conveyor: ConveyorUp) -> list[dict]:
     rows = []
     for shape in args.shapes:
         for conc in args.concurrency:
@@ -60,7 +90,8 @@ def run(servers: dict[str, int], model: Path, args, out: Path) -> list[dict]:
                        "order": order}
                 for name in order:
                     tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
-                    row[name] = bench(servers[name], model, shape, conc, prompts, rnd, out, tag)
+                    row[name] = measured(name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts,
+                                                                       rnd, out, tag))
                     print(f"{tag}: {row[name]}", flush=True)
                 rows.append(row)
     return rows
@@ -80,6 +111,10 @@ def report(rows: list[dict]) -> None:
                       c.get("mean_tpot_ms"), v.get("mean_tpot_ms"), f"{c.get('failed')}/{v.get('failed')}"])
     print_table(["in x out", "conc", "round", "conveyor tok/s", "vllm tok/s", "ratio", "conveyor TTFT ms",
                  "vllm TTFT ms", "conveyor TPOT ms", "vllm TPOT ms", "failed c/v"], table)
+    cpu = [[r["shape"], r["concurrency"], r["round"], *[r["conveyor"].get("cpu_s", {}).get(role) for role in ROLES]]
+           for r in rows if "conveyor" in r]
+    print("\nConveyor CPU seconds per process during its bench (two cores = 2 s per wall second)")
+    print_table(["in x out", "conc", "round", *ROLES], cpu)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -94,6 +129,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="default: max(8, 2 x concurrency)")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for the Conveyor cluster")
+    ap.add_argument("--conveyor-args", type=shlex.split, default=[], help="extra `conveyor up` arguments, one string")
+    ap.add_argument("--vllm-args", type=shlex.split, default=[],
+                    help="extra `vllm serve` arguments, one string: --vllm-args='--dtype bfloat16'")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if not args.skip_vllm and not vllm_installed():
@@ -104,14 +142,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = model_dir()
     env = dict(kv.split("=", 1) for kv in args.conveyor_env)
-    conveyor = ConveyorUp(out / "conveyor.log", workers=1, env=env).start()
-    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log").start()
+    conveyor = ConveyorUp(out / "conveyor.log", workers=1, env=env, args=args.conveyor_args).start()
+    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log", extra=args.vllm_args).start()
     try:
         servers = {"conveyor": conveyor.port, **({"vllm": vllm.port} if vllm else {})}
         for name, port in servers.items():  # warm-up: one-off costs (kernel selection per shape) out of the rounds
             bench(port, model, (64, 16), 8, 16, 0, out, f"{name}-warmup")
         t0 = time.monotonic()
-        rows = run(servers, model, args, out)
+        rows = run(servers, model, args, out, conveyor)
     finally:
         conveyor.stop()
         if vllm:

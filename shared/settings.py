@@ -110,7 +110,7 @@ class WorkerSettings(CommonSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
     gemm_tuning: bool = Field(True, description="CPU: measure the faster GEMM orientation of each layer at start "
                                                 "(kept in the cache dir)")
-    cpu_kernels: bool = Field(True, description="CPU, float32: build (once, kept in the cache dir) and use the "
+    cpu_kernels: bool = Field(True, description="CPU: build (once, kept in the cache dir) and use the "
                               "engine's C++ paged decode attention; off or unbuildable = gather K/V in torch")
     fused_model: bool = Field(True, description="Llama-family models run the engine's own forward (fused QKV and "
                               "gate/up GEMMs, rotary once per step); off = transformers' module forward")

@@ -35,16 +35,18 @@ def reference(q, key, value, tables, lens, block_size, window):
     return out.reshape(s, heads, d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 7])
-def test_paged_decode_kernel_equals_gather_and_sdpa(kernels, window):
+def test_paged_decode_kernel_equals_gather_and_sdpa(kernels, window, dtype):
+    """K/V in the pool's dtype; the kernel computes in float32 (the reference too, on the same rounded K/V)."""
     torch.manual_seed(0)
     seqs, heads, kv_heads, dim, block_size, blocks = 5, 6, 2, 32, 4, 40
-    key = torch.randn(blocks * block_size, kv_heads, dim)
-    value = torch.randn(blocks * block_size, kv_heads, dim)
+    key = torch.randn(blocks * block_size, kv_heads, dim).to(dtype)
+    value = torch.randn(blocks * block_size, kv_heads, dim).to(dtype)
     lens = torch.tensor([1, 4, 5, 17, 30])  # a single key, a full block, one past it, ragged
     tables = torch.randperm(blocks)[:seqs * 8].view(seqs, 8)  # scattered blocks, padded rows
     q = torch.randn(seqs, heads, dim)
     out = torch.empty_like(q)
     torch.ops.conveyor.paged_decode(out, q, key, value, tables, lens, block_size, dim ** -0.5, window)
-    torch.testing.assert_close(out, reference(q, key, value, tables, lens, block_size, window), rtol=1e-5,
-                               atol=1e-5)
+    expected = reference(q, key.float(), value.float(), tables, lens, block_size, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ every layer through the `conveyor_attn` keyword of `model(...)`.
 GQA without copies: the H = KVH * G query heads are regrouped as [KVH, G * Q] query rows per
 KV head, so K/V are gathered once per layer and never repeated.
 
-Decode rows on CPU in float32 skip the gather: the engine's own kernel (csrc/paged_decode.cpp, loaded
+Decode rows on CPU skip the gather: the engine's own kernel (csrc/paged_decode.cpp, loaded
 by cpu_ops.py) reads each sequence's K/V where it lies in the pool. The runner decides per step by
 giving the decode group `context_lens` (kernel) or a mask (gather + SDPA, every other case).
 """
@@ -75,13 +75,14 @@ def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, 
 
 def _decode_kernel(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
                    window: int | None) -> torch.Tensor:
-    """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp)."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp); float32 arithmetic whatever the
+    pool's dtype (like SDPA's on CPU for 16-bit inputs)."""
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty_like(qf)
     key, value = cache.layer_slots(layer)
-    torch.ops.conveyor.paged_decode(out, q, key, value, group.block_tables, group.context_lens, cache.block_size,
+    torch.ops.conveyor.paged_decode(out, qf, key, value, group.block_tables, group.context_lens, cache.block_size,
                                     scaling, window or 0)
-    return out
+    return out.to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, layer: int,

@@ -26,7 +26,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the byte budget: exact pool size (tests, tuning)
     max_model_len: int | None = None  # caps the context window below the model's own
     gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (gemm.py)
-    cpu_kernels: bool = True  # CPU, float32: the engine's C++ paged decode attention (cpu_ops.py) over gather + SDPA
+    cpu_kernels: bool = True  # CPU: the engine's C++ paged decode attention (cpu_ops.py) over gather + SDPA
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
 

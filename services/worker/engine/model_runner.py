@@ -63,7 +63,7 @@ class ModelRunner:
             layers = fused.linears() if fused else plain_linears(model)
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
             tune_linears(layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
-        kernel = config.cpu_kernels and device.type == "cpu" and model.dtype == torch.float32
+        kernel = config.cpu_kernels and device.type == "cpu"
         kernel = kernel and cpu_ops.load(config.tuning_cache_dir)
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():

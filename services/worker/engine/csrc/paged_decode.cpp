@@ -2,6 +2,7 @@
 // K/V read in place from the paged pool, so no per-layer gather copy of K/V is made.
 // Registered as torch.ops.conveyor.paged_decode (built and loaded by cpu_ops.py).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -11,26 +12,27 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// K/V may be float32 or bfloat16/half (converted to float as read); q and the accumulators are float.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
   return acc;
 }
 
-inline void axpy(float* y, const float* x, float a, int64_t n) {
+template <typename T>
+inline void axpy(float* y, const T* x, float a, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 
 // out/q [S, H, D]; key/value [num_slots, KVH, D] (one layer of the pool, slot = block * bs + offset);
 // block_tables [S, MB]; context_lens [S] (keys 0..len-1 are visible, the last one is the query's own).
-void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                  double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "paged_decode: float32 only");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
-              "paged_decode: contiguous tensors only");
+template <typename T>
+void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                       double scale, int64_t window) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KVH = key.size(1), G = H / KVH;
   const int64_t MB = block_tables.size(1);
   auto bt = block_tables.contiguous();
@@ -38,8 +40,8 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, co
   const int64_t* bt_p = bt.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
   const float* q_p = q.data_ptr<float>();
-  const float* k_p = key.data_ptr<float>();
-  const float* v_p = value.data_ptr<float>();
+  const T* k_p = key.data_ptr<T>();
+  const T* v_p = value.data_ptr<T>();
   float* o_p = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // One task per sequence: its tokens' K (then V) rows are read in pool order, all KV heads of a token
@@ -57,7 +59,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, co
       const float* qs = q_p + s * H * D;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = start + t;
-        const float* k = k_p + (table[pos / block_size] * block_size + pos % block_size) * KVH * D;
+        const T* k = k_p + (table[pos / block_size] * block_size + pos % block_size) * KVH * D;
         for (int64_t hq = 0; hq < H; ++hq) scores[hq * n + t] = dot(qs + hq * D, k + (hq / G) * D, D) * sc;
       }
       for (int64_t hq = 0; hq < H; ++hq) {
@@ -75,10 +77,23 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, co
       std::fill(os, os + H * D, 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = start + t;
-        const float* v = v_p + (table[pos / block_size] * block_size + pos % block_size) * KVH * D;
+        const T* v = v_p + (table[pos / block_size] * block_size + pos % block_size) * KVH * D;
         for (int64_t hq = 0; hq < H; ++hq) axpy(os + hq * D, v + (hq / G) * D, scores[hq * n + t], D);
       }
     }
+  });
+}
+
+// out/q float32 [S, H, D] (q converted by the caller); key/value float32, bfloat16 or float16.
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                  double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_decode: float32 q and out");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "paged_decode: key and value of one dtype");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
+              "paged_decode: contiguous tensors only");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "paged_decode", [&] {
+    paged_decode_impl<scalar_t>(out, q, key, value, block_tables, context_lens, block_size, scale, window);
   });
 }
 
