@@ -121,6 +121,8 @@ class WorkerSettings(CommonSettings):
     sim_speedup: float = Field(1.0, gt=0, description="sim: every modelled step time is divided by this")
     sim_eos_probability: float = Field(0.0, ge=0, le=1, description="sim: chance per output token of ending "
                                        "with EOS where EOS may end the request (0: run to max_tokens)")
+    sim_step_log_dir: str = Field("", description="sim: folder where each worker appends one line per step "
+                                  "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none")
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

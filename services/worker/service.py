@@ -47,7 +47,7 @@ def build_engine(s: WorkerSettings) -> Engine:
     if s.engine == "sim":
         timing = SimTiming(s.sim_step_overhead_s, s.sim_prefill_s_per_token, s.sim_decode_s_per_seq,
                            s.sim_decode_s_per_kv_token, s.sim_speedup)
-        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability)
+        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability, s.sim_step_log_dir)
     return LLMEngine.from_model_dir(model_dir, engine_config(s))
 
 
