@@ -163,6 +163,7 @@ def print_level(f: dict) -> None:
           f"used_memory {f['redis_after']['used_memory'] / 2**20:.1f} MiB, keys {f['redis_after']['keys']}")
     rss = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(f["rss_after"].items()))
     print(f"  RSS MiB after: {rss}")
+    print(f"  most requests in each state at once: {f['peak']['max_in_state']}")
     h = f["health"]
     print(f"  /health: {h['probes']} probes, {h['failed']} failed, p50 {ms(h['p50'])} p99 {ms(h['p99'])} "
           f"max {ms(h['max'])} ms", flush=True)

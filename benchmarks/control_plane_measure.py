@@ -17,6 +17,10 @@ import redis
 
 from benchmarks.common import ConveyorUp, redis_memory
 from services.worker.engine.sim_runner import STEP_LOG_COLUMNS
+from shared.constants import Names
+from shared.lifecycle import TERMINAL, State
+
+LIVE_STATES = [s.value for s in State if s not in TERMINAL]
 
 # The probe: GET /health on a fresh connection every interval, one JSON line per try (epoch time, seconds
 # or null, status or error). Its own process: its latency is the gateway's, not this client's event loop's.
@@ -158,9 +162,20 @@ class Sampler:
         while not self._stop.wait(self.interval_s):
             try:
                 self.samples.append({"t": time.time(), "rss": rss_by_service(self.cluster),
-                                     "redis": redis_memory(self.redis_url)})
+                                     "redis": redis_memory(self.redis_url), "states": self._states()})
             except (psutil.Error, redis.RedisError):
                 continue
+
+    def _states(self) -> dict[str, int]:
+        """Live requests per state (the lifecycle's state sets): where requests wait."""
+        names, r = Names(), redis.Redis.from_url(self.redis_url, socket_timeout=10)
+        try:
+            pipe = r.pipeline(transaction=False)
+            for s in LIVE_STATES:
+                pipe.zcard(names.state_set(s))
+            return dict(zip(LIVE_STATES, pipe.execute()))
+        finally:
+            r.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,4 +188,5 @@ class Sampler:
             for k, v in s["rss"].items():
                 rss[k] = max(rss.get(k, 0), v)
         mem = max((s["redis"]["used_memory"] for s in window), default=None)
-        return {"rss": rss, "redis_used_memory": mem}
+        states = {k: max(s.get("states", {}).get(k, 0) for s in window) for k in LIVE_STATES} if window else {}
+        return {"rss": rss, "redis_used_memory": mem, "max_in_state": states}
