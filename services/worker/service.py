@@ -104,8 +104,7 @@ class WorkerService:
         """Read what arrived (without blocking while there is work), step, publish, heartbeat."""
         self.housekeeping()
         busy = self.engine.has_unfinished()
-        for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
-            self.bus.process(d, self.dispatch)
+        self.bus.process_all(self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None), self.dispatch)
         self.expire_deadlines()
         if self.engine.has_unfinished():
             self.step()
@@ -221,8 +220,7 @@ class WorkerService:
         deadline = time.monotonic() + self.s.drain_timeout_s
         logger.info("worker %s draining %d requests", self.id, len(self.active))
         while time.monotonic() < deadline:
-            for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0):
-                self.bus.process(d, self.dispatch)
+            self.bus.process_all(self.bus.read([self.stream], GROUP_WORKER, block_ms=0), self.dispatch)
             if not self.engine.has_unfinished():
                 break
             self.step()
