@@ -9,10 +9,12 @@ import asyncio
 from redis.connection import AbstractConnection
 
 from services.tokenizer.service import TokenizerService
-from shared.constants import GROUP_TOKENIZER
+from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, GROUP_TOKENIZER
+from shared.events import encode
 from shared.settings import TokenizerSettings
 from tests.conftest import CACHE_DIR
 from tests.inproc import gateway_core, mark_live, small
+from tests.scheduling import heartbeat, preprocessed_request, scheduled_on, scheduler, state
 
 BURST = 20
 FEW = 6  # round trips a tick may take whatever its batch (read, writes, acknowledgement, ...)
@@ -60,3 +62,20 @@ def test_the_tokenizer_preprocesses_a_burst_in_a_few_round_trips(redis_server, r
     assert states == {b"PREPROCESSED"}
     assert redis_client.xpending(names.received_stream, GROUP_TOKENIZER)["pending"] == 0
     assert trips.n <= FEW, f"{trips.n} round trips for {BURST} requests"
+
+
+def test_the_scheduler_queues_and_places_a_burst_in_a_few_round_trips(redis_server, redis_client, names,
+                                                                       monkeypatch):
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat(max_num_seqs=BURST))
+    s.tick()  # nothing to read yet: its periodic work (sync, sweeps, janitor) is done
+    events = [preprocessed_request(redis_server, names) for _ in range(BURST)]
+    for ev in events:
+        redis_client.xadd(names.preprocessed_stream, {EVENT_FIELD: encode(ev)})
+    with RoundTrips(monkeypatch) as trips:
+        s.tick()
+    assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
+    assert [e.request_id for e in scheduled_on(redis_client, names)] == [ev.request_id for ev in events]
+    assert redis_client.xpending(names.preprocessed_stream, GROUP_SCHEDULER)["pending"] == 0
+    assert redis_client.hlen(names.queue) == 0 and redis_client.hlen(names.assigned) == BURST
+    assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"
