@@ -96,11 +96,13 @@ def client_figures(recs: list[StreamRecord], expected: list[str], args) -> dict:
             failures[why[:120]] = failures.get(why[:120], 0) + 1
     ok = [r for r in recs if not check(r, expected[r.prompt_i], args.max_tokens)]
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    gaps = [g for r in ok for g in r.gaps]
+    gaps = [g for r in ok for g in r.gaps]  # between events with text (an event may carry several tokens)
+    tpot = [sum(r.gaps) / (args.max_tokens - 1) for r in ok if args.max_tokens > 1]  # per token, first to last
     return {"requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok), "failures": failures,
-            "tokens": sum(len(r.text) for r in recs),
+            "tokens": sum(r.completion_tokens or 0 for r in ok), "events": sum(len(r.text) for r in recs),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99)}
+            "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
 
 
 def level_figures(n: int, recs, t0: float, t1: float, before: dict, after: dict, cluster_probe, args,
@@ -113,8 +115,9 @@ def level_figures(n: int, recs, t0: float, t1: float, before: dict, after: dict,
     cmds = m.delta(after["commands"], before["commands"])
     health = probe.between(t0, t1)
     lat = [h[1] for h in health if h[1] is not None]
+    eng.update(tpot_p50=eng["itl_p50"], tpot_p99=eng["itl_p99"])  # the engine gives a token per step
     added = {f"{k}_added_{p}": (c[f"{k}_{p}"] - eng[f"{k}_{p}"]) if c[f"{k}_{p}"] is not None
-             and eng[f"{k}_{p}"] is not None else None for k in ("ttft", "itl") for p in ("p50", "p99")}
+             and eng[f"{k}_{p}"] is not None else None for k in ("ttft", "itl", "tpot") for p in ("p50", "p99")}
     return {"streams": n, "t0": t0, "t1": t1, "duration_s": t1 - t0, **c, "engine": eng, **added,
             "tokens_per_s": c["tokens"] / (t1 - t0),
             "cpu_s": cpu, "cpu_s_per_1k_tokens": {k: v / tokens * 1000 for k, v in cpu.items()},
@@ -153,7 +156,7 @@ def print_level(f: dict) -> None:
     print(f"\n== {f['streams']} streams: {f['requests']} requests, {f['ok']} ok, {f['failed']} failed "
           f"{f['failures'] or ''}in {f['duration_s']:.1f} s, {f['tokens_per_s']:.0f} tok/s", flush=True)
     e = f["engine"]
-    for k in ("ttft", "itl"):
+    for k in ("ttft", "itl", "tpot"):
         print(f"  {k}: client p50 {ms(f[k + '_p50'])} / p99 {ms(f[k + '_p99'])} ms; engine's own p50 "
               f"{ms(e[k + '_p50'])} / p99 {ms(e[k + '_p99'])} ms; added p50 {ms(f[k + '_added_p50'])} / p99 "
               f"{ms(f[k + '_added_p99'])} ms")

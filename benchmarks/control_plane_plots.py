@@ -1,0 +1,83 @@
+"""One PNG per metric of a benchmarks/control_plane.py result (x: concurrent streams, log scale).
+Run on a result file: .venv/bin/python -m benchmarks.control_plane_plots RESULT.json [--before OLD.json] --out DIR
+(--before draws a second run dashed, e.g. the code before a fix)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MIB = 1 << 20
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "redis", "client")
+
+
+def _series(levels: list[dict]) -> dict[str, tuple[str, dict[str, list]]]:
+    """metric file stem -> (y label, line label -> values per level)."""
+    ms = lambda key: [None if f.get(key) is None else f[key] * 1000 for f in levels]  # noqa: E731
+    per_service = lambda key, scale=1.0: {s: [f[key].get(s, 0) * scale for f in levels] for s in SERVICES}
+    return {
+        "ttft-added": ("TTFT added by the pipeline (ms)", {"p50": ms("ttft_added_p50"), "p99": ms("ttft_added_p99")}),
+        "itl-added": ("ITL added by the pipeline (ms)", {"p50": ms("itl_added_p50"), "p99": ms("itl_added_p99")}),
+        "tpot-added": ("TPOT added by the pipeline (ms)", {"p50": ms("tpot_added_p50"),
+                                                            "p99": ms("tpot_added_p99")}),
+        "tokens-per-s": ("tokens/s delivered", {"tokens/s": [f["tokens_per_s"] for f in levels]}),
+        "cpu-per-1k-tokens": ("CPU seconds per 1,000 tokens", per_service("cpu_s_per_1k_tokens")),
+        "redis-commands-per-token": ("Redis commands per token",
+                                     {"commands/token": [f["redis_commands_per_token"] for f in levels]}),
+        "redis-memory": ("Redis used_memory (MiB)",
+                         {"after the level": [f["redis_after"]["used_memory"] / MIB for f in levels],
+                          "peak in the level": [(f["peak"]["redis_used_memory"] or 0) / MIB for f in levels]}),
+        "rss": ("RSS after the level (MiB)", per_service("rss_after", 1 / MIB)),
+        "health-latency": ("/health latency while streams are open (ms)",
+                           {"p50": [(f["health"]["p50"] or 0) * 1000 for f in levels],
+                            "p99": [(f["health"]["p99"] or 0) * 1000 for f in levels],
+                            "max": [(f["health"]["max"] or 0) * 1000 for f in levels]}),
+    }
+
+
+def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    now = _series(data["levels"])
+    old = _series(before["levels"]) if before else {}
+    paths = []
+    for stem, (ylabel, lines) in now.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for i, (label, ys) in enumerate(lines.items()):
+            color = f"C{i}"
+            ax.plot([f["streams"] for f in data["levels"]], ys, marker="o", color=color,
+                    label=label + (" (after)" if before else ""))
+            if stem in old and label in old[stem][1]:
+                ax.plot([f["streams"] for f in before["levels"]], old[stem][1][label], marker="x", ls="--",
+                        color=color, alpha=0.6, label=f"{label} (before)")
+        ax.set_xscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.suptitle(f"control plane, 4 sim workers: {ylabel}", fontsize=9)
+        fig.tight_layout()
+        path = out / f"{prefix}-{stem}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("result", type=Path)
+    ap.add_argument("--before", type=Path, default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prefix", default="control-plane")
+    args = ap.parse_args()
+    before = json.loads(args.before.read_text()) if args.before else None
+    for p in plot_all(json.loads(args.result.read_text()), args.out, args.prefix, before):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
