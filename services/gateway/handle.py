@@ -17,6 +17,8 @@ from shared.events import AnyEvent, TokenDelta
 
 logger = logging.getLogger(__name__)
 
+_WAKE = object()  # queued by wake(): the waiting reader returns with no chunk, as on a timeout
+
 
 @dataclass
 class Chunk:
@@ -43,10 +45,15 @@ class RequestHandle:
     metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
     trace: object = None  # its spans (services.gateway.tracing.RequestTrace)
     epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
+    client_gone: bool = False  # its client closed the connection (set by the handler's disconnect watcher)
     _backlog: deque = field(default_factory=deque)  # taken from the queue, not yet returned as a chunk
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.queue.put_nowait(item)
+
+    def wake(self) -> None:
+        """Make a reader waiting in next_chunk return None now (something besides output needs its attention)."""
+        self.queue.put_nowait(_WAKE)
 
     def _accept(self, delta: TokenDelta) -> list[int]:
         have = len(self.token_ids)
@@ -70,6 +77,10 @@ class RequestHandle:
                 return None
         while not self.queue.empty():  # no await from here on: a cancellation cannot lose these
             self._backlog.append(self.queue.get_nowait())
+        if _WAKE in self._backlog:
+            self._backlog = deque(x for x in self._backlog if x is not _WAKE)
+            if not self._backlog:
+                return None
         deltas = []
         while self._backlog and isinstance(self._backlog[0], TokenDelta):
             deltas.append(self._backlog.popleft())
