@@ -56,6 +56,9 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
+    listen_backlog: int = Field(8192, ge=1, description="connections the kernel queues for the gateway to accept "
+                                "(capped by net.core.somaxconn); beyond it a connecting client's SYN is dropped "
+                                "and retried after 1 s, then 3 s")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open")
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "
