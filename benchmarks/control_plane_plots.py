@@ -67,13 +67,49 @@ def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> 
     return paths
 
 
+def markdown_table(data: dict) -> str:
+    """The per-level table of docs/benchmarks.md, from a result."""
+    ms = lambda v: "-" if v is None else f"{v * 1000:,.0f}" if v >= 0.1 else f"{v * 1000:.1f}"  # noqa: E731
+    mib = lambda v: f"{v / MIB:,.0f}"  # noqa: E731
+    rows = [
+        ("requests (ok / failed)", lambda f: f"{f['ok']:,} / {f['failed']}"),
+        ("duration s", lambda f: f"{f['duration_s']:.1f}"),
+        ("tokens/s delivered", lambda f: f"{f['tokens_per_s']:,.0f}"),
+        ("TTFT p50 / p99 ms (client)", lambda f: f"{ms(f['ttft_p50'])} / {ms(f['ttft_p99'])}"),
+        ("engine's own TTFT p50 / p99 ms", lambda f: f"{ms(f['engine']['ttft_p50'])} / {ms(f['engine']['ttft_p99'])}"),
+        ("**TTFT added** p50 / p99 ms", lambda f: f"{ms(f['ttft_added_p50'])} / {ms(f['ttft_added_p99'])}"),
+        ("ITL (between events) p50 / p99 ms", lambda f: f"{ms(f['itl_p50'])} / {ms(f['itl_p99'])}"),
+        ("TPOT p50 / p99 ms (client)", lambda f: f"{ms(f.get('tpot_p50'))} / {ms(f.get('tpot_p99'))}"),
+        ("engine's own ITL p50 / p99 ms", lambda f: f"{ms(f['engine']['itl_p50'])} / {ms(f['engine']['itl_p99'])}"),
+        ("**ITL added** (TPOT − engine) p50 / p99 ms",
+         lambda f: f"{ms(f.get('tpot_added_p50'))} / {ms(f.get('tpot_added_p99'))}"),
+        *[(f"CPU s / 1k tokens: {s}{' (4, summed)' if s == 'worker' else ''}", (lambda s: lambda f: f"{f['cpu_s_per_1k_tokens'].get(s, 0):.3f}")(s))
+          for s in SERVICES],
+        ("Redis commands / token", lambda f: f"{f['redis_commands_per_token']:.2f}"),
+        ("Redis used_memory MiB (after / peak)",
+         lambda f: f"{mib(f['redis_after']['used_memory'])} / {mib(f['peak']['redis_used_memory'] or 0)}"),
+        *[(f"RSS MiB after: {s}{' (4, summed)' if s == 'worker' else ''}", (lambda s: lambda f: mib(f['rss_after'].get(s, 0)))(s)) for s in SERVICES],
+        ("/health p50 / p99 / max ms",
+         lambda f: f"{ms(f['health']['p50'])} / {ms(f['health']['p99'])} / {ms(f['health']['max'])}"),
+    ]
+    levels = data["levels"]
+    out = ["| | " + " | ".join(f"{f['streams']:,} streams" for f in levels) + " |",
+           "|---|" + "---|" * len(levels)]
+    out += [f"| {name} | " + " | ".join(get(f) for f in levels) + " |" for name, get in rows]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("result", type=Path)
     ap.add_argument("--before", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prefix", default="control-plane")
+    ap.add_argument("--markdown", action="store_true", help="print the per-level table instead of plotting")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown_table(json.loads(args.result.read_text())))
+        return
     before = json.loads(args.before.read_text()) if args.before else None
     for p in plot_all(json.loads(args.result.read_text()), args.out, args.prefix, before):
         print(p)
