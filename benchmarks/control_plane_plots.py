@@ -10,6 +10,7 @@ from pathlib import Path
 
 MIB = 1 << 20
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "redis", "client")
+LOG_Y = ("ttft-added", "health-latency")  # spanning orders of magnitude (always positive)
 
 
 def _series(levels: list[dict]) -> dict[str, tuple[str, dict[str, list]]]:
@@ -54,6 +55,8 @@ def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> 
                 ax.plot([f["streams"] for f in before["levels"]], old[stem][1][label], marker="x", ls="--",
                         color=color, alpha=0.6, label=f"{label} (before)")
         ax.set_xscale("log")
+        if stem in LOG_Y:
+            ax.set_yscale("log")
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -65,6 +68,14 @@ def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> 
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _named(service: str) -> str:
+    return "worker (4, summed)" if service == "worker" else service
+
+
+def _getter(key: str, service: str, show):
+    return lambda f: show(f[key].get(service, 0))
 
 
 def markdown_table(data: dict) -> str:
@@ -83,12 +94,12 @@ def markdown_table(data: dict) -> str:
         ("engine's own ITL p50 / p99 ms", lambda f: f"{ms(f['engine']['itl_p50'])} / {ms(f['engine']['itl_p99'])}"),
         ("**ITL added** (TPOT − engine) p50 / p99 ms",
          lambda f: f"{ms(f.get('tpot_added_p50'))} / {ms(f.get('tpot_added_p99'))}"),
-        *[(f"CPU s / 1k tokens: {s}{' (4, summed)' if s == 'worker' else ''}", (lambda s: lambda f: f"{f['cpu_s_per_1k_tokens'].get(s, 0):.3f}")(s))
+        *[(f"CPU s / 1k tokens: {_named(s)}", _getter("cpu_s_per_1k_tokens", s, lambda v: f"{v:.3f}"))
           for s in SERVICES],
         ("Redis commands / token", lambda f: f"{f['redis_commands_per_token']:.2f}"),
         ("Redis used_memory MiB (after / peak)",
          lambda f: f"{mib(f['redis_after']['used_memory'])} / {mib(f['peak']['redis_used_memory'] or 0)}"),
-        *[(f"RSS MiB after: {s}{' (4, summed)' if s == 'worker' else ''}", (lambda s: lambda f: mib(f['rss_after'].get(s, 0)))(s)) for s in SERVICES],
+        *[(f"RSS MiB after: {_named(s)}", _getter("rss_after", s, mib)) for s in SERVICES],
         ("/health p50 / p99 / max ms",
          lambda f: f"{ms(f['health']['p50'])} / {ms(f['health']['p99'])} / {ms(f['health']['max'])}"),
     ]

@@ -153,7 +153,8 @@ class TokenizerService:
             return State.FAILED, len(pipe) - 1
         self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
         out = self._preprocessed(ev, ids, ev.traceparent)
-        self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "", [Publish(self.names.preprocessed_stream, out)])
+        self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
+                             [Publish(self.names.preprocessed_stream, out)])
         return State.PREPROCESSED, len(pipe) - 1
 
     @staticmethod
