@@ -51,10 +51,10 @@ def submit(redis_server, names, n: int) -> list[str]:
 
 def test_the_tokenizer_preprocesses_a_burst_in_a_few_round_trips(redis_server, redis_client, names, model_dir,
                                                                   monkeypatch):
-    mark_live(redis_client, names)
     svc = TokenizerService(TokenizerSettings(redis_url=redis_server.url, namespace=names.ns, cache_dir=CACHE_DIR))
     svc.bus.ensure_group(names.received_stream, GROUP_TOKENIZER)
     svc.tick()  # nothing to read yet: its liveness refresh and sweep are done
+    mark_live(redis_client, names)  # now: loading the tokenizer may take longer than a liveness TTL
     rids = submit(redis_server, names, BURST)
     with RoundTrips(monkeypatch) as trips:
         svc.tick()
