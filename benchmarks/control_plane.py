@@ -31,7 +31,7 @@ from benchmarks.sse_client import Connection, StreamRecord, check, request_body
 
 # Chosen so that the engine is never the bottleneck (docs/benchmarks.md explains each).
 CLUSTER_ENV = {
-    "CONVEYOR_SIM_SPEEDUP": "100",  # a device 100x this CPU: a decode step of 1,250 sequences models ~23 ms
+    "CONVEYOR_SIM_SPEEDUP": "100",  # a device 100x this CPU: a decode step of 1,250 sequences models ~22 ms
     "CONVEYOR_MAX_NUM_SEQS": "2048",  # every stream of 5,000 on 4 workers runs at once, with room for imbalance
     "CONVEYOR_MAX_NUM_BATCHED_TOKENS": "65536",  # a burst of prompts is prefilled in one step, not queued
     "CONVEYOR_KV_CACHE_BYTES": str(8 << 30),  # 11,650 blocks a worker (only counted: a sim pool holds nothing)
