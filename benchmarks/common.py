@@ -201,7 +201,11 @@ class ConveyorUp:
         if self.redis_url:
             return self.redis_url
         cmd = self.processes()["redis"].cmdline()
-        return f"redis://127.0.0.1:{cmd[cmd.index('--port') + 1]}/0"
+        if "--port" in cmd:
+            return f"redis://127.0.0.1:{cmd[cmd.index('--port') + 1]}/0"
+        # redis-server retitles itself "redis-server 127.0.0.1:PORT" once started
+        port = re.search(r":(\d+)", " ".join(cmd)).group(1)
+        return f"redis://127.0.0.1:{port}/0"
 
 
 def role_of(cmdline: list[str]) -> str | None:

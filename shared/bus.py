@@ -81,10 +81,43 @@ class Bus:
     def ack(self, d: Delivery) -> None:
         self.r.xack(d.stream, d.group, d.entry_id)
 
+    def ack_all(self, deliveries: list[Delivery]) -> None:
+        """XACK many deliveries in one round trip (one XACK per stream and group takes all their ids)."""
+        by_group: dict[tuple[str, str], list[str]] = {}
+        for d in deliveries:
+            by_group.setdefault((d.stream, d.group), []).append(d.entry_id)
+        if len(by_group) == 1:
+            (stream, group), ids = next(iter(by_group.items()))
+            self.r.xack(stream, group, *ids)
+        elif by_group:
+            pipe = self.r.pipeline(transaction=False)
+            for (stream, group), ids in by_group.items():
+                pipe.xack(stream, group, *ids)
+            pipe.execute()
+
+    def process_all(self, deliveries: list[Delivery], handler: Callable[[Delivery], None]) -> None:
+        """process() each delivery, acknowledging the handled ones together at the end: one round trip a batch
+        instead of one a delivery. If the process dies before that, they are delivered again (consumers are
+        idempotent), as one that died between its handler and its XACK would be."""
+        done: list[Delivery] = []
+        try:
+            for d in deliveries:
+                if self._handle(d, handler):
+                    done.append(d)
+        finally:
+            if done:
+                self.ack_all(done)
+
     def process(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
         """Run handler, then XACK. A handler that raises leaves the entry pending: it is retried after
         claim_idle_ms and dead-lettered after max_deliveries, so one bad event never blocks the group.
         Redis errors propagate: the whole loop must back off, not this one entry."""
+        if not self._handle(d, handler):
+            return False
+        self.ack(d)
+        return True
+
+    def _handle(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
         try:
             with telemetry.process_span(d, self.consumer):
                 handler(d)
@@ -94,7 +127,6 @@ class Bus:
             logger.exception("handling %s %s from %s failed; it will be retried", type(d.event).__name__,
                              d.entry_id, d.stream)
             return False
-        self.ack(d)
         return True
 
     def trim_consumed(self, stream: str) -> None:

@@ -26,16 +26,27 @@ _json = msgspec.json.Encoder()
 
 # KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set, and when the request
 # has an owner (an API key id, meta 'owner'): owner index, owner waiting set, request owners.
-# ARGV: ttl, request_id, payload, n_meta, meta k/v pairs..., input k/v pairs...
+# ARGV: ttl, request_id, payload, waiting bound ('' = none), owner's waiting bound ('' = none), n_meta,
+#       meta k/v pairs..., input k/v pairs...
+# The bounds are checked here, in the same atomic step as the creation, so no admission has to wait for another
+# (and N gateways cannot overshoot them).
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
+if ARGV[4] ~= '' then
+  local waiting = redis.call('ZCARD', KEYS[10])
+  if waiting >= tonumber(ARGV[4]) then return {'overloaded', tostring(waiting)} end
+end
+if ARGV[5] ~= '' and #KEYS >= 14 then
+  local mine = redis.call('ZCARD', KEYS[13])
+  if mine >= tonumber(ARGV[5]) then return {'key_overloaded', tostring(mine)} end
+end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[6])
 redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
-for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-for i = 5 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 7, 6 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
@@ -61,6 +72,22 @@ return 1
 """
 
 
+@dataclass(frozen=True)
+class WaitingBounds:
+    """Most requests waiting (not yet on a worker) beyond which a new one is not created; None = no bound."""
+
+    total: int | None = None  # cluster-wide
+    per_owner: int | None = None  # of the new request's owner (API key id), when it has one
+
+
+class WaitingFull(Exception):
+    """A bound of WaitingBounds was reached: `which` is overloaded (all) or key_overloaded (the owner's)."""
+
+    def __init__(self, which: str, waiting: int):
+        super().__init__(f"{which}: {waiting} waiting")
+        self.which, self.waiting = which, waiting
+
+
 @dataclass
 class Snapshot:
     """One request's context as read back."""
@@ -82,23 +109,31 @@ class ContextStore:
         self._create = client.register_script(_CREATE_LUA)
         self._update = client.register_script(_UPDATE_LUA)
 
-    def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event):
+    def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event,
+                    bounds: WaitingBounds | None = None):
         keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting,
                                                       self.names.state_set("RECEIVED")]
         if owner := meta.get("owner") or "":  # no API keys: no per-owner index or bound
             keys += [self.names.owner_index(owner), self.names.owner_waiting(owner), self.names.request_owners]
-        argv: list = [str(self.live_ttl_s), request_id, encode(event), str(len(meta))]
+        b = bounds or WaitingBounds()
+        argv: list = [str(self.live_ttl_s), request_id, encode(event), "" if b.total is None else str(b.total),
+                      "" if b.per_owner is None else str(b.per_owner), str(len(meta))]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
         for k, v in input_.items():
             argv += [k, _json.encode(v)]
         return keys, argv
 
-    async def acreate(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event) -> float:
-        """Write meta and input, state RECEIVED, and publish `event`, atomically. Returns Redis time."""
-        keys, argv = self.create_args(request_id, meta, input_, stream, event)
+    async def acreate(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event,
+                      bounds: WaitingBounds | None = None) -> float:
+        """Write meta and input, state RECEIVED, and publish `event`, atomically; or, when the waiting requests
+        (all, or the owner's) are at their bound, create nothing and raise WaitingFull. Returns Redis time."""
+        keys, argv = self.create_args(request_id, meta, input_, stream, event, bounds)
         res = await self._create(keys=keys, args=argv)
-        if _s(res[0]) != "ok":
+        status = _s(res[0])
+        if status in ("overloaded", "key_overloaded"):
+            raise WaitingFull(status, int(_s(res[1])))
+        if status != "ok":
             raise ValueError(f"request id {request_id} exists already")
         return float(_s(res[1]))
 

@@ -56,6 +56,9 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
+    listen_backlog: int = Field(8192, ge=1, description="connections the kernel queues for the gateway to accept "
+                                "(capped by net.core.somaxconn); beyond it a connecting client's SYN is dropped "
+                                "and retried after 1 s, then 3 s")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open")
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "
@@ -125,6 +128,8 @@ class WorkerSettings(CommonSettings):
     sim_speedup: float = Field(1.0, gt=0, description="sim: every modelled step time is divided by this")
     sim_eos_probability: float = Field(0.0, ge=0, le=1, description="sim: chance per output token of ending "
                                        "with EOS where EOS may end the request (0: run to max_tokens)")
+    sim_step_log_dir: str = Field("", description="sim: folder where each worker appends one line per step "
+                                  "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none")
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

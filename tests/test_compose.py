@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"gateway": s.GatewaySettings, "tokenizer": s.TokenizerSettings, "scheduler": s.SchedulerSettings,
             "worker": s.WorkerSettings}
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
+
+
+def interpolate(value, shell: dict) -> str:
+    """Compose's `${VAR:-default}` (and `${VAR}`) against the shell's variables, as `docker compose` does."""
+    def sub(m):
+        name, default = m.group(1), m.group(3) or ""
+        return shell.get(name) or default
+
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", sub, str(value))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +57,15 @@ def test_service_environment_names_real_settings(compose, service, monkeypatch):
         assert var.startswith("CONVEYOR_"), var
         name = var.removeprefix("CONVEYOR_").lower()
         assert name in fields, f"{service}: {var} is not a setting"
-        monkeypatch.setenv(var, str(value))
+        monkeypatch.setenv(var, interpolate(value, {}))
     SETTINGS[service]()  # the values validate
+
+
+@pytest.mark.parametrize("shell, engine", [({}, "torch"), ({"CONVEYOR_ENGINE": "sim"}, "sim")])
+def test_worker_engine_comes_from_the_shell_and_defaults_to_torch(compose, shell, engine, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ENGINE", interpolate(compose["services"]["worker"]["environment"]["CONVEYOR_ENGINE"],
+                                                      shell))
+    assert s.WorkerSettings().engine == engine
 
 
 def test_gateway_port_is_published(compose):

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
 
-from services.gateway.core import cancel_until_done
+from services.gateway.core import GatewayCore, cancel_until_done
 from services.gateway.errors import Unavailable
+from services.gateway.handle import RequestHandle
+from shared.constants import EVENT_FIELD
+from shared.events import TokenDelta, TokenGenerated, encode
+from shared.liveness import read_live
+from shared.redis_client import async_client
+from shared.settings import GatewaySettings
 from tests.inproc import gateway_core, mark_live
 
 
@@ -52,6 +59,54 @@ def test_ready_answers_503_while_the_reply_reader_is_not_running(redis_server, r
             with pytest.raises(Unavailable, match="replies"):
                 await core.ready()
         finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def _held_pool_core(redis_server, names):
+    """A core whose request pool (two connections) is entirely held, as a burst of requests holds it."""
+    s = GatewaySettings(redis_url=redis_server.url, namespace=names.ns, heartbeat_interval_s=0.1,
+                        redis_pool_timeout_s=30)
+    return GatewayCore(s, async_client(s, 2, s.redis_pool_timeout_s), None, "test-model")
+
+
+def test_liveness_is_refreshed_while_requests_hold_every_pooled_connection(redis_server, redis_client, names):
+    async def run():
+        core = _held_pool_core(redis_server, names)
+        await core.start()
+        held = [await core.r.connection_pool.get_connection() for _ in range(2)]
+        since = time.time()
+        try:
+            await _wait(lambda: _refreshed_since(redis_client, names, core.id, since), timeout=5)
+        finally:
+            for c in held:
+                await core.r.connection_pool.release(c)
+            await core.stop()
+
+    asyncio.run(run())
+
+
+async def _refreshed_since(client, names, gateway_id: str, since: float) -> bool:
+    entry = read_live(client, names, "gateway").get(gateway_id)
+    return entry is not None and entry["at"] > since
+
+
+def test_replies_reach_their_requests_while_requests_hold_every_pooled_connection(redis_server, redis_client, names):
+    async def run():
+        core = _held_pool_core(redis_server, names)
+        await core.start()
+        handle = RequestHandle("r1", core.reply_to, None, time.time() + 60, time.perf_counter())
+        core.handles["r1"] = handle
+        held = [await core.r.connection_pool.get_connection() for _ in range(2)]
+        try:
+            ev = TokenGenerated(worker_id="w", step=1, items=(TokenDelta("r1", 0, (42,)),))
+            redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})
+            async with asyncio.timeout(5):
+                assert await handle.queue.get() == TokenDelta("r1", 0, (42,))
+        finally:
+            for c in held:
+                await core.r.connection_pool.release(c)
             await core.stop()
 
     asyncio.run(run())

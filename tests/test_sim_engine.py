@@ -11,7 +11,7 @@ import pytest
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.sim_model import SimTiming, kv_pool_blocks, load_vocab
-from services.worker.engine.sim_runner import SimRunner
+from services.worker.engine.sim_runner import STEP_LOG_COLUMNS, SimRunner, open_step_log
 
 TIMING = SimTiming(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002,
                    decode_s_per_kv_token=0.0001)
@@ -55,6 +55,22 @@ def test_modelled_step_time_is_overhead_plus_prefill_and_decode_costs_over_the_s
     assert TIMING.step_time(0, 4, 200) == pytest.approx(0.01 + 0.008 + 0.02)
     fast = SimTiming(0.01, 0.001, 0.002, 0.0001, speedup=10)
     assert fast.step_time(100, 4, 200) == pytest.approx(TIMING.step_time(100, 4, 200) / 10)
+
+
+def test_the_step_log_has_one_line_per_step_with_its_modelled_time_and_shape(vocab, tmp_path):
+    cfg = EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512, max_num_seqs=64)
+    log = open_step_log(str(tmp_path))
+    engine = LLMEngine(SimRunner(TIMING, vocab, 256, sleep=lambda s: None, step_log=log), cfg, vocab.eos_token_ids,
+                       vocab.vocab_size, vocab.context_len)
+    engine.add_request(EngineRequest("r", prompt(31), SamplingOptions(temperature=0.0, max_tokens=2)))
+    run(engine)
+    log.close()
+    lines = [dict(zip(STEP_LOG_COLUMNS, map(float, line.split()))) for line in
+             next(tmp_path.iterdir()).read_text().splitlines()]
+    assert [(x["prefill_tokens"], x["decode_seqs"], x["kv_tokens"], x["sampled"]) for x in lines] == \
+        [(31, 0, 0, 1), (0, 1, 32, 1)]
+    assert [x["modelled_s"] for x in lines] == pytest.approx([TIMING.step_time(31, 0, 0), TIMING.step_time(0, 1, 32)],
+                                                             abs=1e-6)
 
 
 def test_a_steps_modelled_time_grows_with_its_uncached_prompt_tokens(make_engine):

@@ -30,12 +30,14 @@ from shared.events import (CancelRequested, Cancelled, ChatMessage, Failed, Requ
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
+from shared.redis_client import async_client
 from shared.runtime import instance_id
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
+LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
 
 
 async def cancel_until_done(tasks, timeout_s: float) -> set:
@@ -53,7 +55,11 @@ async def cancel_until_done(tasks, timeout_s: float) -> set:
 class GatewayCore:
     def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str):
         self.s = settings
-        self.r = client
+        self.r = client  # request traffic: a bounded pool that a burst can hold entirely
+        # The background loops have connections of their own: queued behind a burst's requests for a pooled
+        # connection, the liveness refresh fell behind the liveness TTL and the scheduler cancelled every request
+        # of this (live) gateway as orphaned, and tokens waited in Redis while their clients waited for them.
+        self.loop_r = async_client(settings, LOOP_CONNECTIONS, settings.redis_pool_timeout_s)
         self.names = Names(settings.namespace)
         self.id = instance_id(settings, "gateway")
         self.reply_to = self.names.reply_stream(self.id)
@@ -84,9 +90,10 @@ class GatewayCore:
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
         try:
             async with asyncio.timeout(5.0):
-                await liveness.remove(self.r, self.names, "gateway", self.id)
+                await liveness.remove(self.loop_r, self.names, "gateway", self.id)
         except (redis.ConnectionError, redis.TimeoutError, TimeoutError) as e:
             logger.warning("could not remove the liveness key (it expires by itself): %r", e)
+        await self.loop_r.aclose()
         logger.info("gateway core stopped")
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
@@ -186,13 +193,13 @@ class GatewayCore:
         """Drain this gateway's reply stream for ever: no Redis error ends it (a lost group is made again)."""
         while True:
             try:
-                reply = await self.r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=256,
+                reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=256,
                                                 block=self.s.read_block_ms)
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         self._route(fields, entry_id)
                     if entries:  # this gateway is the stream's only reader: what it acknowledged can go
-                        pipe = self.r.pipeline(transaction=False)
+                        pipe = self.loop_r.pipeline(transaction=False)
                         pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
                         pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
                         await pipe.execute()
@@ -213,7 +220,7 @@ class GatewayCore:
 
     async def _ensure_group(self) -> None:
         try:
-            await self.r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
+            await self.loop_r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -222,7 +229,7 @@ class GatewayCore:
         """Redis lost its data: make the reply group again, and answer every request created before the loss
         at once (its context, queue entry and placement are gone: nothing would ever end it)."""
         await self._ensure_group()
-        await self.epoch.acheck(self.r)
+        await self.epoch.acheck(self.loop_r)
         for handle in [h for h in self.handles.values() if h.epoch != self.epoch.known]:
             handle.deliver(Failed(request_id=handle.request_id, reason="state_lost", service="gateway",
                                   message="Redis lost the request's state (a restart without persistence or a "
@@ -246,9 +253,9 @@ class GatewayCore:
         """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever."""
         while True:
             try:
-                await liveness.write(self.r, self.names, "gateway", self.id, self.s.liveness_ttl_s)
-                await self.r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
-                if await self.epoch.acheck(self.r):
+                await liveness.write(self.loop_r, self.names, "gateway", self.id, self.s.liveness_ttl_s)
+                await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
+                if await self.epoch.acheck(self.loop_r):
                     await self._on_data_loss()
                 self._loop_ok["liveness"] = time.monotonic()
             except redis.RedisError as e:

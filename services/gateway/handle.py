@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.gateway.stop_strings import TextStream
 from shared.events import AnyEvent, TokenDelta
 
 logger = logging.getLogger(__name__)
+
+_WAKE = object()  # queued by wake(): the waiting reader returns with no chunk, as on a timeout
 
 
 @dataclass
@@ -42,9 +45,15 @@ class RequestHandle:
     metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
     trace: object = None  # its spans (services.gateway.tracing.RequestTrace)
     epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
+    client_gone: bool = False  # its client closed the connection (set by the handler's disconnect watcher)
+    _backlog: deque = field(default_factory=deque)  # taken from the queue, not yet returned as a chunk
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.queue.put_nowait(item)
+
+    def wake(self) -> None:
+        """Make a reader waiting in next_chunk return None now (something besides output needs its attention)."""
+        self.queue.put_nowait(_WAKE)
 
     def _accept(self, delta: TokenDelta) -> list[int]:
         have = len(self.token_ids)
@@ -55,29 +64,42 @@ class RequestHandle:
         return new
 
     async def next_chunk(self, timeout: float) -> Chunk | None:
-        """The next piece of output; None when nothing came within `timeout` seconds."""
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that lands
-            # as the item arrives (gh-86296), and a cancelled request's handler would then run on.
-            async with asyncio.timeout(max(0.0, timeout)):
-                item = await self.queue.get()
-        except TimeoutError:
-            return None
-        if isinstance(item, TokenDelta):
-            index = len(self.token_ids)
-            new = self._accept(item)
-            if not new:
-                return Chunk("", [], index)
-            now = time.perf_counter()
-            self.first_token_at = self.first_token_at or now
-            self.token_times.append(now)
-            text, used = self.detok.push(new)
-            if used < len(new):  # a stop string completed inside this delta: the later tokens are not output
-                del self.token_ids[len(self.token_ids) - len(new) + used:]
-                new = new[:used]
-            self.text.append(text)
-            return Chunk(text, new, index)
-        return self.finish(item)
+        """The next piece of output; None when nothing came within `timeout` seconds. Token deltas already queued
+        together come out as one chunk: a client that fell behind (or a gateway under load) then gets them in one
+        event and one socket write instead of one each."""
+        if not self._backlog:
+            try:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that lands
+                # as the item arrives (gh-86296), and a cancelled request's handler would then run on.
+                async with asyncio.timeout(max(0.0, timeout)):
+                    self._backlog.append(await self.queue.get())
+            except TimeoutError:
+                return None
+        while not self.queue.empty():  # no await from here on: a cancellation cannot lose these
+            self._backlog.append(self.queue.get_nowait())
+        if _WAKE in self._backlog:
+            self._backlog = deque(x for x in self._backlog if x is not _WAKE)
+            if not self._backlog:
+                return None
+        deltas = []
+        while self._backlog and isinstance(self._backlog[0], TokenDelta):
+            deltas.append(self._backlog.popleft())
+        return self._tokens(deltas) if deltas else self.finish(self._backlog.popleft())
+
+    def _tokens(self, deltas: list[TokenDelta]) -> Chunk:
+        index = len(self.token_ids)
+        new = [t for delta in deltas for t in self._accept(delta)]
+        if not new:
+            return Chunk("", [], index)
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        self.token_times.append(now)
+        text, used = self.detok.push(new)
+        if used < len(new):  # a stop string completed inside these deltas: the later tokens are not output
+            del self.token_ids[len(self.token_ids) - len(new) + used:]
+            new = new[:used]
+        self.text.append(text)
+        return Chunk(text, new, index)
 
     def finish(self, end: AnyEvent) -> Chunk:
         tail = self.detok.flush()

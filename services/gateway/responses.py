@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator
@@ -18,33 +19,51 @@ from shared.events import Cancelled, Completed, Failed, TimedOut
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.5  # how often a waiting request checks its client and its deadline
 DEADLINE_GRACE_S = 2.0  # the scheduler/worker report timeouts; the gateway settles only if they did not
+MIN_WAIT_S = 0.05  # shortest wait for output (a deadline just passed is looked at again this soon)
 
 
 async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[Chunk]:
-    """Chunks until the terminal one; cancels on client disconnect, times out as a backstop."""
+    """Chunks until the terminal one; cancels on client disconnect, times out as a backstop.
+
+    A waiting request sleeps until output arrives, its client leaves (a watcher task wakes it) or its deadline's
+    backstop is due: no periodic poll. (A poll of the client every half second cost a gateway holding 5,000
+    waiting streams 10,000 wakeups a second, half of its time.)"""
     asked_cancel = asked_timeout = False
-    while True:
-        chunk = await handle.next_chunk(POLL_S)
-        if chunk is not None:
-            yield chunk
-            if chunk.end is not None:
-                return
-            if handle.stop_matched is not None:  # a stop string ended the output: settle it here, now
-                yield await finish_at_stop(core, handle)
-                return
-            continue
-        if not asked_cancel and await request.is_disconnected():
-            asked_cancel = True
-            await core.cancel(handle.request_id, "client_disconnect", handle.reply_to)
-        elif handle.remaining() < -DEADLINE_GRACE_S * (2 if asked_timeout else 1):
-            # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
-            # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
-            if asked_timeout or not await core.time_out(handle):
-                yield handle.finish(TimedOut(request_id=handle.request_id, where="unknown", service="gateway"))
-                return
-            asked_timeout = True
+    watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+    try:
+        while True:
+            grace = DEADLINE_GRACE_S * (2 if asked_timeout else 1)
+            chunk = await handle.next_chunk(max(MIN_WAIT_S, handle.remaining() + grace))
+            if chunk is not None:
+                yield chunk
+                if chunk.end is not None:
+                    return
+                if handle.stop_matched is not None:  # a stop string ended the output: settle it here, now
+                    yield await finish_at_stop(core, handle)
+                    return
+                continue
+            if handle.client_gone and not asked_cancel:
+                asked_cancel = True
+                await core.cancel(handle.request_id, "client_disconnect", handle.reply_to)
+            elif handle.remaining() < -grace:
+                # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
+                # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
+                if asked_timeout or not await core.time_out(handle):
+                    yield handle.finish(TimedOut(request_id=handle.request_id, where="unknown", service="gateway"))
+                    return
+                asked_timeout = True
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
+    """Wait for the client to leave (its body is read: receive() now only answers http.disconnect, when the
+    connection closes or the response is complete), then wake the request's handler."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+    handle.client_gone = True
+    handle.wake()
 
 
 async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:

@@ -62,9 +62,10 @@ class Assignments:
         """The hash is the truth, shared by every scheduler replica."""
         self.by_request = {k.decode(): _dec.decode(v) for k, v in self.r.hgetall(self.key).items()}
 
-    def add(self, a: Assignment) -> None:
+    def add(self, a: Assignment, client=None) -> None:
+        """Record a placement (written through client when given: a pipeline the caller executes)."""
         self.by_request[a.scheduled.request_id] = a
-        self.r.hset(self.key, a.scheduled.request_id, _enc.encode(a))
+        (client or self.r).hset(self.key, a.scheduled.request_id, _enc.encode(a))
 
     def drop(self, request_ids: list[str]) -> None:
         if request_ids:

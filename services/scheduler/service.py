@@ -15,7 +15,8 @@ import msgspec
 
 from services.scheduler.recovery import (Assignment, Assignments, GatewayWatch, decode_queued, encode_queued,
                                          gateway_of, zombie_cancels)
-from services.scheduler.deadlines import Costs, DeadlinePolicy, Work, total
+from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
+from services.scheduler import batch
 from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared import telemetry
@@ -90,8 +91,10 @@ class SchedulerService:
             self.live.refresh(self.r, {"queued": len(self.queue)})
             self.sync()
             self.recover_lost()
-        for d in deliveries:
-            self.bus.process(d, self.dispatch)
+        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
+            self.bus.process_all(deliveries, self.dispatch)
+        else:
+            batch.intake(self, deliveries)
         self.expire_deadlines()
         self.place()
         self._last_tick = time.monotonic()
@@ -108,7 +111,7 @@ class SchedulerService:
         self.queue = RequestQueue()
         self.assignments.by_request.clear()
         for w in self.workers.values():
-            w.inflight.clear()
+            w.clear_inflight()
         self.ensure_groups()
 
     def dispatch(self, d: Delivery) -> None:
@@ -149,12 +152,17 @@ class SchedulerService:
             res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
         except InvalidTransition:
             return  # a redelivery of a request already placed
+        self.after_queued(ev, res, self.r)
+
+    def after_queued(self, ev: Preprocessed, res: TransitionResult, client) -> None:
+        """After the QUEUED transition: queue it here and store its record (through client: a pipeline when
+        batched); or adopt a redelivered request that is QUEUED already."""
         if res.applied:
             item = self.queue.push(ev)
             if item is not None and ev.adaptive_deadline:
-                self.set_adaptive_deadline(item)
+                self.set_adaptive_deadline(item, client)
             if item is not None:
-                self.r.hset(self.names.queue, ev.request_id, encode_queued(item))
+                client.hset(self.names.queue, ev.request_id, encode_queued(item))
         elif res.previous == State.QUEUED:
             self.adopt_queued(ev)
 
@@ -175,13 +183,13 @@ class SchedulerService:
         ahead = Work(*rec.ahead) if rec.ahead is not None else None
         self.queue.push(rec.event, rec.attempt, rec.output_token_ids, rec.deadline, ahead)
 
-    def set_adaptive_deadline(self, item) -> None:
+    def set_adaptive_deadline(self, item, client=None) -> None:
         """Fix the request's allowance in work (its own and what is queued ahead of it) and price it with the
         workers' latest costs; judged again with newer costs before it is ever timed out (deadlines.py)."""
-        item.ahead = total(q.work() for q in self.queue.ahead_of(item))
-        self.judge_deadline(item)
+        item.ahead = self.queue.work_ahead_of(item)
+        self.judge_deadline(item, client=client)
 
-    def judge_deadline(self, item, since: float | None = None) -> None:
+    def judge_deadline(self, item, since: float | None = None, client=None) -> None:
         """Price the item's work (ahead of it, then its own) with the latest costs; its allowance runs from its
         arrival, or from `since` when it is extended."""
         costs = Costs.of([w.hb for w in self._live_views()])
@@ -190,7 +198,8 @@ class SchedulerService:
         predicted = costs.seconds(item.ahead, item.work())
         start = item.event.received_at if since is None else since
         item.deadline = self.deadlines.deadline(start, item.event.deadline, predicted)
-        self.store.update(self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted})
+        self.store.update(client or self.r, item.request_id, "meta", {"deadline": item.deadline,
+                                                                     "predicted_s": predicted})
 
     def extend_if_progressing(self, item, ahead_now: Work, now: float) -> bool:
         """Its allowance passed. While the queue ahead of it moves, or live workers are stepping (their step
@@ -303,33 +312,35 @@ class SchedulerService:
                       only_from=(State.QUEUED,))
 
     def place(self) -> None:
-        """Place queued requests in (priority, arrival) order while some live worker has room."""
-        live = self._live_views()
-        while live and (head := self.queue.peek()) is not None:
+        """Place queued requests in (priority, arrival) order while some live worker has room. Without tracing,
+        up to PLACE_BATCH placements go out together (batch.send_all); their room is reserved as they are chosen."""
+        live, picks = self._live_views(), []
+        traced = telemetry.enabled()
+        while live and (head := self.queue.peek()) is not None and len(picks) < batch.PLACE_BATCH:
             need = blocks_needed(len(head.event.prompt_token_ids) + len(head.output_token_ids), live[0].hb.block_size)
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
             if not fits:
-                return
+                break
             # Prefer a worker with KV room now; else the emptiest one (it will preempt or wait).
             best = max(fits, key=lambda w: (w.free_blocks() >= need, w.score(), -len(w.inflight)))
             self.queue.pop()
+            if not traced:
+                best.add_inflight(head.request_id, batch.RESERVED, need)
+                picks.append((head, best, need))
+                continue
             with schedule_span(head, best, fits, need) as span:
                 queued_at = self.r.hget(self.names.layer(head.request_id, "meta"), "state_since") \
                     if span.is_recording() else None
                 res = self.send(head, best, need)
                 queue_span(head, queued_at, res)
+        if picks:
+            batch.send_all(self, picks)
 
     def send(self, q, worker: WorkerView, need: int):
         ev = q.event
         stream = self.names.worker_stream(worker.worker_id)
         with telemetry.publish_span(stream, ev.request_id) as pub:
-            # The worker enforces the cap (the client's timeout, or the default one): an adaptive deadline
-            # bounds the wait in the queue, never a request that its worker is making progress on.
-            out = Scheduled(request_id=ev.request_id, worker_id=worker.worker_id, reply_to=ev.reply_to,
-                            prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids,
-                            sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
-                            received_at=ev.received_at, attempt=q.attempt,
-                            traceparent=telemetry.traceparent_of(pub, ev.traceparent))
+            out = batch.scheduled_event(q, worker.worker_id, telemetry.traceparent_of(pub, ev.traceparent))
             try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
                 res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
                                                 only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
@@ -337,11 +348,16 @@ class SchedulerService:
                 logger.info("not placing %s: %s", ev.request_id, e)
                 res = TransitionResult(False, None)
             telemetry.published(pub, res.entry_ids)
-        self.r.hdel(self.names.queue, ev.request_id)
-        if res.applied:
-            worker.inflight[ev.request_id] = (res.entry_ids[0], need)
-            self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out))
+        self.after_send(q, worker, need, res, out, self.r)
         return res
+
+    def after_send(self, q, worker: WorkerView, need: int, res: TransitionResult, out: Scheduled, client) -> None:
+        """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker and
+        record the assignment (through client: a pipeline when batched)."""
+        client.hdel(self.names.queue, q.request_id)
+        if res.applied:
+            worker.add_inflight(q.request_id, res.entry_ids[0], need)
+            self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), client)
 
     def _live_views(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.hb is not None and self._alive(w)]
@@ -379,3 +395,4 @@ class SchedulerService:
         if self._try(request_id, State.CANCELLED, "client_disconnect", [Publish(reply_to, end)]):
             logger.info("cancelled %s: its gateway is gone", request_id)
             self.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))
+

@@ -40,6 +40,10 @@ class RequestQueue:
         self._heap: list[QueuedRequest] = []
         self._live: dict[str, QueuedRequest] = {}
         self._tie = itertools.count()
+        # The work of every live item, and the largest sort key ever pushed: an item pushed behind everything
+        # (the usual arrival) has all of it ahead, found without a pass over the queue.
+        self._prefill = self._decode = 0
+        self._last_key: tuple | None = None
 
     def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = (),
              deadline: float | None = None, ahead: Work | None = None) -> QueuedRequest | None:
@@ -49,10 +53,21 @@ class RequestQueue:
                              ev.deadline if deadline is None else deadline, attempt, output_token_ids, ahead)
         self._live[ev.request_id] = item
         heapq.heappush(self._heap, item)
+        self._count(item, 1)
+        if self._last_key is None or item.sort_key > self._last_key:
+            self._last_key = item.sort_key
         return item
 
+    def _count(self, item: QueuedRequest, sign: int) -> None:
+        own = item.work()
+        self._prefill += sign * own.prefill_tokens
+        self._decode += sign * own.decode_tokens
+
     def remove(self, request_id: str) -> QueuedRequest | None:
-        return self._live.pop(request_id, None)  # its heap entry is skipped when reached
+        item = self._live.pop(request_id, None)  # its heap entry is skipped when reached
+        if item is not None:
+            self._count(item, -1)
+        return item
 
     def peek(self) -> QueuedRequest | None:
         while self._heap and self._heap[0].request_id not in self._live:
@@ -64,6 +79,7 @@ class RequestQueue:
         assert item is not None
         heapq.heappop(self._heap)
         del self._live[item.request_id]
+        self._count(item, -1)
         return item
 
     def expired(self, now: float) -> list[QueuedRequest]:
@@ -78,8 +94,15 @@ class RequestQueue:
             prefill, decode = prefill + own.prefill_tokens, decode + own.decode_tokens
         return out
 
-    def ahead_of(self, item: QueuedRequest) -> list[QueuedRequest]:
-        return [q for q in self._live.values() if q.sort_key < item.sort_key]
+    def work_ahead_of(self, item: QueuedRequest) -> Work:
+        """The work queued ahead of a live item. Called as it is pushed: an arrival behind everything queued
+        (the usual case) is answered from the running totals, not a pass over the queue (which made a burst of
+        N arrivals cost N^2 / 2)."""
+        if item.sort_key == self._last_key:  # pushed behind everything ever queued: all that is live is ahead
+            own = item.work()
+            return Work(self._prefill - own.prefill_tokens, self._decode - own.decode_tokens)
+        ahead = [q.work() for q in self._live.values() if q.sort_key < item.sort_key]
+        return Work(sum(w.prefill_tokens for w in ahead), sum(w.decode_tokens for w in ahead))
 
     def items(self) -> list[QueuedRequest]:
         return list(self._live.values())
@@ -100,6 +123,7 @@ class WorkerView:
     seen_at: float  # scheduler's monotonic time of the last heartbeat
     progress_at: float = field(default_factory=time.monotonic)  # last time its step counter moved (or it idled)
     inflight: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (entry id, blocks needed)
+    inflight_blocks: int = 0  # the sum of inflight's blocks, kept with it (placement asks for it every time)
 
     def observe(self, hb: Heartbeat) -> None:
         if self.hb is None or hb.step_no != self.hb.step_no or not hb.busy:
@@ -108,6 +132,20 @@ class WorkerView:
         read = entry_key(hb.last_read_id) if hb.last_read_id else (0, 0)
         # Entries the worker has read are counted in its own figures now.
         self.inflight = {r: v for r, v in self.inflight.items() if entry_key(v[0]) > read}
+        self.inflight_blocks = sum(b for _, b in self.inflight.values())
+
+    def add_inflight(self, request_id: str, entry_id: str, blocks: int) -> None:
+        self.drop_inflight(request_id)
+        self.inflight[request_id] = (entry_id, blocks)
+        self.inflight_blocks += blocks
+
+    def drop_inflight(self, request_id: str) -> None:
+        if (old := self.inflight.pop(request_id, None)) is not None:
+            self.inflight_blocks -= old[1]
+
+    def clear_inflight(self) -> None:
+        self.inflight.clear()
+        self.inflight_blocks = 0
 
     def alive(self, ttl_s: float, hang_s: float) -> bool:
         """Heard from within ttl_s, and, if it holds work, stepped within hang_s."""
@@ -122,7 +160,7 @@ class WorkerView:
     def free_blocks(self) -> int:
         if self.hb is None:
             return 0
-        return self.hb.free_blocks - sum(b for _, b in self.inflight.values())
+        return self.hb.free_blocks - self.inflight_blocks
 
     def score(self) -> float:
         """Higher is better: share of the KV pool still free after what is in flight."""

@@ -9,6 +9,7 @@ before it got here is not tokenized at all: its transition is refused.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from shared import telemetry
 from shared.bus import Bus, Delivery, event_field
@@ -16,7 +17,7 @@ from shared.constants import GROUP_TOKENIZER, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.events import Failed, Preprocessed, RequestReceived
-from shared.lifecycle import Lifecycle, Publish, State
+from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
@@ -90,8 +91,10 @@ class TokenizerService:
         if self.live.due():
             deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
             self.live.refresh(self.r)
-        for d in deliveries:
-            self.bus.process(d, self.handle)
+        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
+            self.bus.process_all(deliveries, self.handle)
+        elif deliveries:
+            self.handle_batch(deliveries)
 
     def handle(self, d: Delivery) -> None:
         ev = d.event
@@ -108,23 +111,68 @@ class TokenizerService:
                     raise
                 span.set_attribute("gen_ai.usage.input_tokens", len(ids))
         except PromptError as e:
-            fail = Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param,
-                          service="tokenizer", traceparent=telemetry.current_traceparent(ev.traceparent))
+            fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
             self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
         else:
             self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
             with telemetry.publish_span(self.names.preprocessed_stream, ev.request_id) as pub:
-                out = Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
-                                   sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
-                                   adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
-                                   traceparent=telemetry.traceparent_of(pub, ev.traceparent))
+                out = self._preprocessed(ev, ids, telemetry.traceparent_of(pub, ev.traceparent))
                 res = self._settle(ev.request_id, State.PREPROCESSED, "",
                                    [Publish(self.names.preprocessed_stream, out)])
                 telemetry.published(pub, res.entry_ids if res else ())
 
-    def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
+    def handle_batch(self, deliveries: list[Delivery]) -> None:
+        """Every request of a tick in one pipeline (input layers and transitions with their events), acknowledged
+        together: a burst costs the tokenizer two round trips a tick, not three a request."""
+        pipe = self.r.pipeline(transaction=False)
+        planned = [(d, self._queue(pipe, d)) for d in deliveries]
+        replies = pipe.execute(raise_on_error=False)
+        done = []
+        for d, plan in planned:
+            if plan is None:
+                done.append(d)  # not a request: logged, nothing to retry
+            elif isinstance(replies[plan[1]], Exception):  # left pending: retried, then dead-lettered
+                logger.error("preprocessing %s failed: %r", d.event.request_id, replies[plan[1]])
+            else:
+                rid, (to, at) = d.event.request_id, plan
+                self._outcome(rid, to, lambda: self.lifecycle.interpret(rid, to, replies[at]))
+                done.append(d)
+        self.bus.ack_all(done)
+
+    def _queue(self, pipe, d: Delivery) -> tuple[State, int] | None:
+        """Queue the request's writes on pipe: (the transition, the index of its reply), or None if no request."""
+        ev = d.event
+        if not isinstance(ev, RequestReceived):
+            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            return None
         try:
-            res = self.lifecycle.transition(request_id, to, reason, publish)
+            ids = self.pre.token_ids(ev)
+        except PromptError as e:
+            self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
+                                 [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
+            return State.FAILED, len(pipe) - 1
+        self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
+        out = self._preprocessed(ev, ids, ev.traceparent)
+        self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
+                             [Publish(self.names.preprocessed_stream, out)])
+        return State.PREPROCESSED, len(pipe) - 1
+
+    @staticmethod
+    def _preprocessed(ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
+        return Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
+                            sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
+                            adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
+                            traceparent=traceparent)
+
+    @staticmethod
+    def _failed(ev: RequestReceived, e: PromptError, traceparent: str) -> Failed:
+        return Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param, service="tokenizer",
+                      traceparent=traceparent)
+
+    def _outcome(self, request_id: str, to: State, transition: Callable[[], TransitionResult]):
+        """The transition's result (None when the request is already further along), logged when not applied."""
+        try:
+            res = transition()
         except InvalidTransition as e:  # already further along: a redelivery
             logger.info("skipping %s: %s", request_id, e)
             return None
@@ -132,6 +180,9 @@ class TokenizerService:
             logger.info("request %s not moved to %s: it is %s", request_id, to.value,
                         res.previous.value if res.previous else "gone")
         return res
+
+    def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
+        return self._outcome(request_id, to, lambda: self.lifecycle.transition(request_id, to, reason, publish))
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")

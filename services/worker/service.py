@@ -48,7 +48,7 @@ def build_engine(s: WorkerSettings) -> Engine:
     if s.engine == "sim":
         timing = SimTiming(s.sim_step_overhead_s, s.sim_prefill_s_per_token, s.sim_decode_s_per_seq,
                            s.sim_decode_s_per_kv_token, s.sim_speedup)
-        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability)
+        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability, s.sim_step_log_dir)
     return LLMEngine.from_model_dir(model_dir, engine_config(s))
 
 
@@ -105,8 +105,7 @@ class WorkerService:
         """Read what arrived (without blocking while there is work), step, publish, heartbeat."""
         self.housekeeping()
         busy = self.engine.has_unfinished()
-        for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None):
-            self.bus.process(d, self.dispatch)
+        self.bus.process_all(self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None), self.dispatch)
         self.expire_deadlines()
         if self.engine.has_unfinished():
             self.step()
@@ -222,8 +221,7 @@ class WorkerService:
         deadline = time.monotonic() + self.s.drain_timeout_s
         logger.info("worker %s draining %d requests", self.id, len(self.active))
         while time.monotonic() < deadline:
-            for d in self.bus.read([self.stream], GROUP_WORKER, block_ms=0):
-                self.bus.process(d, self.dispatch)
+            self.bus.process_all(self.bus.read([self.stream], GROUP_WORKER, block_ms=0), self.dispatch)
             if not self.engine.has_unfinished():
                 break
             self.step()

@@ -12,11 +12,12 @@ continues the same sequence.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
@@ -24,6 +25,10 @@ from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
 
 logger = logging.getLogger(__name__)
+
+# A step log line: wall time at the step's end (epoch s), modelled seconds, uncached prompt tokens computed,
+# decoding sequences, KV tokens they attend over, sequences that got a token.
+STEP_LOG_COLUMNS = ("t_end", "modelled_s", "prefill_tokens", "decode_seqs", "kv_tokens", "sampled")
 
 
 @dataclass
@@ -38,12 +43,13 @@ class SimStep:
 
 class SimRunner:
     def __init__(self, timing: SimTiming, vocab: SimVocab, num_blocks: int, eos_probability: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, step_log: TextIO | None = None):
         self.timing = timing
         self.vocab = vocab
         self.num_blocks = num_blocks
         self.eos_probability = eos_probability  # chance per token of ending with EOS, when EOS may end it
         self._sleep = sleep
+        self.step_log = step_log  # one line per step (STEP_LOG_COLUMNS), for benchmarks; None = off
 
     def init_sequence(self, seq: Sequence) -> None:
         # Greedy ignores the seed, as the real sampler does; a sampled request without one gets a random one.
@@ -67,6 +73,9 @@ class SimRunner:
         """Sleeps the modelled time; -> (a placeholder row per sampled sequence, the modelled time)."""
         modelled = self.timing.step_time(step.prefill_tokens, step.decode_seqs, step.kv_tokens)
         self._sleep(modelled)
+        if self.step_log is not None:
+            self.step_log.write(f"{time.time():.6f} {modelled:.6f} {step.prefill_tokens} {step.decode_seqs} "
+                                f"{step.kv_tokens} {len(step.sample_seqs)}\n")
         return [None] * len(step.sample_seqs), modelled
 
     def sample(self, rows: list[None], seqs: list[Sequence]) -> list[int]:
@@ -81,11 +90,21 @@ class SimRunner:
         return None
 
 
+def open_step_log(folder: str) -> TextIO | None:
+    """The step log of this process in `folder` (sim-steps-PID.log), line-buffered so a killed worker loses at
+    most the line being written; None when folder is empty."""
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return open(Path(folder) / f"sim-steps-{os.getpid()}.log", "a", buffering=1)
+
+
 def build_sim_engine(model_dir: Path | str, config: EngineConfig, timing: SimTiming,
-                     eos_probability: float = 0.0) -> LLMEngine:
+                     eos_probability: float = 0.0, step_log_dir: str = "") -> LLMEngine:
     """An LLMEngine whose steps are simulated: reads the model folder's config and tokenizer, no weights."""
     vocab = load_vocab(Path(model_dir))
-    runner = SimRunner(timing, vocab, kv_pool_blocks(Path(model_dir), config), eos_probability)
+    runner = SimRunner(timing, vocab, kv_pool_blocks(Path(model_dir), config), eos_probability,
+                       step_log=open_step_log(step_log_dir))
     logger.info("simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words),
                 eos_probability)
     return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)
