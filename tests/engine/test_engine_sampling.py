@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from engine_helpers import QUESTIONS, run_to_completion
 
 from services.worker.engine import EngineRequest, SamplingOptions
@@ -70,3 +71,25 @@ def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_greed
     assert eos not in minimum.tokens[:len(expected) + 2], "EOS masked until min_tokens outputs exist"
     assert len(minimum.tokens) >= len(expected) + 2
     engine.check_no_leak()
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_masked_token():
+    """The sampler's draw (inverse CDF over the batch) against known probabilities: 20,000 draws per row,
+    two rows with different distributions in one batch; p = 0 entries (masked by top-k) never come out."""
+    from services.worker.engine.sampler import _draw
+
+    class Row:
+        def __init__(self, seed: int, top_k: int):
+            self.sampling = SamplingOptions(temperature=1.0, top_k=top_k)
+            self.generator = torch.Generator().manual_seed(seed)
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.05, 0.05, 0.1, 0.2, 0.6]])
+    rows = [Row(1, 3), Row(2, 0)]  # top_k=3 masks index 3 of row 0 as well
+    counts = torch.zeros(2, 5)
+    for _ in range(20000):
+        for r, tok in enumerate(_draw(torch.log(probs), rows)):
+            counts[r, tok] += 1
+    freq = counts / 20000
+    assert freq[0, 3] == 0 and freq[0, 4] == 0
+    torch.testing.assert_close(freq[0, :3], probs[0, :3] / 0.95, atol=0.015, rtol=0)
+    torch.testing.assert_close(freq[1], probs[1], atol=0.015, rtol=0)

@@ -1,7 +1,7 @@
 """Per-request sampling over a batch of next-token logits.
 
 Order (as transformers' logits processors): repetition penalty, min_tokens masking,
-then greedy argmax (temperature 0) or temperature -> top_k -> top_p -> min_p -> draw with the
+then greedy argmax (temperature 0) or temperature -> top_k -> top_p -> min_p -> draw (inverse CDF) with the
 request's own torch.Generator (so a seed gives the same tokens whatever else is batched).
 Greedy rows are the exact argmax of the (penalised/masked) logits.
 """
@@ -66,7 +66,18 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if any(o.min_p > 0.0 for o in opts):
         x = _min_p(x, [o.min_p for o in opts])
     probs = torch.softmax(x, dim=-1)
-    return [int(torch.multinomial(probs[i], 1, generator=s.generator)) for i, s in enumerate(seqs)]
+    # Inverse CDF, batched: one uniform per row from the row's own generator, then one cumsum and one
+    # searchsorted over the whole batch. (torch.multinomial per row, or an exponential race drawing a
+    # number per vocabulary entry from a per-row generator, cost ~1.5 ms a row on CPU: a quarter of a
+    # batch-32 step.) side="right" lands on a token whose interval has width, i.e. p > 0; the last line
+    # guards the one float edge (u * total rounding up to total).
+    u = torch.cat([torch.rand(1, generator=seq.generator, device=probs.device) for seq in seqs])
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right").clamp_(max=probs.shape[1] - 1)
+    bad = (probs.gather(1, idx) <= 0)[:, 0]
+    if bool(bad.any()):
+        idx[bad] = probs[bad].argmax(dim=-1, keepdim=True)
+    return idx[:, 0].tolist()
 
 
 @torch.inference_mode()
