@@ -81,19 +81,19 @@ def measured(name: str, conveyor: ConveyorUp, fn) -> dict:
 
 def run(servers: dict[str, int], model: Path, args, out: Path, conveyor: ConveyorUp) -> list[dict]:
     rows = []
-    for shape in args.shapes:
-        for conc in args.concurrency:
-            prompts = num_prompts(conc, args.num_prompts)
-            for rnd in range(1, args.rounds + 1):
-                order = list(servers) if rnd % 2 else list(reversed(servers))
-                row = {"shape": f"{shape[0]}x{shape[1]}", "concurrency": conc, "prompts": prompts, "round": rnd,
-                       "order": order}
-                for name in order:
-                    tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
-                    row[name] = measured(name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts,
-                                                                       rnd, out, tag))
-                    print(f"{tag}: {row[name]}", flush=True)
-                rows.append(row)
+    pairs = args.pairs or [(shape, conc) for shape in args.shapes for conc in args.concurrency]
+    for shape, conc in pairs:
+        prompts = num_prompts(conc, args.num_prompts)
+        for rnd in range(1, args.rounds + 1):
+            order = list(servers) if rnd % 2 else list(reversed(servers))
+            row = {"shape": f"{shape[0]}x{shape[1]}", "concurrency": conc, "prompts": prompts, "round": rnd,
+                   "order": order}
+            for name in order:
+                tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
+                row[name] = measured(name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts,
+                                                                   rnd, out, tag))
+                print(f"{tag}: {row[name]}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -121,11 +121,18 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
 
 
+def parse_pairs(text: str) -> list[tuple[tuple[int, int], int]]:
+    """'128x128@1,512x128@32' -> [((128, 128), 1), ((512, 128), 32)]"""
+    return [(parse_shapes(shape)[0], int(conc)) for shape, conc in (p.split("@") for p in text.split(","))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x128"))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32])
+    ap.add_argument("--pairs", type=parse_pairs, default=None,
+                    help="shape@concurrency list instead of the grid, e.g. 128x128@1,512x128@32")
     ap.add_argument("--num-prompts", type=int, default=None, help="default: max(8, 2 x concurrency)")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for the Conveyor cluster")
