@@ -6,9 +6,11 @@ else in the project reads the environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Iterator, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -130,6 +132,21 @@ class WorkerSettings(CommonSettings):
                                        "with EOS where EOS may end the request (0: run to max_tokens)")
     sim_step_log_dir: str = Field("", description="sim: folder where each worker appends one line per step "
                                   "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none")
+
+
+@contextlib.contextmanager
+def this_pythons_bin_on_path() -> Iterator[None]:
+    """While it lasts, PATH starts with this interpreter's bin folder (a venv's tools, e.g. the pinned ninja, for
+    a process started as .venv/bin/python without the venv on PATH); restored after. Process plumbing, not a
+    setting; here because this module is the one place that touches the environment."""
+    import os
+
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), old))
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

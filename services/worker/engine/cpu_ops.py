@@ -11,15 +11,13 @@ its torch path: same results, slower.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
-import sys
 from pathlib import Path
-from typing import Iterator
 
 import torch
+
+from shared.settings import this_pythons_bin_on_path
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +38,6 @@ def _build_name() -> str:
 _state: dict[str, bool] = {}  # "loaded": the outcome, once per process (a library registers its ops only once)
 
 
-@contextlib.contextmanager
-def _venv_bin_on_path() -> Iterator[None]:
-    """cpp_extension runs `ninja` by name: put this environment's bin (the pinned pip package) first on PATH for
-    the build only, since a worker started as .venv/bin/python may have a PATH without it. Process plumbing,
-    not configuration: nothing here is a Conveyor setting."""
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), old))
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
 def load(cache_dir: str | None) -> bool:
     """Build (or find built) and load the kernels; True when torch.ops.conveyor.* are usable."""
     if "loaded" not in _state:
@@ -68,7 +53,8 @@ def _build_and_load(cache_dir: str | None) -> bool:
         root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "conveyor"
         build_dir = root / "kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        with _venv_bin_on_path():
+        # cpp_extension runs `ninja` by name; a worker started as .venv/bin/python may lack that bin on PATH
+        with this_pythons_bin_on_path():
             cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
                                verbose=False)
