@@ -3,7 +3,7 @@
 Why C++: the paged decode attention reads each sequence's K/V where it lies in the pool; in torch ops
 the same product needs a gather copy of every sequence's K/V per layer first (a third of a batch-32
 decode step on the 2-core VM of docs/benchmarks.md). The build (torch.utils.cpp_extension, ninja, the
-system C++ compiler, -march=native) takes ~30-60 s; its output is kept under the cache directory,
+system C++ compiler, -march=native) takes ~10 s on the 2-core VM; its output is kept under the cache directory,
 keyed by the source, the torch build and the CPU, so a restarted worker only loads it (< 1 s).
 Anything that stops the build (no compiler, no ninja, an error) is logged once and the engine keeps
 its torch path: same results, slower.
