@@ -108,6 +108,7 @@ class FusedLlama:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
+        self.native_ops = False  # set by the runner once the CPU kernels are loaded (use_native_ops)
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
@@ -124,6 +125,12 @@ class FusedLlama:
             logger.info("fused forward not used (%s): transformers' module forward instead", reason)
             return None
         return cls(model)
+
+    def use_native_ops(self) -> bool:
+        """Run the small per-layer ops through csrc/layer_ops.cpp (loaded by the caller); float32 on CPU only
+        (other dtypes keep the torch ops). Returns whether it is on."""
+        self.native_ops = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
+        return self.native_ops
 
     def linears(self) -> list[nn.Linear]:
         """Every Linear the fused forward calls (for GEMM tuning); the LM head is the last."""
@@ -153,7 +160,36 @@ class FusedLlama:
         """input_ids/positions [T] -> logits [N, V] of the packed rows `logits_rows`."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        for x in self.layers:
-            h = self._layer(x, h, cos, sin, meta)
+        if self.native_ops:
+            h = self._native_layers(h, cos[0].contiguous(), sin[0].contiguous(), meta)
+        else:
+            cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+            for x in self.layers:
+                h = self._layer(x, h, cos, sin, meta)
         return self.lm_head(rms_norm(h[logits_rows], self.final_norm))
+
+    def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       meta: PagedAttentionMetadata) -> torch.Tensor:
+        """The layers through csrc/layer_ops.cpp: h is the residual stream (updated in place); each residual add
+        is fused with the RMSNorm after it (the next layer's input norm included); cos/sin [T, D]."""
+        ops = torch.ops.conveyor
+        t = h.shape[0]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        normed = torch.empty_like(h)
+        ops.add_rms_norm(normed, h, None, *self.layers[0].norm1)
+        for i, x in enumerate(self.layers):
+            qkv = x.qkv(normed)
+            qk = qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d)
+            ops.rotary(qk, cos, sin)
+            attn = paged_attention(qk[:, :nq], qk[:, nq:], qkv[:, (nq + nkv) * d:].view(t, nkv, d), meta, x.index,
+                                   self.scaling, x.window)
+            ops.add_rms_norm(normed, h, x.o(attn.reshape(t, nq * d)), *x.norm2)
+            gate_up = x.gate_up(normed)
+            act = gate_up.new_empty(t, gate_up.shape[1] // 2)
+            ops.silu_mul(act, gate_up)
+            mlp = x.down(act)
+            if i + 1 < len(self.layers):
+                ops.add_rms_norm(normed, h, mlp, *self.layers[i + 1].norm1)
+            else:
+                h += mlp
+        return h

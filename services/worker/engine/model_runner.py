@@ -65,11 +65,13 @@ class ModelRunner:
             tune_linears(layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
         kernel = config.cpu_kernels and device.type == "cpu"
         kernel = kernel and cpu_ops.load(config.tuning_cache_dir)
+        native = bool(kernel and fused and fused.use_native_ops())
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
         logger.info("torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s", device, model.dtype,
-                    num_blocks, "fused" if fused else "transformers", "CPU kernel" if kernel else "gather + SDPA")
+                    num_blocks, ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
+                    "CPU kernel" if kernel else "gather + SDPA")
         return cls(model, kv_cache, device, fused, kernel)
 
     def init_sequence(self, seq: Sequence) -> None:
