@@ -60,6 +60,8 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     deadline: float  # epoch seconds
     adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
+    block_size: int = 0  # tokens per block of block_hashes (0: none attached)
+    block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/block_hash.py)
 
 
 class Scheduled(Event, tag="scheduled", kw_only=True):

@@ -48,6 +48,9 @@ class CommonSettings(BaseSettings):
                                description="OTLP protocol; http/protobuf is the one supported")
     otel_schedule_delay_ms: int = Field(2000, ge=1, description="batch span processor export interval")
     otel_capture_content: bool = Field(False, description="put prompt and output text into spans")
+    # Common: the worker's KV blocks, and the tokenizer's block hashes the scheduler matches against them.
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block (workers) and per "
+                            "block hash attached to a request (tokenizer): the same value everywhere")
 
 
 class GatewaySettings(CommonSettings):
@@ -106,7 +109,6 @@ class SchedulerSettings(CommonSettings):
 class WorkerSettings(CommonSettings):
     device: str = Field("auto", description="auto (cuda when present), cpu or cuda[:N]")
     dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV pool size on CPU, in bytes")
     gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free CUDA memory for the KV pool")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one step")

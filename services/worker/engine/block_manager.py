@@ -9,31 +9,10 @@ A cached block is evicted (its hash dropped) only when an allocation finds `_fre
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from services.worker.engine.errors import BlockPoolExhausted
-
-_ROOT = b"conveyor-kv-root"
-
-
-def chain_hash(parent: bytes | None, tokens: Seq[int]) -> bytes:
-    """Hash of a full block: its tokens and, through `parent`, every token before it.
-
-    blake2b (128-bit) so that a collision, which would silently reuse wrong K/V, is not a concern.
-    """
-    h = hashlib.blake2b(parent or _ROOT, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
-
-
-def extend_block_hashes(token_ids: Seq[int], hashes: list[bytes], block_size: int, upto: int) -> None:
-    """Append to `hashes` the chained hashes of full blocks of token_ids[:upto] not hashed yet."""
-    for i in range(len(hashes), upto // block_size):
-        parent = hashes[i - 1] if i else None
-        hashes.append(chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
 
 
 class BlockManager:

@@ -13,9 +13,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.worker.engine.block_manager import BlockManager, extend_block_hashes
+from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import Sequence, SequenceStatus
+from shared.block_hash import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
