@@ -86,6 +86,22 @@ def test_the_tokenizer_attaches_the_block_hashes_the_engine_computes(redis_serve
     assert tuple(engine.scheduler.running[0].block_hashes[:len(pre.block_hashes)]) == pre.block_hashes
 
 
+def test_cached_tokens_count_only_prompt_tokens_reused_at_first_admission(vocab):
+    engine = sim_engine(vocab, num_blocks=10)
+    long = SamplingOptions(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request(EngineRequest("victim", prompt(48), long, priority=1))
+    for _ in range(30):  # it decodes into its own blocks, then a more important request needs them
+        engine.step()
+    engine.add_request(EngineRequest("urgent", prompt(64, start=5000), GREEDY, priority=0))
+    cached = {}
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            cached[o.request_id] = max(cached.get(o.request_id, 0), o.num_cached_tokens)
+    assert engine.stats().num_preemptions >= 1
+    assert cached["victim"] == 0, "re-finding its own blocks after a preemption is not a reuse"
+    assert run(engine, "again", prompt(48)) == 32  # a second request with its prompt reuses 2 full blocks of it
+
+
 def worker_side(redis_server, names, vocab, worker_id: str = "w1"):
     import redis
 
