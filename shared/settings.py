@@ -107,8 +107,8 @@ class SchedulerSettings(CommonSettings):
     routing: Literal["kv", "load", "round_robin"] = Field(
         "kv", description="placement: kv = the worker with the cheapest uncached prefix + load (KV-cache-aware), "
                           "load = the emptiest KV pool, round_robin = in turn")
-    routing_overlap_weight: float = Field(1.0, ge=0, description="kv: cost of one prompt block to prefill, in "
-                                          "blocks of decode load (0 = load only)")
+    routing_overlap_weight: float = Field(4.0, ge=0, description="kv: cost of one prompt block to prefill, in "
+                                          "KV blocks in use (decode load); 0 = load only")
     routing_balance_abs: int = Field(16, ge=0, description="kv: requests held by the busiest minus the idlest "
                                      "worker beyond which (with routing_balance_rel) load alone decides")
     routing_balance_rel: float = Field(1.5, ge=1, description="kv: ratio busiest / idlest worker beyond which "

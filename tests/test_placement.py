@@ -17,7 +17,7 @@ def test_kv_sends_a_request_to_the_worker_holding_its_prefix():
                                         cand("c", matched=10, used=20, requests=2)])
     assert d.worker_id == "b" and d.reason == "overlap"
     assert d.matched == {"a": 0, "b": 64, "c": 10}
-    assert d.costs["b"] == 2 + 30 and d.costs["a"] == 66 + 20
+    assert d.costs["b"] == 4 * 2 + 30 and d.costs["a"] == 4 * 66 + 20
 
 
 def test_kv_cost_weighs_uncached_blocks_against_decode_load():

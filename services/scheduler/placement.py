@@ -2,9 +2,13 @@
 
 kv (the default), after NVIDIA Dynamo's KV router and SGLang's cache-aware router:
     cost(worker) = overlap_weight x (prompt blocks it would have to prefill) + (KV blocks it has in use)
-the lowest wins. A worker's blocks in use are those its running requests reference plus those reserved for
-requests in flight to it; cached blocks nobody references are free, so a shared prefix counts once, however
-many requests use it. Load-balance guard (SGLang's): when the busiest candidate holds more than balance_abs
+the lowest wins. The weight (4 by default) says how much more a block to prefill delays a request than a block
+another request holds: prefilling a block is a one-off ~21 ms of step time in the calibrated cost model
+(docs/simulated_engine.md) against well under a millisecond per step for a block being decoded; and the load
+the scheduler sees is up to a heartbeat old, so the worker that has just served a prefix still looks busy with
+it. Weight 1 (Dynamo's default) sent follow-up requests away from their prefix in the tests. A worker's blocks
+in use are those its running requests reference plus those reserved for requests in flight to it; cached blocks
+nobody references are free, so a shared prefix counts once, however many requests use it. Load-balance guard (SGLang's): when the busiest candidate holds more than balance_abs
 requests beyond the idlest and more than balance_rel times as many, the prefix is ignored and the least-loaded
 worker wins, so one hot prefix cannot pile everything on one worker.
 load: the worker with the largest share of its KV pool free (the placement before KV-aware routing).
@@ -46,7 +50,7 @@ class Decision:
 
 
 class Placement:
-    def __init__(self, mode: str = "kv", overlap_weight: float = 1.0, balance_abs: int = 16,
+    def __init__(self, mode: str = "kv", overlap_weight: float = 4.0, balance_abs: int = 16,
                  balance_rel: float = 1.5):
         if mode not in MODES:
             raise ValueError(f"routing mode {mode!r} is not one of {MODES}")
