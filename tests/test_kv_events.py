@@ -164,6 +164,20 @@ def test_scheduler_drops_the_index_entries_of_a_dead_worker(redis_server, names,
     assert s.router.index.match(block_hashes(p, 16)) == {} and "w1" not in s.router.index.holders
 
 
+def test_scheduler_drops_the_replayed_entries_of_a_worker_it_never_hears_from(redis_server, names, vocab):
+    from tests.waiting import wait_for
+
+    client, engine, pub = worker_side(redis_server, names, vocab, worker_id="gone")
+    run(engine, "r1", prompt(80))
+    pub.publish_changes()  # and then it died, before this scheduler started: no heartbeat of it is left
+    s = scheduler(redis_server, names, liveness_ttl_s=0.2, heartbeat_interval_s=0.1)
+    s.read_heartbeats()
+    assert "gone" in s.router.index.holders
+    s._contact_since = float("-inf")  # in contact with Redis all along
+    wait_for(lambda: (s.recover_lost(), "gone" not in s.router.index.holders)[1], 10, what="the entries dropped")
+    assert not s.router.index.by_hash
+
+
 def test_the_routing_decision_is_recorded_with_every_candidates_matched_blocks():
     from services.scheduler.placement import Candidate, Placement
 

@@ -14,7 +14,9 @@ Either way the worker's entries are dropped at once (stale entries would route r
 be gone) and the worker is asked, through its own stream, to announce its cache again (KvResyncRequested).
 So the index is correct after a restart (replay what is left, re-ask for the rest) and after any trim.
 
-A worker declared dead (the scheduler's liveness rule) is dropped with all its entries. Memory is bounded by
+A worker declared dead (the scheduler's liveness rule) is dropped with all its entries, and so is one the
+scheduler has not heard from for a liveness TTL (routing.py: a restarted scheduler replays the events of
+workers that died before it started). Memory is bounded by
 the workers' pools: a worker holds at most total_blocks hashes, and every one it evicts is removed.
 Pure: no Redis in here; the scheduler reads the stream and publishes the resync requests.
 """

@@ -33,6 +33,7 @@ class Router:
         self.cursor = "0-0"  # a (re)started scheduler replays what the capped stream still holds
         self.ask_every_s = settings.liveness_ttl_s
         self._asked: dict[str, float] = {}  # worker -> when it was last asked to announce its cache
+        self._unknown_since: dict[str, float] = {}  # worker with entries but no heartbeat -> since when
 
     def on_entries(self, entries) -> None:
         for entry_id, ev in plain_events(entries, "KV event"):
@@ -57,6 +58,17 @@ class Router:
     def drop_worker(self, worker_id: str) -> None:
         self.index.drop_worker(worker_id)
         self._asked.pop(worker_id, None)
+        self._unknown_since.pop(worker_id, None)
+
+    def prune(self, known: set[str]) -> None:
+        """Drop the entries of workers the scheduler has not heard from for a liveness TTL: a restarted scheduler
+        replays the events of workers that died before it started (no heartbeat will ever declare them dead)."""
+        now = time.monotonic()
+        for wid in list(self.index.holders) + list(self.index.lagging):
+            if wid in known:
+                self._unknown_since.pop(wid, None)
+            elif now - self._unknown_since.setdefault(wid, now) > self.ask_every_s:
+                self.drop_worker(wid)
 
     def choose(self, q, fits: list[WorkerView], need_blocks: int, block_size: int) -> Decision:
         """The worker for queued request q among fits (live, with a free slot)."""

@@ -368,6 +368,7 @@ class SchedulerService:
             self.assignments.drop([a.scheduled.request_id for a in lost])
             del self.workers[w.worker_id]
             self.router.drop_worker(w.worker_id)
+        self.router.prune(set(self.workers))
         live = set(Liveness.read(self.r, self.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
         held = [(q.request_id, q.event.reply_to) for q in self.queue.items()] + \
             [(a.scheduled.request_id, a.scheduled.reply_to) for a in self.assignments.by_request.values()]
