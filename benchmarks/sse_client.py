@@ -27,6 +27,8 @@ class StreamRecord:
     text: list[str] = field(default_factory=list)
     indices: list[tuple[int, int]] = field(default_factory=list)  # /generate: (index, tokens) of each event
     completion_tokens: int | None = None  # from the final usage
+    prompt_tokens: int | None = None  # from the final usage
+    cached_tokens: int | None = None  # from the final usage: prompt tokens served from the prefix cache
     finish_reason: str | None = None
     error: str | None = None
     t_end: float | None = None
@@ -141,7 +143,10 @@ class Connection:
                 rec.on_text(text, now)
             rec.finish_reason = finish or rec.finish_reason
             if ev.get("usage"):
-                rec.completion_tokens = ev["usage"]["completion_tokens"]
+                usage = ev["usage"]
+                rec.completion_tokens, rec.prompt_tokens = usage["completion_tokens"], usage.get("prompt_tokens")
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens",
+                                                                                  usage.get("cached_tokens"))
 
 
 def request_body(api: str, model: str, prompt: str, max_tokens: int) -> tuple[str, dict]:

@@ -207,6 +207,17 @@ def _best_effort_decode(payload: bytes | None):
         return raw if isinstance(raw, dict) else None
 
 
+def plain_events(entries, what: str):
+    """(entry id, event) of each entry of a plain XREAD (a stream every replica reads in full, no group: nothing
+    to acknowledge or dead-letter); an entry that is not an event is logged and skipped."""
+    for entry_id, fields in entries:
+        eid = _s(entry_id)
+        try:
+            yield eid, decode(fields[EVENT_FIELD])
+        except (SchemaError, KeyError) as e:
+            logger.error("unreadable %s entry %s skipped: %s", what, eid, e)
+
+
 def entry_key(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a sortable (milliseconds, sequence) pair."""
     ms, _, seq = entry_id.partition("-")

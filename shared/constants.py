@@ -24,6 +24,9 @@ EVENT_FIELD = b"e"
 # Streams are trimmed (approximately) to this many entries; consumers are far faster.
 STREAM_MAXLEN = 100_000
 HEARTBEAT_MAXLEN = 1_000
+# Workers' KV events (one entry per engine step that changed a prefix cache). A reader that finds a gap in a
+# worker's sequence (trimmed away before it read them) asks that worker for a full announcement instead.
+KV_EVENTS_MAXLEN = 10_000
 # A process's own stream (a worker's inbox, a gateway's replies) is refreshed to this TTL by its owner at every
 # heartbeat and by every write to it, so the stream of a process that died disappears by itself this long after
 # the last write; the shared streams (received, preprocessed, control) have no TTL.
@@ -53,6 +56,10 @@ class Names:
     @property
     def heartbeat_stream(self) -> str:  # worker heartbeats -> scheduler
         return f"{self.ns}:stream:heartbeat"
+
+    @property
+    def kv_events_stream(self) -> str:  # kv_events: workers -> every scheduler replica (plain XREAD)
+        return f"{self.ns}:stream:kv"
 
     @property
     def dead_letter_stream(self) -> str:  # events that failed max_deliveries times

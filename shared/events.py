@@ -60,6 +60,8 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     deadline: float  # epoch seconds
     adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
+    block_size: int = 0  # tokens per block of block_hashes (0: none attached)
+    block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/block_hash.py)
 
 
 class Scheduled(Event, tag="scheduled", kw_only=True):
@@ -151,11 +153,31 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     prefix_cache_hits: int  # of those, tokens found
     step_no: int = 0  # steps taken since start: progress, to tell a hung worker from a busy one
     busy: bool = False  # it holds work (so its step counter must move)
+    kv_incarnation: str = ""  # its KV events' incarnation ("" = it publishes none)
+    kv_seq: int = 0  # number of its latest KV event (a reader that never saw it missed it)
+
+
+class KvEvents(Event, tag="kv_events", kw_only=True):
+    """What changed in one worker's prefix cache (one event per engine step that changed it), named by block hash.
+    Applied in seq order: `cleared` first (drop every block of this worker), then `removed`, then `stored`."""
+
+    worker_id: str  # the worker whose cache it is
+    incarnation: str  # random per worker process start (seq starts again at 1 with it)
+    seq: int  # 1, 2, ... within the incarnation: a gap means events were missed (the stream was trimmed)
+    block_size: int  # tokens per block of the hashes
+    cleared: bool = False  # drop what the worker held before: with `stored`, a full announcement of its cache
+    stored: tuple[bytes, ...] = ()  # hashes of blocks now findable in its prefix cache
+    removed: tuple[bytes, ...] = ()  # hashes evicted from it
+
+
+class KvResyncRequested(Event, tag="kv_resync", kw_only=True):
+    worker_id: str  # the worker asked to announce its whole cache (a KvEvents with cleared=True)
+    reason: str  # why the scheduler's index lost track of it (gap | unknown_incarnation | restart)
 
 
 AnyEvent = Union[
     RequestReceived, Preprocessed, Scheduled, CancelRequested, HandBack, TokenGenerated,
-    Completed, Failed, Cancelled, TimedOut, Heartbeat,
+    Completed, Failed, Cancelled, TimedOut, Heartbeat, KvEvents, KvResyncRequested,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

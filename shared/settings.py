@@ -48,6 +48,9 @@ class CommonSettings(BaseSettings):
                                description="OTLP protocol; http/protobuf is the one supported")
     otel_schedule_delay_ms: int = Field(2000, ge=1, description="batch span processor export interval")
     otel_capture_content: bool = Field(False, description="put prompt and output text into spans")
+    # Common: the worker's KV blocks, and the tokenizer's block hashes the scheduler matches against them.
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block (workers) and per "
+                            "block hash attached to a request (tokenizer): the same value everywhere")
 
 
 class GatewaySettings(CommonSettings):
@@ -101,12 +104,20 @@ class SchedulerSettings(CommonSettings):
     max_attempts: int = Field(3, ge=1, description="placements of one request before it fails (worker_lost)")
     worker_hang_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose step counter "
                                          "has not moved for this long is treated as dead")
+    routing: Literal["kv", "load", "round_robin"] = Field(
+        "kv", description="placement: kv = the worker with the cheapest uncached prefix + load (KV-cache-aware), "
+                          "load = the emptiest KV pool, round_robin = in turn")
+    routing_overlap_weight: float = Field(4.0, ge=0, description="kv: cost of one prompt block to prefill, in "
+                                          "KV blocks in use (decode load); 0 = load only")
+    routing_balance_abs: int = Field(16, ge=0, description="kv: requests held by the busiest minus the idlest "
+                                     "worker beyond which (with routing_balance_rel) load alone decides")
+    routing_balance_rel: float = Field(1.5, ge=1, description="kv: ratio busiest / idlest worker beyond which "
+                                       "(with routing_balance_abs) load alone decides")
 
 
 class WorkerSettings(CommonSettings):
     device: str = Field("auto", description="auto (cuda when present), cpu or cuda[:N]")
     dtype: str = Field("auto", description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV pool size on CPU, in bytes")
     gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free CUDA memory for the KV pool")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one step")

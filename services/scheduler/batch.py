@@ -1,5 +1,6 @@
-"""The scheduler's batched steps, used while tracing is off: a tick's new requests, and its placements, each go
-to Redis in two pipelines instead of several round trips per request.
+"""How the scheduler sends placements and takes in requests: batched while tracing is off (a tick's new requests,
+and its placements, each go to Redis in two pipelines instead of several round trips per request), one at a time
+in their own spans while it is on (send_one).
 
 At 5,000 concurrent streams the scheduler was a chain of one-at-a-time round trips (the QUEUED transition, the
 deadline, the queue record, the acknowledgement; then the SCHEDULED transition, the queue record again, the
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import logging
 
+from services.scheduler.recovery import Assignment
+from services.scheduler.routing import decision_fields
+from shared import telemetry
 from shared.errors import InvalidTransition
 from shared.events import Preprocessed, Scheduled
 from shared.lifecycle import Owner, Publish, State, TransitionResult
@@ -49,10 +53,10 @@ def intake(svc, deliveries: list) -> None:
 
 
 def send_all(svc, picks: list) -> None:
-    """Send chosen placements (queued request, worker, blocks): their SCHEDULED transitions with the scheduled
+    """Send chosen placements (queued request, worker, blocks reserved, routing decision): their SCHEDULED transitions with the scheduled
     events in one pipeline, then the queue records dropped and the assignments recorded in a second."""
     pipe, outs = svc.r.pipeline(transaction=False), []
-    for q, worker, _need in picks:
+    for q, worker, _need, _decision in picks:
         out = scheduled_event(q, worker.worker_id, q.event.traceparent)
         # exec (worker, attempt: the fencing token) is written by the same atomic step
         svc.lifecycle.queue(pipe, q.request_id, State.SCHEDULED, "",
@@ -61,7 +65,7 @@ def send_all(svc, picks: list) -> None:
         outs.append(out)
     replies = pipe.execute(raise_on_error=False)
     writes = svc.r.pipeline(transaction=False)
-    for (q, worker, need), out, raw in zip(picks, outs, replies):
+    for (q, worker, need, decision), out, raw in zip(picks, outs, replies):
         worker.drop_inflight(q.request_id)  # the reservation made while choosing
         if isinstance(raw, Exception):  # its queue record stays: sync() queues it again
             logger.error("placing %s failed: %r", q.request_id, raw)
@@ -71,8 +75,38 @@ def send_all(svc, picks: list) -> None:
         except InvalidTransition as e:  # another replica placed it already
             logger.info("not placing %s: %s", q.request_id, e)
             res = TransitionResult(False, None)
-        svc.after_send(q, worker, need, res, out, writes)
+        after_send(svc, q, worker, need, res, out, writes, decision)
     writes.execute()
+
+
+def send_one(svc, q, worker, need: int, decision) -> TransitionResult:
+    """Send one placement (tracing on): its SCHEDULED transition with its scheduled event in a publish span,
+    then its records in one pipeline."""
+    ev = q.event
+    stream = svc.names.worker_stream(worker.worker_id)
+    with telemetry.publish_span(stream, ev.request_id) as pub:
+        out = scheduled_event(q, worker.worker_id, telemetry.traceparent_of(pub, ev.traceparent))
+        try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
+            res = svc.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
+                                           only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
+        except InvalidTransition as e:  # another replica placed it already
+            logger.info("not placing %s: %s", ev.request_id, e)
+            res = TransitionResult(False, None)
+        telemetry.published(pub, res.entry_ids)
+    writes = svc.r.pipeline(transaction=False)
+    after_send(svc, q, worker, need, res, out, writes, decision)
+    writes.execute()
+    return res
+
+
+def after_send(svc, q, worker, need: int, res: TransitionResult, out: Scheduled, pipe, decision) -> None:
+    """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker (need:
+    the blocks it must allocate there) and record the assignment and the routing decision (on pipe)."""
+    pipe.hdel(svc.names.queue, q.request_id)
+    if res.applied:
+        worker.add_inflight(q.request_id, res.entry_ids[0], need)
+        svc.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), pipe)
+        svc.store.update(pipe, q.request_id, "exec", decision_fields(decision))
 
 def scheduled_event(q, worker_id: str, traceparent: str) -> Scheduled:
     """The placement of queued request q on a worker. The worker enforces the cap (the client's timeout, or the

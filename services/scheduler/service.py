@@ -13,21 +13,23 @@ import time
 
 import msgspec
 
-from services.scheduler.recovery import (Assignment, Assignments, GatewayWatch, decode_queued, encode_queued,
+from services.scheduler.recovery import (Assignments, GatewayWatch, decode_queued, encode_queued,
                                          gateway_of, zombie_cancels)
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch
+from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared import telemetry
-from shared.bus import Bus, Delivery, event_field
-from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, Names
+from shared.block_hash import block_hashes
+from shared.bus import Bus, Delivery, event_field, plain_events
+from shared.constants import GROUP_SCHEDULER, Names
 from shared.context_store import ContextJanitor, ContextStore
 from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Cancelled, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
-                           SchemaError, TimedOut, decode)
-from shared.lifecycle import Lifecycle, Owner, Publish, State, TransitionResult
+                           TimedOut)
+from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
 from shared.settings import SchedulerSettings
@@ -52,6 +54,7 @@ class SchedulerService:
         self.assignments = Assignments(self.r, self.names.assigned)
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
         self.workers: dict[str, WorkerView] = {}
+        self.router = Router(settings)
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
                              settings.liveness_ttl_s)
         # Heartbeats are read by every replica (plain XREAD), the other streams shared through the group.
@@ -227,9 +230,11 @@ class SchedulerService:
             return self._try(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)], **fence)
         if not self._try(sch.request_id, State.QUEUED, reason, (), **fence):
             return False  # settled or moved on meanwhile
+        bs = self.s.block_size  # what it resumes from is prompt + outputs: the blocks to match are theirs
         ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
                           sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
-                          received_at=sch.received_at, traceparent=sch.traceparent)
+                          received_at=sch.received_at, traceparent=sch.traceparent, block_size=bs,
+                          block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs))
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
         if item is not None:
@@ -258,17 +263,22 @@ class SchedulerService:
                 ev, worker_id=wid, traceparent=telemetry.current_traceparent(ev.traceparent)))
 
     def read_heartbeats(self) -> None:
-        reply = self.r.xread({self.names.heartbeat_stream: self.hb_cursor}, count=1000)
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self.hb_cursor = entry_id.decode()
-                try:
-                    ev = decode(fields[EVENT_FIELD])
-                except (SchemaError, KeyError) as e:
-                    logger.error("unreadable heartbeat skipped: %s", e)
-                    continue
+        """Heartbeats and the workers' KV events, in one XREAD; then ask any worker the KV index lost track of to
+        announce its cache."""
+        kv_stream, caught_up = self.names.kv_events_stream.encode(), True
+        reply = self.r.xread({self.names.heartbeat_stream: self.hb_cursor, kv_stream: self.router.cursor},
+                             count=READ_COUNT)
+        for stream, entries in reply or []:
+            if stream == kv_stream:
+                self.router.on_entries(entries)
+                caught_up = len(entries) < READ_COUNT
+                continue
+            for entry_id, ev in plain_events(entries, "heartbeat"):
+                self.hb_cursor = entry_id
                 if isinstance(ev, Heartbeat):
                     self.on_heartbeat(ev)
+        for ask in self.router.resyncs(self.workers, caught_up):
+            self.bus.publish(self.names.worker_stream(ask.worker_id), ask)
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         view = self.workers.get(hb.worker_id)
@@ -321,43 +331,20 @@ class SchedulerService:
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
             if not fits:
                 break
-            # Prefer a worker with KV room now; else the emptiest one (it will preempt or wait).
-            best = max(fits, key=lambda w: (w.free_blocks() >= need, w.score(), -len(w.inflight)))
+            decision = self.router.choose(head, fits, need, live[0].hb.block_size)  # placement.py: the policy
+            best, reserve = self.workers[decision.worker_id], decision.new_blocks(need)
             self.queue.pop()
             if not traced:
-                best.add_inflight(head.request_id, batch.RESERVED, need)
-                picks.append((head, best, need))
+                best.add_inflight(head.request_id, batch.RESERVED, reserve)
+                picks.append((head, best, reserve, decision))
                 continue
-            with schedule_span(head, best, fits, need) as span:
+            with schedule_span(head, best, fits, need, decision) as span:
                 queued_at = self.r.hget(self.names.layer(head.request_id, "meta"), "state_since") \
                     if span.is_recording() else None
-                res = self.send(head, best, need)
+                res = batch.send_one(self, head, best, reserve, decision)
                 queue_span(head, queued_at, res)
         if picks:
             batch.send_all(self, picks)
-
-    def send(self, q, worker: WorkerView, need: int):
-        ev = q.event
-        stream = self.names.worker_stream(worker.worker_id)
-        with telemetry.publish_span(stream, ev.request_id) as pub:
-            out = batch.scheduled_event(q, worker.worker_id, telemetry.traceparent_of(pub, ev.traceparent))
-            try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
-                res = self.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
-                                                only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
-            except InvalidTransition as e:  # another replica placed it already
-                logger.info("not placing %s: %s", ev.request_id, e)
-                res = TransitionResult(False, None)
-            telemetry.published(pub, res.entry_ids)
-        self.after_send(q, worker, need, res, out, self.r)
-        return res
-
-    def after_send(self, q, worker: WorkerView, need: int, res: TransitionResult, out: Scheduled, client) -> None:
-        """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker and
-        record the assignment (through client: a pipeline when batched)."""
-        client.hdel(self.names.queue, q.request_id)
-        if res.applied:
-            worker.add_inflight(q.request_id, res.entry_ids[0], need)
-            self.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), client)
 
     def _live_views(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.hb is not None and self._alive(w)]
@@ -380,6 +367,8 @@ class SchedulerService:
                 self.bus.publish(self.names.worker_stream(wid), cancel)
             self.assignments.drop([a.scheduled.request_id for a in lost])
             del self.workers[w.worker_id]
+            self.router.drop_worker(w.worker_id)
+        self.router.prune(set(self.workers))
         live = set(Liveness.read(self.r, self.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
         held = [(q.request_id, q.event.reply_to) for q in self.queue.items()] + \
             [(a.scheduled.request_id, a.scheduled.reply_to) for a in self.assignments.by_request.values()]

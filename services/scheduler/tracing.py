@@ -1,4 +1,4 @@
-"""The scheduler's spans: `schedule` (the worker choice, with every candidate's score) and `queue`
+"""The scheduler's spans: `schedule` (the worker choice, with every candidate's score and matched blocks) and `queue`
 (from the QUEUED transition to the SCHEDULED one, both at Redis's time, so its duration is the
 request's queue_wait exactly)."""
 
@@ -13,7 +13,7 @@ from shared import telemetry
 
 
 @contextmanager
-def schedule_span(q, best, candidates, need_blocks: int) -> Iterator[Span]:
+def schedule_span(q, best, candidates, need_blocks: int, decision) -> Iterator[Span]:
     if not telemetry.enabled():
         yield INVALID_SPAN
         return
@@ -26,6 +26,10 @@ def schedule_span(q, best, candidates, need_blocks: int) -> Iterator[Span]:
             "conveyor.schedule.scores": [float(w.score()) for w in candidates],
             "conveyor.schedule.free_blocks": [int(w.free_blocks()) for w in candidates],
             "conveyor.schedule.free_slots": [int(w.free_slots(0)) for w in candidates],
+            # The routing decision (placement.py): mode, why, and each candidate's matched prompt blocks.
+            "conveyor.schedule.routing": decision.mode, "conveyor.schedule.routing_reason": decision.reason,
+            "conveyor.schedule.prompt_blocks": decision.prompt_blocks,
+            "conveyor.schedule.matched_blocks": [int(decision.matched.get(w.worker_id, 0)) for w in candidates],
         })
         yield span
 

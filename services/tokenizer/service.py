@@ -12,6 +12,7 @@ import logging
 from typing import Callable
 
 from shared import telemetry
+from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER, Names
 from shared.context_store import ContextStore
@@ -157,12 +158,13 @@ class TokenizerService:
                              [Publish(self.names.preprocessed_stream, out)])
         return State.PREPROCESSED, len(pipe) - 1
 
-    @staticmethod
-    def _preprocessed(ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
+    def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
+        # The prompt's block hashes, computed once here: the scheduler matches them against its KV index.
+        bs = self.s.block_size
         return Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
                             sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
                             adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
-                            traceparent=traceparent)
+                            block_size=bs, block_hashes=block_hashes(ids, bs), traceparent=traceparent)
 
     @staticmethod
     def _failed(ev: RequestReceived, e: PromptError, traceparent: str) -> Failed:

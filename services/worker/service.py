@@ -15,6 +15,7 @@ from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngi
 from services.worker.engine.sim_model import SimTiming
 from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
+from services.worker.kv_events import KvEventPublisher
 from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
 from shared import telemetry
@@ -22,7 +23,8 @@ from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER, Names
 from shared.context_store import ContextStore
 from shared.epoch import DatasetEpoch
-from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Sampling, Scheduled, TimedOut
+from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Sampling, Scheduled,
+                           TimedOut)
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
@@ -74,6 +76,7 @@ class WorkerService:
                                        settings.context_ttl_s)
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)
+        self.kv_events = KvEventPublisher(self.bus, self.id, self.engine, settings.block_size)
         self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         self.last_read_id = ""
         self.step_no = 0
@@ -94,6 +97,7 @@ class WorkerService:
         stop = StopFlag()
         self.warm_up()
         self.bus.ensure_group(self.stream, GROUP_WORKER)
+        self.kv_events.start()
         self.epoch.check(self.r)
         self.snapshot()
         self.beats.start()
@@ -109,6 +113,7 @@ class WorkerService:
         self.expire_deadlines()
         if self.engine.has_unfinished():
             self.step()
+        self.kv_events.publish_changes()
         self.snapshot()
 
     def dispatch(self, d: Delivery) -> None:
@@ -118,6 +123,8 @@ class WorkerService:
             self.admit(ev)
         elif isinstance(ev, CancelRequested):
             self.drop(ev.request_id, ev.reason)
+        elif isinstance(ev, KvResyncRequested):
+            self.kv_events.announce()
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
         # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
@@ -210,7 +217,8 @@ class WorkerService:
             cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
             prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
             num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
-            prefix_cache_hits=st.prefix_cache_hits, step_no=self.step_no, busy=bool(self.active)))
+            prefix_cache_hits=st.prefix_cache_hits, step_no=self.step_no, busy=bool(self.active),
+            kv_incarnation=self.kv_events.incarnation, kv_seq=self.kv_events.seq))
 
     def drain(self) -> None:
         """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),
@@ -231,4 +239,5 @@ class WorkerService:
             self.tracing.abort(a.request_id, "shutdown", error=False)
             self.hand_back(a.scheduled, a.output_token_ids, "shutdown")
         self.active.clear()
+        self.kv_events.clear()
         self.beats.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine.block_manager import BlockManager, chain_hash, extend_block_hashes
+from services.worker.engine.block_manager import BlockManager
+from shared.block_hash import chain_hash, extend_block_hashes
 
 
 def test_hash_chain_depends_on_every_earlier_token():

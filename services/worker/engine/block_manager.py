@@ -5,35 +5,18 @@ Invariants (checked by `check_no_leak` when nothing runs):
     `_evictable` (ref 0, holds a registered hash, LRU order: oldest first);
   * `_by_hash[h] == b` iff `_hash[b] == h`; a hash names one block only.
 A cached block is evicted (its hash dropped) only when an allocation finds `_free` empty.
+
+With `track_kv_events` on (a worker serving a cluster), every hash registered or evicted is noted until
+`take_kv_events` collects it: the worker publishes them as KV events, the scheduler's index of which worker
+holds which block is built from them. Off (the engine alone), nothing is noted: nobody would collect it.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
 from services.worker.engine.errors import BlockPoolExhausted
-
-_ROOT = b"conveyor-kv-root"
-
-
-def chain_hash(parent: bytes | None, tokens: Seq[int]) -> bytes:
-    """Hash of a full block: its tokens and, through `parent`, every token before it.
-
-    blake2b (128-bit) so that a collision, which would silently reuse wrong K/V, is not a concern.
-    """
-    h = hashlib.blake2b(parent or _ROOT, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
-
-
-def extend_block_hashes(token_ids: Seq[int], hashes: list[bytes], block_size: int, upto: int) -> None:
-    """Append to `hashes` the chained hashes of full blocks of token_ids[:upto] not hashed yet."""
-    for i in range(len(hashes), upto // block_size):
-        parent = hashes[i - 1] if i else None
-        hashes.append(chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
 
 
 class BlockManager:
@@ -46,6 +29,10 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
+        self.track_kv_events = False
+        # Net changes since the last take_kv_events (disjoint: a hash stored then evicted is only "removed").
+        self._stored: dict[bytes, None] = {}
+        self._removed: dict[bytes, None] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -94,6 +81,7 @@ class BlockManager:
             else:  # room is needed: evict the least recently used cached block
                 b, _ = self._evictable.popitem(last=False)
                 del self._by_hash[self._hash[b]]
+                self._note(self._hash[b], self._removed, self._stored)
                 self._hash[b] = None
             self._ref[b] = 1
             out.append(b)
@@ -117,6 +105,23 @@ class BlockManager:
             return
         self._hash[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        self._note(block_hash, self._stored, self._removed)
+
+    def _note(self, block_hash: bytes, into: dict, out_of: dict) -> None:
+        if self.track_kv_events:
+            out_of.pop(block_hash, None)
+            into[block_hash] = None
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes stored, hashes removed) since the last call, netted: each hash in one of them at most."""
+        stored, removed = list(self._stored), list(self._removed)
+        self._stored.clear()
+        self._removed.clear()
+        return stored, removed
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash findable in the prefix cache now (a full announcement of what this pool holds)."""
+        return list(self._by_hash)
 
     def record_query(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += queried_tokens

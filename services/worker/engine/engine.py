@@ -275,6 +275,15 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         return None if seq is None else seq.num_computed_tokens
 
+    def enable_kv_events(self) -> None:
+        self.blocks.track_kv_events = True
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        return self.blocks.take_kv_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.blocks.cached_hashes()
+
     def check_no_leak(self) -> None:
         """With no unfinished request, every block must be free or cached-and-unreferenced."""
         assert not self._seqs, f"requests still unfinished: {sorted(self._seqs)[:20]}"

@@ -14,7 +14,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (eos/stop token, included) or "length"
     error_reason: str | None = None  # "too_long", "oom", "worker_error" when the request failed
     error: str | None = None  # human-readable detail of error_reason
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (latest admission)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
 
 
 @dataclass

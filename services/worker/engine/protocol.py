@@ -38,6 +38,15 @@ class Engine(Protocol):
     def computed_tokens(self, request_id: str) -> int | None:
         """Tokens of the request whose K/V are computed (prefill progress), or None for unknown requests."""
 
+    def enable_kv_events(self) -> None:
+        """From now on, note every block hash the prefix cache stores or evicts (take_kv_events collects)."""
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(block hashes stored, block hashes removed) since the last call."""
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now."""
+
 
 class PreparedStep(Protocol):
     sample_seqs: list[Sequence]  # the sequences that get a next token from this step, in row order

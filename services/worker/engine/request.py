@@ -93,7 +93,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # tokens served from the prefix cache at the latest admission
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at its first admission
         self.num_registered_blocks = 0  # leading blocks of block_table already in the prefix cache
         self.finish_reason: str | None = None
         self.error_reason: str | None = None

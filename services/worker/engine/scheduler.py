@@ -13,9 +13,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.worker.engine.block_manager import BlockManager, extend_block_hashes
+from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import Sequence, SequenceStatus
+from shared.block_hash import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,10 @@ class Scheduler:
             self.blocks.record_query(seq.num_tokens, cached)
             seq.block_table = hits + self.blocks.allocate(need)
             seq.num_computed_tokens = cached
-            seq.num_cached_tokens = cached
+            if seq.status == SequenceStatus.WAITING:
+                # What the request reused: its first admission's hits, prompt tokens only. After a preemption
+                # it finds its own blocks again (outputs too): recomputation saved, not a reuse to report.
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
             seq.num_registered_blocks = len(hits)
             self.waiting.popleft()
             self.running.append(seq)
