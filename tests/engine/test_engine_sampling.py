@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_helpers import QUESTIONS, run_to_completion
 
@@ -73,10 +74,16 @@ def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_greed
     engine.check_no_leak()
 
 
-def test_draw_follows_the_distribution_and_never_picks_a_masked_token():
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "cpu-kernel"])
+def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, tmp_path_factory):
     """The sampler's draw (inverse CDF over the batch) against known probabilities: 20,000 draws per row,
-    two rows with different distributions in one batch; p = 0 entries (masked by top-k) never come out."""
+    two rows with different distributions in one batch; p = 0 entries (masked by top-k) never come out.
+    Both the torch draw and the C++ one (csrc/sampling.cpp)."""
+    from services.worker.engine import cpu_ops
     from services.worker.engine.sampler import _draw
+
+    if native and not cpu_ops.load(str(tmp_path_factory.getbasetemp().parent / "conveyor-kernels")):
+        pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
 
     class Row:
         def __init__(self, seed: int, top_k: int):
@@ -87,9 +94,37 @@ def test_draw_follows_the_distribution_and_never_picks_a_masked_token():
     rows = [Row(1, 3), Row(2, 0)]  # top_k=3 masks index 3 of row 0 as well
     counts = torch.zeros(2, 5)
     for _ in range(20000):
-        for r, tok in enumerate(_draw(torch.log(probs), rows)):
+        for r, tok in enumerate(_draw(torch.log(probs), rows, native)):
             counts[r, tok] += 1
     freq = counts / 20000
     assert freq[0, 3] == 0 and freq[0, 4] == 0
     torch.testing.assert_close(freq[0, :3], probs[0, :3] / 0.95, atol=0.015, rtol=0)
     torch.testing.assert_close(freq[1], probs[1], atol=0.015, rtol=0)
+
+
+def test_native_draw_at_a_temperature_follows_softmax_across_chunks(tmp_path_factory):
+    """The C++ draw without filters: temperature applied inside, a vocabulary spanning several 16-token
+    chunks with a ragged tail, -inf logits never drawn."""
+    from services.worker.engine import cpu_ops
+    from services.worker.engine.sampler import _draw
+
+    if not cpu_ops.load(str(tmp_path_factory.getbasetemp().parent / "conveyor-kernels")):
+        pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
+
+    class Row:
+        def __init__(self, seed: int, temperature: float):
+            self.sampling = SamplingOptions(temperature=temperature)
+            self.generator = torch.Generator().manual_seed(seed)
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 37) * 2
+    logits[:, 5] = float("-inf")
+    logits[:, 36] = float("-inf")
+    rows = [Row(3, 0.5), Row(4, 1.5)]
+    counts = torch.zeros(2, 37)
+    for _ in range(20000):
+        for r, tok in enumerate(_draw(logits, rows, native=True)):
+            counts[r, tok] += 1
+    expected = torch.softmax(logits / torch.tensor([[0.5], [1.5]]), dim=-1)
+    assert counts[:, 5].sum() == 0 and counts[:, 36].sum() == 0
+    torch.testing.assert_close(counts / 20000, expected, atol=0.015, rtol=0)

@@ -87,7 +87,7 @@ class ModelRunner:
         seq.generator = gen
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return sample(logits, seqs)
+        return sample(logits, seqs, native=self.decode_kernel)
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, torch.OutOfMemoryError)

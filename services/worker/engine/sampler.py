@@ -54,24 +54,30 @@ def _min_p(x: torch.Tensor, mps: list[float]) -> torch.Tensor:
     return x.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * mp, float("-inf"))
 
 
-def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Stochastic rows: logits [N, V] float32 -> one token per row."""
+def _draw(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> list[int]:
+    """Stochastic rows: logits [N, V] float32 -> one token per row. native: through csrc/sampling.cpp (loaded
+    by the caller; CPU), the same inverse-CDF draw in two passes over the logits instead of ~six."""
     opts = [s.sampling for s in seqs]
     temps = torch.tensor([o.temperature for o in opts], dtype=logits.dtype, device=logits.device)
-    x = logits / temps[:, None]
+    filtered = any(o.top_k > 0 or o.top_p < 1.0 or o.min_p > 0.0 for o in opts)
+    x = logits / temps[:, None] if filtered or not native else logits
     if any(o.top_k > 0 for o in opts):
         x = _top_k(x, [o.top_k for o in opts])
     if any(o.top_p < 1.0 for o in opts):
         x = _top_p(x, [o.top_p for o in opts])
     if any(o.min_p > 0.0 for o in opts):
         x = _min_p(x, [o.min_p for o in opts])
-    probs = torch.softmax(x, dim=-1)
     # Inverse CDF, batched: one uniform per row from the row's own generator, then one cumsum and one
     # searchsorted over the whole batch. (torch.multinomial per row, or an exponential race drawing a
     # number per vocabulary entry from a per-row generator, cost ~1.5 ms a row on CPU: a quarter of a
-    # batch-32 step.) side="right" lands on a token whose interval has width, i.e. p > 0; the last line
-    # guards the one float edge (u * total rounding up to total).
-    u = torch.cat([torch.rand(1, generator=seq.generator, device=probs.device) for seq in seqs])
+    # batch-32 step.)
+    u = torch.cat([torch.rand(1, generator=seq.generator, device=logits.device) for seq in seqs])
+    if native:
+        inv_temp = torch.ones_like(temps) if filtered else 1.0 / temps
+        return torch.ops.conveyor.sample_rows(x.contiguous(), inv_temp, u).tolist()
+    probs = torch.softmax(x, dim=-1)
+    # side="right" lands on a token whose interval has width, i.e. p > 0; the last lines guard the one
+    # float edge (u * total rounding up to total).
     cdf = probs.cumsum(dim=-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right").clamp_(max=probs.shape[1] - 1)
     bad = (probs.gather(1, idx) <= 0)[:, 0]
@@ -81,8 +87,8 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [N, V] (any float dtype) for seqs (len N) -> next token of each."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> list[int]:
+    """logits [N, V] (any float dtype) for seqs (len N) -> next token of each; native: see _draw."""
     logits = logits.float()
     if any(s.sampling.repetition_penalty != 1.0 or s.num_outputs < s.sampling.min_tokens for s in seqs):
         logits = logits.clone()
@@ -95,8 +101,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         idx = torch.tensor(greedy, device=logits.device)
         for i, tok in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
             out[i] = tok
+    if not greedy:  # every row drawn: no copy of the rows
+        return _draw(logits, seqs, native)
     rest = [i for i in range(len(seqs)) if not seqs[i].sampling.greedy]
     idx = torch.tensor(rest, device=logits.device)
-    for i, tok in zip(rest, _draw(logits[idx], [seqs[i] for i in rest])):
+    for i, tok in zip(rest, _draw(logits[idx], [seqs[i] for i in rest], native)):
         out[i] = tok
     return out
