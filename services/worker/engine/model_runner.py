@@ -145,7 +145,8 @@ class ModelRunner:
         rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q], G-major like the regrouped queries
         mask = (self._iota(bt.shape[1] * bs)[None, None, :] <= rows_pos[:, :, None]).unsqueeze(1)
         out_index = valid.reshape(-1).nonzero().squeeze(1)
-        return AttnGroup(bt, mask, rows_pos, q_index, out_index), tokens, positions, slots
+        causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
+        return AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal), tokens, positions, slots
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
         """items: (sequence, number of tokens to compute from its num_computed_tokens)."""
