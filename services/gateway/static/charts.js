@@ -3,7 +3,7 @@
 
 class LiveChart {
   // series: [{name, color}]; windowS: seconds shown (older points are dropped, so memory stays bounded)
-  constructor(canvas, series, windowS = 300) {
+  constructor(canvas, series, windowS = 180) {
     this.canvas = canvas;
     this.ctx = canvas.getContext("2d");
     this.series = series;

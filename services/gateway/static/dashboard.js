@@ -4,7 +4,8 @@
 // thousand requests in flight cost no more to draw than thirty.
 "use strict";
 
-const ROW_H = 24, OVERSCAN = 10, ENDED_KEEP_S = 15, ROWS_REFRESH_MS = 2000;
+const ROW_H = 24, OVERSCAN = 10, ENDED_KEEP_S = 30, ROWS_REFRESH_MS = 2000;
+const ENDED = "ended";  // the filter of every request that ended in the last ENDED_KEEP_S  // ROW_H: as in dashboard.css
 const $ = (id) => document.getElementById(id);
 const S = { rows: new Map(), order: [], dirty: true, offset: 0, filter: "", selected: null, config: null,
   terminal: new Set(), states: [], workers: {}, live: false };
@@ -35,11 +36,12 @@ function applyRecord(rec) {
     row = { rid: rec.rid, created: rec.from === "" ? rec.at : null, prompt: null, output: 0, cached: null,
       worker: "", attempt: 0, since: 0 };
     S.rows.set(rec.rid, row);
+    S.rowsSoon = true;  // its prompt length and tokens: fetched with the next quick refresh
   }
   if (rec.at < row.since) return;  // older than what the snapshot already showed
   Object.assign(row, { state: rec.to, since: rec.at, reason: rec.reason, by: rec.service });
   if (rec.worker) Object.assign(row, { worker: rec.worker, attempt: rec.attempt });
-  if (S.terminal.has(rec.to)) row.endedAt = rec.at;
+  if (S.terminal.has(rec.to)) { row.endedAt = rec.at; S.rowsSoon = true; }
   S.dirty = true;
   if (S.selected === rec.rid) loadDetail(rec.rid);
 }
@@ -48,8 +50,12 @@ function visibleOrder() {
   const t = now();
   for (const [rid, r] of S.rows) if (r.endedAt && t - r.endedAt > ENDED_KEEP_S) S.rows.delete(rid);
   const all = [...S.rows.values()];
-  const shown = S.filter ? all.filter((r) => r.state === S.filter) : all;
-  shown.sort((a, b) => (a.created ?? a.since) - (b.created ?? b.since));
+  // Default: the requests in flight, oldest first; ended ones (kept a while) only under their own filters,
+  // latest first.
+  const keep = !S.filter ? (r) => !r.endedAt : S.filter === ENDED ? (r) => r.endedAt : (r) => r.state === S.filter;
+  const shown = all.filter(keep);
+  if (S.filter === ENDED || S.terminal.has(S.filter)) shown.sort((a, b) => b.endedAt - a.endedAt);
+  else shown.sort((a, b) => (a.created ?? a.since) - (b.created ?? b.since));
   return shown;
 }
 
@@ -84,6 +90,8 @@ function renderCounts() {
 
 // the token counts of the rows on screen (the feed carries transitions, not tokens)
 async function refreshRows() {
+  S.rowsSoon = false;
+  S.lastRows = Date.now();
   const sc = $("scroller"), first = Math.floor(sc.scrollTop / ROW_H);
   const ids = S.order.slice(first, first + Math.ceil(sc.clientHeight / ROW_H) + 1).map((r) => r.rid).slice(0, 200);
   if (!ids.length) return;
@@ -185,7 +193,10 @@ async function main() {
   S.states = S.config.states;
   S.terminal = new Set(S.config.terminal);
   $("who").textContent = S.config.admin ? "admin key: every request" : "";
-  $("filter").innerHTML += S.states.map((s) => `<option value="${s}">${s}</option>`).join("");
+  const live = S.states.filter((s) => !S.terminal.has(s)), ended = S.states.filter((s) => S.terminal.has(s));
+  $("filter").innerHTML += live.map((s) => `<option value="${s}">${s}</option>`).join("") +
+    `<option value="${ENDED}">ended, last ${ENDED_KEEP_S} s</option>` +
+    ended.map((s) => `<option value="${s}">${s} (last ${ENDED_KEEP_S} s)</option>`).join("");
   $("filter").onchange = (e) => { S.filter = e.target.value; S.dirty = true; };
   $("counts").onclick = (e) => {
     const st = e.target.closest(".count")?.dataset.state;
@@ -206,6 +217,7 @@ async function main() {
   const frame = (ts) => { if (S.dirty || ts - lastTick > 500) { lastTick = ts; renderTable(); } requestAnimationFrame(frame); };
   requestAnimationFrame(frame);
   $("scroller").addEventListener("scroll", () => renderTable(), { passive: true });
-  setInterval(refreshRows, ROWS_REFRESH_MS);
+  // Token counts of the rows on screen: every ROWS_REFRESH_MS, sooner when a row appeared or ended.
+  setInterval(() => { if (S.rowsSoon || Date.now() - (S.lastRows || 0) >= ROWS_REFRESH_MS) refreshRows(); }, 300);
 }
 main();
