@@ -87,8 +87,8 @@ def test_event_stream_shows_a_key_its_own_requests_and_an_admin_all(dash):
 
 
 def test_snapshot_lists_the_in_flight_requests_the_key_may_see(dash):
-    long = _submit(dash, KEY_A, max_tokens=2000)
     first = _reader(dash, KEY_A)
+    long = _submit(dash, KEY_A, max_tokens=2000)
     try:
         first.record(long["rid"], "DECODING")
         late_a, late_b = SseReader(dash.url + EVENTS, _auth(KEY_A)), SseReader(dash.url + EVENTS, _auth(KEY_B))
@@ -164,7 +164,7 @@ def test_a_connection_that_falls_behind_is_reset_not_grown():
     async def run():
         sub = Subscriber(None, 8)
         for i in range(100):
-            sub.offer(("feed", [i]))
+            sub.offer(("sse", b"%d" % i))
         return sub
     sub = asyncio.run(run())
     assert sub.queue.qsize() <= 8 and sub.resets >= 1

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-import msgspec
+import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
@@ -25,6 +25,7 @@ from services.gateway.auth import DASHBOARD_PREFIX, KEY_COOKIE, is_admin, owned_
 from services.gateway.core import GatewayCore
 from services.gateway.dashboard_data import detail, read_rows, snapshot
 from services.gateway.errors import InvalidRequest, NotFound
+from services.gateway.feed_hub import sse
 from services.gateway.introspection import cancel_owned
 from shared.lifecycle import TERMINAL, State
 
@@ -36,7 +37,6 @@ STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "charts.js": "text/javascript"}
 KEEPALIVE_S = 10.0  # an SSE comment this often keeps proxies from closing an idle stream
 MAX_ROW_IDS = 200  # ids one /rows call may ask about (the page asks for the rows on screen)
-_json = msgspec.json.Encoder()
 
 
 def _core(request: Request) -> GatewayCore:
@@ -68,25 +68,25 @@ async def config(request: Request):
             "states": [s.value for s in State], "terminal": sorted(s.value for s in TERMINAL)}
 
 
-def _sse(event: str, data) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
-
-
 async def _stream(core: GatewayCore, owner: str | None):
     hub = core.feed_hub
-    sub = hub.subscribe(owner)  # before the snapshot: a transition made while it is read is queued, not lost
     try:
-        yield _sse("snapshot", await snapshot(core, owner, core.s.dashboard_max_rows))
+        sub = await hub.subscribe(owner)  # before the snapshot: a transition made while it is read is not lost
+    except redis.RedisError as e:
+        logger.warning("dashboard stream refused: %r (the browser reconnects)", e)
+        return
+    try:
+        yield sse("snapshot", await snapshot(core, owner, core.s.dashboard_max_rows))
         while True:
             try:
-                kind, data = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
+                kind, encoded = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
             except TimeoutError:
                 yield b": keepalive\n\n"
                 continue
             if kind == "reset":  # it fell behind and its backlog was dropped: start it over
-                yield _sse("snapshot", await snapshot(core, owner, core.s.dashboard_max_rows))
+                yield sse("snapshot", await snapshot(core, owner, core.s.dashboard_max_rows))
             else:
-                yield _sse(kind, data)
+                yield encoded
     finally:
         hub.unsubscribe(sub)  # the client left (the response is cancelled) or the gateway stops
 

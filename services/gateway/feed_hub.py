@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import redis
 
 from shared import liveness
@@ -26,10 +27,17 @@ logger = logging.getLogger(__name__)
 READ_COUNT = 1000  # feed entries one XREAD returns at most
 WORKERS_INTERVAL_S = 1.0  # how often the workers' figures are sent (the charts' resolution)
 RESET = ("reset", None)  # queued in place of a dropped backlog
+_json = msgspec.json.Encoder()
+
+
+def sse(event: str, data) -> bytes:
+    """One Server-Sent Event."""
+    return b"event: " + event.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
 
 
 class Subscriber:
-    """One dashboard connection: which owner's records it may see (None: all) and its bounded queue."""
+    """One dashboard connection: which owner's records it may see (None: all) and its bounded queue of
+    encoded events ("sse", bytes), or RESET."""
 
     def __init__(self, owner: str | None, max_batches: int):
         self.owner = owner
@@ -54,13 +62,26 @@ class FeedHub:
         self.max_batches = max_batches
         self.subscribers: set[Subscriber] = set()
         self._task: asyncio.Task | None = None
+        self._starting = asyncio.Lock()  # two first subscribers at once start one reader
         self.batches_read = 0  # XREADs that returned records (for tests and the cost benchmark)
 
-    def subscribe(self, owner: str | None) -> Subscriber:
+    async def subscribe(self, owner: str | None) -> Subscriber:
+        """A new connection. When it returns, every record appended from now on will reach it: the caller reads
+        its snapshot after this, so nothing falls between the two (a record in both is applied once)."""
         sub = Subscriber(owner, self.max_batches)
         self.subscribers.add(sub)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="dashboard-feed")
+        async with self._starting:
+            if self._task is None or self._task.done():
+                client = self._client_factory()
+                try:
+                    # The reader's start is fetched before the caller's snapshot, not lazily by the task: a
+                    # transition made between the snapshot and a later start would reach nobody.
+                    start = await self._tail_id(client)
+                except BaseException:
+                    self.subscribers.discard(sub)
+                    await client.aclose()
+                    raise
+                self._task = asyncio.get_running_loop().create_task(self._run(client, start), name="dashboard-feed")
         return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:
@@ -76,16 +97,14 @@ class FeedHub:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def _run(self) -> None:
-        client = self._client_factory()
+    async def _run(self, client, last: str) -> None:
         try:
-            last = await self._tail_id(client)
             next_workers = 0.0
             while True:
                 try:
                     if time.monotonic() >= next_workers:
                         next_workers = time.monotonic() + WORKERS_INTERVAL_S
-                        self._broadcast(("workers", await worker_figures(client, self.names)))
+                        self._broadcast("workers", await worker_figures(client, self.names))
                     last = await self._read_once(client, last)
                 except redis.RedisError as e:
                     logger.warning("dashboard feed read failed (%r); retrying", e)
@@ -94,7 +113,7 @@ class FeedHub:
             await client.aclose()
 
     async def _tail_id(self, client) -> str:
-        """Start after the newest record: what came before is in the snapshot each connection gets."""
+        """The newest record's id: what came before is in the snapshot each connection gets."""
         newest = await client.xrevrange(self.names.lifecycle_feed, count=1)
         return newest[0][0].decode() if newest else "0-0"
 
@@ -114,16 +133,19 @@ class FeedHub:
         return last
 
     def _fan_out(self, records: list[FeedRecord]) -> None:
-        wire = [(r.owner, r.to_wire()) for r in records]  # built once, shared by every connection
-        everything = [w for _o, w in wire]
+        wire = [(r.owner, r.to_wire()) for r in records]
+        everything: bytes | None = None  # encoded once for every connection that sees all
         for sub in list(self.subscribers):
-            items = everything if sub.owner is None else [w for o, w in wire if o == sub.owner]
-            if items:
-                sub.offer(("feed", items))
+            if sub.owner is None:
+                everything = everything or sse("feed", [w for _o, w in wire])
+                sub.offer(("sse", everything))
+            elif items := [w for o, w in wire if o == sub.owner]:
+                sub.offer(("sse", sse("feed", items)))
 
-    def _broadcast(self, item: tuple[str, object]) -> None:
+    def _broadcast(self, event: str, data) -> None:
+        encoded = sse(event, data)
         for sub in list(self.subscribers):
-            sub.offer(item)
+            sub.offer(("sse", encoded))
 
 
 async def worker_figures(client, names: Names) -> dict:
