@@ -170,3 +170,14 @@ def test_a_connection_that_falls_behind_is_reset_not_grown():
     assert sub.queue.qsize() <= 8 and sub.resets >= 1
     items = [sub.queue.get_nowait() for _ in range(sub.queue.qsize())]
     assert RESET in items and items.index(RESET) == 0  # what it missed is replaced by one snapshot
+
+
+@pytest.mark.parametrize("template", ["jaeger/trace/{trace_id}", "http://jaeger/trace/", "http://x/{trace_id}/{span}"])
+def test_a_trace_url_template_without_its_placeholder_or_scheme_is_refused(template):
+    from pydantic import ValidationError
+
+    from shared.settings import GatewaySettings
+
+    with pytest.raises(ValidationError, match="trace_url_template"):
+        GatewaySettings(trace_url_template=template)
+    assert GatewaySettings(trace_url_template="http://j:16686/trace/{trace_id}").trace_url_template
