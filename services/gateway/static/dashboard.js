@@ -90,18 +90,22 @@ function renderCounts() {
 
 // the token counts of the rows on screen (the feed carries transitions, not tokens)
 async function refreshRows() {
+  // One at a time: on a busy gateway an answer can take longer than the interval, and overlapping requests
+  // would queue up in the browser and arrive later and later.
+  if (S.refreshing) return;
+  S.refreshing = true;
   S.rowsSoon = false;
   S.lastRows = Date.now();
   const sc = $("scroller"), first = Math.floor(sc.scrollTop / ROW_H);
   const ids = S.order.slice(first, first + Math.ceil(sc.clientHeight / ROW_H) + 1).map((r) => r.rid).slice(0, 200);
-  if (!ids.length) return;
   try {
+    if (!ids.length) return;
     const { rows } = await api(`/dashboard/api/rows?ids=${ids.join(",")}`);
     for (const r of rows) {
       const row = S.rows.get(r.rid);
       if (row) Object.assign(row, { prompt: r.prompt, output: r.output, cached: r.cached, created: r.created ?? row.created });
     }
-  } catch (e) { console.warn("rows refresh failed", e); }
+  } catch (e) { console.warn("rows refresh failed", e); } finally { S.refreshing = false; }
 }
 
 // ---- charts: the states counted here, the workers' figures from their heartbeats
