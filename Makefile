@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/conveyor up $(ARGS)
 
-test: $(STAMP)
+# The dashboard's browser test drives the system's Chromium (Debian's package); without one it is skipped, saying so.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+		echo "no chromium could be installed: the dashboard's browser test will be skipped"
+
+test: $(STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -31,6 +31,13 @@ KV_EVENTS_MAXLEN = 10_000
 # heartbeat and by every write to it, so the stream of a process that died disappears by itself this long after
 # the last write; the shared streams (received, preprocessed, control) have no TTL.
 PRIVATE_STREAM_TTL_S = 300
+# The lifecycle change feed (issue 14): one record per transition, appended only by the scripts that make them
+# (shared/context_store.py creates, shared/lifecycle.py moves), in the same atomic step. Readers (the dashboard)
+# only follow its tail, so a few minutes of transitions at a high rate are plenty; older ones are trimmed.
+LIFECYCLE_FEED_MAXLEN = 10_000
+# Its flat fields, in the order the scripts write them (every record has all of them: Redis then stores the
+# names once per listpack node, not once per record).
+LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner", "worker", "attempt")
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 
@@ -60,6 +67,10 @@ class Names:
     @property
     def kv_events_stream(self) -> str:  # kv_events: workers -> every scheduler replica (plain XREAD)
         return f"{self.ns}:stream:kv"
+
+    @property
+    def lifecycle_feed(self) -> str:  # one record per transition, written only by the lifecycle scripts
+        return f"{self.ns}:stream:lifecycle"
 
     @property
     def dead_letter_stream(self) -> str:  # events that failed max_deliveries times

@@ -18,16 +18,17 @@ from typing import Any
 
 import msgspec
 
-from shared.constants import LAYERS, Names
+from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import Event, encode
 from shared.lifecycle import TERMINAL, State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set, and when the request
-# has an owner (an API key id, meta 'owner'): owner index, owner waiting set, request owners.
+# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set, lifecycle feed,
+# and when the request has an owner (an API key id, meta 'owner'): owner index, owner waiting set, request owners.
 # ARGV: ttl, request_id, payload, waiting bound ('' = none), owner's waiting bound ('' = none), n_meta,
-#       meta k/v pairs..., input k/v pairs...
+#       feed maxlen, meta k/v pairs..., input k/v pairs...
+# The birth's feed record (from '') is appended once the request exists, like every later transition's.
 # The bounds are checked here, in the same atomic step as the creation, so no admission has to wait for another
 # (and N gateways cannot overshoot them).
 _CREATE_LUA = """
@@ -37,26 +38,30 @@ if ARGV[4] ~= '' then
   local waiting = redis.call('ZCARD', KEYS[10])
   if waiting >= tonumber(ARGV[4]) then return {'overloaded', tostring(waiting)} end
 end
-if ARGV[5] ~= '' and #KEYS >= 14 then
-  local mine = redis.call('ZCARD', KEYS[13])
+if ARGV[5] ~= '' and #KEYS >= 15 then
+  local mine = redis.call('ZCARD', KEYS[14])
   if mine >= tonumber(ARGV[5]) then return {'key_overloaded', tostring(mine)} end
 end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 local n = tonumber(ARGV[6])
 redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
-for i = 7, 6 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-for i = 7 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 8, 7 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
 redis.call('ZADD', KEYS[11], now, ARGV[2])
-if #KEYS >= 14 then
-  redis.call('ZADD', KEYS[12], now, ARGV[2])
+local owner = ''
+if #KEYS >= 15 then
+  owner = cjson.decode(redis.call('HGET', KEYS[1], 'owner'))
   redis.call('ZADD', KEYS[13], now, ARGV[2])
-  redis.call('HSET', KEYS[14], ARGV[2], cjson.decode(redis.call('HGET', KEYS[1], 'owner')))
+  redis.call('ZADD', KEYS[14], now, ARGV[2])
+  redis.call('HSET', KEYS[15], ARGV[2], owner)
 end
+redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', 'RECEIVED',
+  'reason', '', 'service', 'gateway', 'at', now, 'owner', owner, 'worker', '', 'attempt', '')
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
 """
@@ -112,12 +117,12 @@ class ContextStore:
     def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event,
                     bounds: WaitingBounds | None = None):
         keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting,
-                                                      self.names.state_set("RECEIVED")]
+                                                      self.names.state_set("RECEIVED"), self.names.lifecycle_feed]
         if owner := meta.get("owner") or "":  # no API keys: no per-owner index or bound
             keys += [self.names.owner_index(owner), self.names.owner_waiting(owner), self.names.request_owners]
         b = bounds or WaitingBounds()
         argv: list = [str(self.live_ttl_s), request_id, encode(event), "" if b.total is None else str(b.total),
-                      "" if b.per_owner is None else str(b.per_owner), str(len(meta))]
+                      "" if b.per_owner is None else str(b.per_owner), str(len(meta)), str(LIFECYCLE_FEED_MAXLEN)]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
         for k, v in input_.items():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from shared import telemetry
-from shared.constants import STREAM_MAXLEN, Names, private_stream_ttl
+from shared.constants import LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.errors import InvalidTransition
 from shared.events import Event, encode
 
@@ -72,10 +72,13 @@ def check_transition(current: State, to: State) -> None:
         raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
 
 
-# KEYS: meta, input, exec, kv, output, history, tokens, counters, waiting, then one key per stream to publish to.
+# KEYS: meta, input, exec, kv, output, history, tokens, counters, waiting, lifecycle feed, then one key per stream
+#       to publish to.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
 #       state-set prefix, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
-#       owner-waiting prefix, then per stream: payload, stream ttl ('0' = none), maxlen.
+#       owner-waiting prefix, feed maxlen, then per stream: payload, stream ttl ('0' = none), maxlen.
+# The feed record (shared.constants.LIFECYCLE_FEED_FIELDS) is appended here and only here, after every check: a
+# record exists if and only if the transition happened.
 # (State-set names are built from a prefix: fine on one Redis, not across Redis Cluster slots.)
 # Fencing: a write that a stale owner could make carries the attempt it was placed with; it is refused
 # ('fenced') unless exec.attempt still equals it, so a hung worker that wakes up after its request moved on
@@ -104,6 +107,13 @@ if ARGV[11] ~= '' then
   if left > 0 then redis.call('PEXPIRE', KEYS[3], left) end
 end
 redis.call('RPUSH', KEYS[6], cjson.encode({state=ARGV[1], from=cur, t=tonumber(now), service=ARGV[3], reason=ARGV[4]}))
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner then owner = cjson.decode(owner) end
+if type(owner) ~= 'string' then owner = '' end
+local worker = ''
+if ARGV[11] ~= '' then worker = cjson.decode(ARGV[12]) end
+redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[14], '*', 'rid', ARGV[7], 'from', cur, 'to', ARGV[1],
+  'reason', ARGV[4], 'service', ARGV[3], 'at', now, 'owner', owner, 'worker', worker, 'attempt', ARGV[11])
 if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
   for i = 1, 7 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
@@ -111,10 +121,8 @@ end
 redis.call('ZREM', ARGV[9] .. cur, ARGV[7])
 redis.call('ZADD', ARGV[9] .. ARGV[1], now, ARGV[7])
 if ARGV[8] ~= '0' then
-  local owner = redis.call('HGET', KEYS[1], 'owner')
-  if owner then owner = cjson.decode(owner) end
   local per_owner = nil
-  if type(owner) == 'string' and owner ~= '' then per_owner = ARGV[13] .. owner .. ':waiting' end
+  if owner ~= '' then per_owner = ARGV[13] .. owner .. ':waiting' end
   if ARGV[8] == '1' then
     redis.call('ZADD', KEYS[9], now, ARGV[7])
     if per_owner then redis.call('ZADD', per_owner, now, ARGV[7]) end
@@ -124,8 +132,8 @@ if ARGV[8] ~= '0' then
   end
 end
 local out = {'ok', cur, now}
-for i = 10, #KEYS do
-  local a = 14 + 3 * (i - 10)
+for i = 11, #KEYS do
+  local a = 15 + 3 * (i - 11)
   out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
   if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[a + 1])) end
 end
@@ -191,12 +199,13 @@ class Lifecycle:
              only_from: Collection[State] | None = None, fence: int | None = None,
              owner: Owner | None = None) -> tuple[list, list]:
         allowed = predecessors(to) if only_from is None else [s.value for s in only_from if to in ALLOWED[s]]
-        keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting] + \
-            [p.stream for p in publish]
+        keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting,
+                                                      self.names.lifecycle_feed] + [p.stream for p in publish]
         argv = [to.value, ",".join(allowed), self.service, reason, "1" if to in TERMINAL else "0",
                 str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), self.names.state_prefix,
                 "" if fence is None else str(fence), "" if owner is None else str(owner.attempt),
-                "" if owner is None else json.dumps(owner.worker_id), self.names.owner_waiting_prefix]
+                "" if owner is None else json.dumps(owner.worker_id), self.names.owner_waiting_prefix,
+                str(LIFECYCLE_FEED_MAXLEN)]
         for p in publish:
             argv += [encode(p.event), str(private_stream_ttl(self.names, p.stream)), str(STREAM_MAXLEN)]
         return keys, argv

@@ -77,8 +77,29 @@ class GatewaySettings(CommonSettings):
     redis_pool_size: int = Field(64, ge=2, le=10_000, description="Redis connections of the gateway's pool; "
                                  "under a burst requests wait for one instead of failing")
     redis_pool_timeout_s: float = Field(30.0, gt=0, description="longest wait for a pooled Redis connection")
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="API keys that may see and cancel every request (the dashboard, "
+                                          "/v1/requests), comma-separated; accepted in addition to api_keys")
+    trace_url_template: str = Field("", description="link from the dashboard to a request's trace, with "
+                                    "{trace_id} where its id goes, e.g. http://jaeger:16686/trace/{trace_id}; "
+                                    "empty = no link")
+    dashboard_queue_events: int = Field(256, ge=8, le=100_000, description="feed batches one dashboard connection "
+                                        "may have unsent; beyond it its backlog is dropped and it starts over "
+                                        "from a fresh snapshot")
+    dashboard_max_rows: int = Field(5000, ge=1, le=100_000, description="most in-flight requests a dashboard's "
+                                    "snapshot lists")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("trace_url_template")
+    @classmethod
+    def _check_trace_template(cls, v: str) -> str:
+        v = v.strip()
+        if v and ("{trace_id}" not in v or not v.startswith(("http://", "https://", "/"))):
+            raise ValueError("must be an http(s) URL or an absolute path containing {trace_id}")
+        if v and v.replace("{trace_id}", "").count("{"):
+            raise ValueError("{trace_id} is the only placeholder it may contain")
+        return v
+
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v):
         # One environment variable holds every key: "key1,key2" (a JSON list is accepted too).

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.admission import OpenRequestLimit
 from services.gateway.auth import ApiKeyAuth, owned_snapshot
 from services.gateway.core import GatewayCore
+from services.gateway.dashboard import router as dashboard_router
+from services.gateway.introspection import cancel_owned
 from services.gateway.introspection import router as introspection_router
 from services.gateway.errors import (BodyTooLarge, GatewayError, Unavailable, error_response, gateway_error_handler,
                                      http_error_handler, validation_error_handler)
@@ -93,12 +95,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(OpenRequestLimit, limit=settings.max_open_requests, retry_after_s=settings.retry_after_s,
                        per_key_limit=settings.max_open_requests_per_key)  # the key id: set by ApiKeyAuth, below
-    app.add_middleware(ApiKeyAuth, keys=settings.api_keys)  # outermost: nothing runs for a caller without a key
-    if not settings.api_keys:
+    # outermost: nothing runs for a caller without a key
+    app.add_middleware(ApiKeyAuth, keys=settings.api_keys, admin_keys=settings.admin_api_keys)
+    if not settings.api_keys and not settings.admin_api_keys:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
     app.include_router(openai_router)
     install_openapi(app)  # document the answers middlewares and validation really give
     app.include_router(introspection_router)
+    app.include_router(dashboard_router)
 
     @app.post("/generate", responses={**sse_or_json(None, "the output (JSON, or SSE with stream)"),
                                       **GENERATION_ERRORS})
@@ -118,13 +122,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.delete("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def cancel_request(request_id: str, request: Request):
-        core: GatewayCore = request.app.state.core
-        snap = await owned_snapshot(core, request, request_id)
-        request_id = snap.request_id
-        cancelled = await core.cancel(request_id, "client_cancel", snap.layers["meta"].get("reply_to", ""))
-        after = await core.store.aread(core.r, request_id)
-        return {"request_id": request_id, "cancelled": cancelled,
-                "state": after.state.value if after and after.state else None}
+        return await cancel_owned(request.app.state.core, request, request_id)
 
     @app.get("/health")
     async def health():

@@ -17,6 +17,7 @@ from prometheus_client import Gauge
 
 from services.gateway.admission import Admission
 from services.gateway.errors import Unavailable
+from services.gateway.feed_hub import FeedHub
 from services.gateway.handle import RequestHandle
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
@@ -77,6 +78,11 @@ class GatewayCore:
         self._loop_ok: dict[str, float] = {}  # loop name -> monotonic time of its last good round
         Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
               registry=self.metrics.registry).set_function(lambda: len(self.handles))
+        # The dashboards' one reader of the lifecycle feed, with a connection of its own (its XREAD blocks).
+        self.feed_hub = FeedHub(lambda: async_client(settings, 1, settings.redis_pool_timeout_s), self.names,
+                                settings.read_block_ms, settings.dashboard_queue_events)
+        Gauge("conveyor:gateway_dashboard_connections", "dashboards connected to this gateway's event stream",
+              registry=self.metrics.registry).set_function(lambda: len(self.feed_hub.subscribers))
 
     async def start(self) -> None:
         await self._ensure_group()
@@ -85,6 +91,7 @@ class GatewayCore:
                        asyncio.create_task(self._keep_alive(), name="liveness")]
 
     async def stop(self) -> None:
+        await self.feed_hub.stop()
         pending = await cancel_until_done(self._tasks, 5.0)
         if pending:  # a task that ignores cancellation must not hold the process up
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])

@@ -5,11 +5,27 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from services.gateway.auth import STATE_KEY
+from services.gateway.auth import owned_snapshot, visible_owner
 from services.gateway.core import GatewayCore
 from shared.lifecycle import TERMINAL, State
 
 router = APIRouter()
+
+
+async def ids_in_states(core: GatewayCore, owner: str | None, states: list[State]) -> list[tuple[float, str]]:
+    """(time it entered its state, request id) of the requests in `states` that `owner` may see (None: all),
+    oldest first, from the state-set and per-owner indexes (no SCAN)."""
+    pipe = core.r.pipeline(transaction=False)
+    for s in states:
+        if owner:
+            # The caller's requests in state s: ZINTER of its owner index (weight 0) and the state set (weight 1),
+            # so each keeps its time of entering s, as without keys. Redis walks the smaller of the two sets, so
+            # another key's requests cost nothing here; no temporary key is left behind (ZINTERSTORE would need
+            # one, and its expiry).
+            pipe.zinter({core.names.owner_index(owner): 0, core.names.state_set(s.value): 1}, withscores=True)
+        else:
+            pipe.zrange(core.names.state_set(s.value), 0, -1, withscores=True)
+    return sorted((score, rid.decode()) for members in await pipe.execute() for rid, score in members)
 
 
 @router.get("/metrics", response_class=Response)
@@ -23,21 +39,10 @@ async def metrics(request: Request) -> Response:
 async def list_requests(request: Request, state: State | None = None, limit: int = Query(20, ge=1, le=100),
                         offset: int = Query(0, ge=0)):
     """Requests in one state (default: every live state), oldest first, with their layers. With API keys
-    set, a caller sees only its own requests."""
+    set, a caller sees only its own requests (an admin key: every request)."""
     core: GatewayCore = request.app.state.core
     states = [state] if state is not None else [s for s in State if s not in TERMINAL]
-    owner = getattr(request.state, STATE_KEY, None)
-    pipe = core.r.pipeline(transaction=False)
-    for s in states:
-        if owner:
-            # The caller's requests in state s: ZINTER of its owner index (weight 0) and the state set (weight 1),
-            # so each keeps its time of entering s, as without keys. Redis walks the smaller of the two sets, so
-            # another key's requests cost nothing here; no temporary key is left behind (ZINTERSTORE would need
-            # one, and its expiry). Only the page's contexts are read below.
-            pipe.zinter({core.names.owner_index(owner): 0, core.names.state_set(s.value): 1}, withscores=True)
-        else:
-            pipe.zrange(core.names.state_set(s.value), 0, -1, withscores=True)
-    ids = sorted((score, rid.decode()) for members in await pipe.execute() for rid, score in members)
+    ids = await ids_in_states(core, visible_owner(request), states)
     data = []
     for _score, rid in ids[offset:offset + limit]:  # at most `limit` contexts read
         snap = await core.store.aread(core.r, rid)
@@ -45,3 +50,13 @@ async def list_requests(request: Request, state: State | None = None, limit: int
             data.append(snap.to_dict())
     more = len(ids) > offset + limit
     return {"data": data, "offset": offset, "limit": limit, "next_offset": offset + limit if more else None}
+
+
+async def cancel_owned(core: GatewayCore, request: Request, request_id: str) -> dict:
+    """Cancel a request the caller may see (404 otherwise): DELETE /v1/requests/{id} and the dashboard's."""
+    snap = await owned_snapshot(core, request, request_id)
+    request_id = snap.request_id
+    cancelled = await core.cancel(request_id, "client_cancel", snap.layers["meta"].get("reply_to", ""))
+    after = await core.store.aread(core.r, request_id)
+    return {"request_id": request_id, "cancelled": cancelled,
+            "state": after.state.value if after and after.state else None}

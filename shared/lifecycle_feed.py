@@ -1,0 +1,47 @@
+"""Reading the lifecycle change feed (issue 14).
+
+The feed (`Names.lifecycle_feed`, capped at LIFECYCLE_FEED_MAXLEN) gets one flat record per transition, appended by
+the creating script (shared/context_store.py) and the transition script (shared/lifecycle.py) in the same atomic
+step as the change itself; nothing else writes it. This module only decodes what they wrote.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.constants import LIFECYCLE_FEED_FIELDS
+
+
+class FeedRecord(msgspec.Struct, frozen=True):
+    """One transition as the feed holds it."""
+
+    id: str  # stream entry id (orders records; a reader resumes after it)
+    rid: str  # request id
+    from_: str  # state before ("" for the request's creation)
+    to: str  # state after
+    reason: str  # why ("" when none was given)
+    service: str  # service that made the transition
+    at: float  # Redis time of the transition (epoch seconds)
+    owner: str  # API key id of the request's owner ("" without keys)
+    worker: str  # worker of the placement a SCHEDULED transition records ("" otherwise)
+    attempt: int  # that placement's attempt (0 otherwise)
+
+    def to_wire(self) -> dict:
+        """The JSON the dashboard gets (the owner is left out: a browser has no use for key ids)."""
+        return {"id": self.id, "rid": self.rid, "from": self.from_, "to": self.to, "reason": self.reason,
+                "service": self.service, "at": self.at, "worker": self.worker, "attempt": self.attempt}
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def decode_record(entry_id, fields: dict) -> FeedRecord:
+    """A feed entry (as redis-py returns it, bytes or str) as a FeedRecord; KeyError/ValueError if malformed."""
+    f = {_s(k): _s(v) for k, v in fields.items()}
+    missing = [k for k in LIFECYCLE_FEED_FIELDS if k not in f]
+    if missing:
+        raise KeyError(f"feed record {_s(entry_id)} lacks {missing}")
+    return FeedRecord(id=_s(entry_id), rid=f["rid"], from_=f["from"], to=f["to"], reason=f["reason"],
+                      service=f["service"], at=float(f["at"]), owner=f["owner"], worker=f["worker"],
+                      attempt=int(f["attempt"] or 0))
