@@ -122,3 +122,33 @@ def test_request_while_no_worker_is_live_gets_503_at_once_and_is_never_created(t
         assert redis.Redis.from_url(c.redis.url).zcard(f"{c.ns}:requests") == 0
     finally:
         c.stop()
+
+
+def test_dashboard_reads_are_served_when_the_open_request_limit_is_reached():
+    """A saturated gateway is when the dashboard is needed: its page and short reads pass the open-request
+    limit like the probes; its long-lived event stream still counts (each one holds a connection)."""
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/generate":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    limited = OpenRequestLimit(app, limit=1, retry_after_s=3)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=limited), base_url="http://gw") as c:
+            held = asyncio.create_task(c.get("/generate"))
+            while limited.open < 1:
+                await asyncio.sleep(0.01)
+            reads = [await c.get(p) for p in ("/dashboard", "/dashboard/api/config", "/dashboard/api/rows?ids=a",
+                                              "/dashboard/api/requests/a")]
+            stream = await c.get("/dashboard/api/events")
+            release.set()
+            await held
+            return reads, stream
+
+    reads, stream = asyncio.run(run())
+    assert [r.status_code for r in reads] == [200, 200, 200, 200]
+    assert stream.status_code == 429

@@ -33,6 +33,14 @@ logger = logging.getLogger(__name__)
 
 READY_CACHE_S = 1.0  # a positive readiness check is trusted this long (it reads the liveness hashes)
 UNLIMITED_PATHS = ("/health", "/ready")  # probes must answer under any load
+# The dashboard's page and short reads too: a saturated gateway is when it is needed. Its event stream is not
+# exempt: each one holds a connection for as long as the page is open.
+DASHBOARD_PREFIX, DASHBOARD_STREAM = "/dashboard", "/dashboard/api/events"
+
+
+def unlimited(path: str) -> bool:
+    """Requests the open-request limit lets through whatever the load."""
+    return path in UNLIMITED_PATHS or (path.startswith(DASHBOARD_PREFIX) and path != DASHBOARD_STREAM)
 
 
 class Admission:
@@ -97,7 +105,7 @@ class OpenRequestLimit:
         self.open_by_key: dict[str, int] = {}  # only keys with requests open: bounded by `limit`
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in UNLIMITED_PATHS:
+        if scope["type"] != "http" or unlimited(scope.get("path", "")):
             return await self.app(scope, receive, send)
         key = (scope.get("state") or {}).get(STATE_KEY) or ""
         busy = None
