@@ -40,18 +40,24 @@ inline Span visible(int64_t len, int64_t window) {
   return {start, len - start};
 }
 
-// out/q [S, H, D]; key/value [num_slots, KVH, D] (one layer of the pool, slot = block * bs + offset);
-// block_tables [S, MB]; context_lens [S] (keys 0..len-1 are visible, the last one is the query's own).
+// One call's operands, read once: out/q [S, H, D]; key/value [num_slots, KVH, D] (one layer of the pool,
+// slot = block * bs + offset); block_tables [S, MB]; context_lens [S] (keys 0..len-1 are visible, the last
+// one is the query's own).
+template <typename T>
+struct Operands {
+  int64_t S, H, D, KVH, MB, block_size, window;
+  float sc;
+  const float* q_p;
+  const T *k_p, *v_p;
+  float* o_p;
+  const int64_t *bt_p, *len_p;
+};
+
 // The portable path: what the vector path below computes, written for any compiler and any D.
 template <typename T>
-void paged_decode_generic(at::Tensor& out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
-                          const int64_t* bt_p, const int64_t* len_p, int64_t MB, int64_t block_size, float sc,
-                          int64_t window) {
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KVH = key.size(1), G = H / KVH;
-  const float* q_p = q.data_ptr<float>();
-  const T* k_p = key.data_ptr<T>();
-  const T* v_p = value.data_ptr<T>();
-  float* o_p = out.data_ptr<float>();
+void paged_decode_generic(const Operands<T>& a) {
+  const auto [S, H, D, KVH, MB, block_size, window, sc, q_p, k_p, v_p, o_p, bt_p, len_p] = a;
+  const int64_t G = H / KVH;
   // One task per sequence: its tokens' K (then V) rows are read in pool order, all KV heads of a token
   // at once (KVH * D contiguous values), which the hardware prefetcher follows.
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
@@ -236,14 +242,8 @@ void attend_sequence(float* os, const float* qs, const T* const* krows, const T*
 }
 
 template <typename T, int NC>
-void paged_decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
-                         const int64_t* bt_p, const int64_t* len_p, int64_t MB, int64_t block_size, float sc,
-                         int64_t window) {
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KVH = key.size(1);
-  const float* q_p = q.data_ptr<float>();
-  const T* k_p = key.data_ptr<T>();
-  const T* v_p = value.data_ptr<T>();
-  float* o_p = out.data_ptr<float>();
+void paged_decode_avx512(const Operands<T>& a) {
+  const auto [S, H, D, KVH, MB, block_size, window, sc, q_p, k_p, v_p, o_p, bt_p, len_p] = a;
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> krows, vrows;
@@ -271,24 +271,20 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                        double scale, int64_t window) {
   auto bt = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  const int64_t D = q.size(2), MB = bt.size(1);
-  const float sc = static_cast<float>(scale);
+  const Operands<T> ops{q.size(0), q.size(1), q.size(2), key.size(1), bt.size(1), block_size, window,
+                        static_cast<float>(scale), q.data_ptr<float>(), key.data_ptr<T>(), value.data_ptr<T>(),
+                        out.data_ptr<float>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {  // a float64 pool (never the engine's) takes the portable path
-    auto run = [&](auto nc) {
-      paged_decode_avx512<T, decltype(nc)::value>(out, q, key, value, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                                                  MB, block_size, sc, window);
-    };
-    if (q.size(1) <= 256) {  // (attend_sequence keeps H normalizers on its stack); other head dims: portable path
-      if (D == 64) return run(std::integral_constant<int, 4>{});
-      if (D == 128) return run(std::integral_constant<int, 8>{});
-      if (D == 32) return run(std::integral_constant<int, 2>{});
-      if (D == 96) return run(std::integral_constant<int, 6>{});
+    if (ops.H <= 256) {  // (attend_sequence keeps H normalizers on its stack); other head dims: portable path
+      if (ops.D == 64) return paged_decode_avx512<T, 4>(ops);
+      if (ops.D == 128) return paged_decode_avx512<T, 8>(ops);
+      if (ops.D == 32) return paged_decode_avx512<T, 2>(ops);
+      if (ops.D == 96) return paged_decode_avx512<T, 6>(ops);
     }
   }
 #endif
-  paged_decode_generic<T>(out, q, key, value, bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), MB, block_size, sc,
-                          window);
+  paged_decode_generic<T>(ops);
 }
 
 // out/q float32 [S, H, D] (q converted by the caller); key/value float32, bfloat16 or float16.
