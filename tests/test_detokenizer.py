@@ -1,6 +1,7 @@
 """Incremental detokenization is exact: the deltas add up to the whole text, even when one character
 (an emoji, a Chinese character) is split over several byte-level tokens; no replacement character
-appears mid-stream for text that has none."""
+appears mid-stream for text that has none, and an output cut in the middle of a character (max_tokens)
+ends before it, as vLLM's does: the incomplete character is held back and dropped."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def _complete(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` without the replacement characters of a character their last tokens leave incomplete."""
+    return _decode(tokenizer, ids).rstrip("\ufffd")
+
+
 @pytest.mark.parametrize("text", SAMPLES)
 def test_multibyte_text_token_by_token_equals_whole_decode_without_replacement_chars(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -54,14 +60,21 @@ def test_random_token_sequences_add_up_to_the_whole_decode(tokenizer):
         ids = [rng.choice(pieces) if rng.random() < 0.5 else
                rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
                for _ in range(rng.randrange(1, 30))]
-        assert "".join(_deltas(tokenizer, ids)) == _decode(tokenizer, ids), ids
+        assert "".join(_deltas(tokenizer, ids)) == _complete(tokenizer, ids), ids
+
+
+def test_a_character_cut_short_at_the_end_is_dropped_not_replaced(tokenizer):
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if _decode(tokenizer, ids[:k]).endswith("\ufffd"))
+    deltas = _deltas(tokenizer, ids[:cut])
+    assert "".join(deltas) == "ok " and not any("\ufffd" in d for d in deltas), deltas
 
 
 # ---- end to end: what the model really emits, through the gateway ----
 
-def _openai_body(body: dict) -> tuple[str, dict]:
+def _openai_body(body: dict, max_tokens: int) -> tuple[str, dict]:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    return path, {"model": MODEL, **body, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return path, {"model": MODEL, **body, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
 def _text_of(chunk: dict) -> str:
@@ -71,9 +84,9 @@ def _text_of(chunk: dict) -> str:
     return choice.get("text") or message.get("content") or ""
 
 
-async def _three_ways(client: httpx.AsyncClient, body: dict) -> tuple[dict, str, list[str]]:
+async def _three_ways(client: httpx.AsyncClient, body: dict, max_tokens: int = MAX_TOKENS) -> tuple[dict, str, list[str]]:
     """The native answer (token ids), the OpenAI non-stream text and the OpenAI stream deltas."""
-    path, oa = _openai_body(body)
+    path, oa = _openai_body(body, max_tokens)
 
     async def stream() -> list[str]:
         deltas = []
@@ -85,7 +98,7 @@ async def _three_ways(client: httpx.AsyncClient, body: dict) -> tuple[dict, str,
         return deltas
 
     native, whole, deltas = await asyncio.gather(
-        client.post("/generate", json={**body, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}),
+        client.post("/generate", json={**body, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}),
         client.post(path, json=oa), stream())
     return native.json(), _text_of(whole.json()), deltas
 
@@ -98,8 +111,24 @@ def test_stream_text_equals_non_stream_text_for_emoji_and_chinese(cluster, token
     for native, whole, deltas in asyncio.run(run()):
         ids = native["token_ids"]
         split_seen |= any("\ufffd" in tokenizer.decode([t]) for t in ids)
-        assert "".join(deltas) == whole == native["text"] == _decode(tokenizer, ids)
+        assert "".join(deltas) == whole == native["text"] == _complete(tokenizer, ids)
         assert any(ord(c) > 0x2E80 for c in whole), whole  # emoji or CJK really came out
-        # Only the very end may hold a character cut short by max_tokens.
-        assert not any("\ufffd" in d for d in deltas[:-2]), deltas
+        assert not any("\ufffd" in d for d in deltas), deltas
     assert split_seen, "no character was split across tokens: the prompts no longer test what they should"
+
+
+def test_max_tokens_cutting_a_character_ends_the_text_before_it_streamed_and_whole(cluster, tokenizer):
+    """max_tokens chosen to stop inside a character the model emits (found from a longer greedy run)."""
+    async def run():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=180) as client:
+            for body in EMITTING:
+                ids = (await client.post("/generate", json={**body, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                            "ignore_eos": True})).json()["token_ids"]
+                cuts = [k for k in range(1, len(ids)) if _decode(tokenizer, ids[:k]).endswith("\ufffd")]
+                if cuts:
+                    return cuts[0], ids, await _three_ways(client, body, max_tokens=cuts[0])
+        pytest.fail("no greedy output of EMITTING splits a character: the prompts no longer test what they should")
+    cut, ids, (native, whole, deltas) = asyncio.run(run())
+    assert native["token_ids"] == ids[:cut]
+    assert "".join(deltas) == whole == native["text"] == _complete(tokenizer, ids[:cut])
+    assert not whole.endswith("\ufffd") and not any("\ufffd" in d for d in deltas), (whole, deltas)

@@ -4,7 +4,8 @@ Decoding token by token breaks multi-byte UTF-8 (an emoji spread over three byte
 tokens) and word-boundary spacing. As vLLM does, each step decodes a short window,
 ids[prefix_offset:], and emits only what extends the window's previous text; while the
 window's text ends in U+FFFD (an incomplete byte sequence) nothing is emitted. `flush`
-releases whatever is left at the end, so the concatenated deltas equal the whole text.
+releases what is left at the end except a character the last tokens left incomplete (max_tokens can cut
+one): as vLLM does, it is dropped rather than shown as U+FFFD, in the stream and the whole text alike.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
     def flush(self) -> str:
-        """The text still held back (an incomplete character at the very end, decoded as is)."""
+        """The text still held back, less the replacement characters of an incomplete character at the very end.
+        (A model emitting U+FFFD itself as its last character loses it too: the bytes cannot tell them apart.)"""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        return new_text[len(prefix_text):].rstrip("\ufffd") if len(new_text) > len(prefix_text) else ""
