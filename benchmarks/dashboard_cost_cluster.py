@@ -106,6 +106,11 @@ def browser_window(url: str, window: float, screenshot: str) -> dict:
                             "dom_rows: document.querySelectorAll('#rows .row').length, "
                             "live: [...S.rows.values()].filter(r => !r.endedAt).map(r => [r.rid, r.state]), "
                             "at: now()})")
+        got["blank_top"] = blank_rows_on_screen(page)
+        page.evaluate("document.getElementById('scroller').scrollTop = 1e9")  # the newest rows
+        time.sleep(3.0)  # two refreshes of the rows on screen (ROWS_REFRESH_MS)
+        got["blank_bottom"] = blank_rows_on_screen(page)
+        page.evaluate("document.getElementById('scroller').scrollTop = 0")
         if screenshot:
             page.click("#rows .row >> nth=3")
             page.wait_for_selector("#detail:not([hidden]) #timeline .bar", timeout=30_000)
@@ -113,7 +118,14 @@ def browser_window(url: str, window: float, screenshot: str) -> dict:
             page.screenshot(path=screenshot)
     return {"snapshot_to_table_s": loaded, "frames_per_s": got["frames"] / window, "long_tasks": len(got["long"]),
             "longest_task_ms": max(got["long"], default=0.0), "shown": got["shown"], "dom_rows": got["dom_rows"],
-            "page_live": got["live"], "page_at": got["at"]}
+            "page_live": got["live"], "page_at": got["at"],
+            "rows_on_screen_without_counts": {"top": got["blank_top"], "bottom": got["blank_bottom"]}}
+
+
+def blank_rows_on_screen(page) -> int:
+    """Rows on screen still without their prompt length (the page fetches it for the rows shown): should be 0."""
+    return page.evaluate("""(() => { const sc = document.getElementById('scroller'), first = Math.floor(sc.scrollTop / ROW_H);
+        return S.order.slice(first, first + Math.ceil(sc.clientHeight / ROW_H)).filter(r => r.prompt == null).length; })()""")
 
 
 def stale_rows(r: redis.Redis, page_live: list, page_at: float) -> int:

@@ -91,3 +91,19 @@ def test_page_shows_requests_live_opens_a_timeline_and_cancels_one(page, cluster
     assert state == "CANCELLED"
     for r in reqs[1:]:
         httpx.delete(f"{cluster.url}/v1/requests/{r['rid']}", headers=_auth(KEY_A), timeout=10)
+
+
+def test_rows_that_appear_below_the_screen_get_their_token_counts(page, cluster):
+    """More new requests than the table shows at once: each row's prompt length arrives, seen or not (with many in
+    flight the list slides past the screen, and a row asked about only while on screen could stay blank)."""
+    page.goto(f"{cluster.url}/dashboard?key={KEY_A}")
+    page.wait_for_selector("#conn.on", timeout=WAIT_MS)
+    rows_on_screen = page.evaluate("Math.ceil(document.getElementById('scroller').clientHeight / ROW_H)")
+    reqs = [_submit(cluster, KEY_A, max_tokens=600) for _ in range(2 * rows_on_screen + 10)]
+    rids = [r["rid"] for r in reqs]
+    try:
+        page.wait_for_function(f"{rids}.every(id => S.rows.get(id)?.prompt > 0)", timeout=WAIT_MS)
+    finally:
+        _shot(page, "4-many-rows")
+        for rid in rids:
+            httpx.delete(f"{cluster.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10)

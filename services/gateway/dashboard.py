@@ -4,7 +4,7 @@
   GET    /dashboard/static/{file}           its script and style (files of static/, no build step, no CDN)
   GET    /dashboard/api/config              what the page needs to know (trace link template, admin or not)
   GET    /dashboard/api/events              SSE: a snapshot of the in-flight requests, then live transitions
-  GET    /dashboard/api/rows?ids=a,b        token counts of the rows the page shows
+  GET    /dashboard/api/rows?ids=a,b        token counts of the rows the page shows or has not counted yet
   GET    /dashboard/api/requests/{id}       one request: layers, history, intervals, trace link
   DELETE /dashboard/api/requests/{id}       cancel it
 
@@ -36,7 +36,7 @@ router = APIRouter(prefix=DASHBOARD_PREFIX, include_in_schema=False)
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "charts.js": "text/javascript"}
 KEEPALIVE_S = 10.0  # an SSE comment this often keeps proxies from closing an idle stream
-MAX_ROW_IDS = 200  # ids one /rows call may ask about (the page asks for the rows on screen)
+MAX_ROW_IDS = 200  # ids one /rows call may ask about (the rows on screen, and new rows not yet counted)
 
 
 def _core(request: Request) -> GatewayCore:
@@ -65,7 +65,8 @@ async def static(name: str):
 @router.get("/api/config")
 async def config(request: Request):
     return {"trace_url_template": _core(request).s.trace_url_template, "admin": is_admin(request),
-            "states": [s.value for s in State], "terminal": sorted(s.value for s in TERMINAL)}
+            "states": [s.value for s in State], "terminal": sorted(s.value for s in TERMINAL),
+            "max_row_ids": MAX_ROW_IDS}
 
 
 async def _stream(core: GatewayCore, owner: str | None):

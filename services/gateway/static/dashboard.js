@@ -88,7 +88,10 @@ function renderCounts() {
   S.counts = counts;
 }
 
-// the token counts of the rows on screen (the feed carries transitions, not tokens)
+// The token counts: of the rows on screen (output grows), and of every row that has none yet wherever it is.
+// The feed carries transitions, not tokens. Not only the rows on screen: with a thousand requests in flight
+// about fifty end a second, so the list slides past a fixed scroll position and a new row may be on screen for
+// under a second; asked only while on screen, it would come into view blank again and again.
 async function refreshRows() {
   // One at a time: on a busy gateway an answer can take longer than the interval, and overlapping requests
   // would queue up in the browser and arrive later and later.
@@ -97,13 +100,19 @@ async function refreshRows() {
   S.rowsSoon = false;
   S.lastRows = Date.now();
   const sc = $("scroller"), first = Math.floor(sc.scrollTop / ROW_H);
-  const ids = S.order.slice(first, first + Math.ceil(sc.clientHeight / ROW_H) + 1).map((r) => r.rid).slice(0, 200);
+  const onScreen = S.order.slice(first, first + Math.ceil(sc.clientHeight / ROW_H) + 1).map((r) => r.rid);
+  const ids = new Set(onScreen);
+  for (const r of S.rows.values()) {
+    if (ids.size >= S.config.max_row_ids) break;
+    if (r.prompt == null && !r.endedAt) ids.add(r.rid);
+  }
   try {
-    if (!ids.length) return;
-    const { rows } = await api(`/dashboard/api/rows?ids=${ids.join(",")}`);
+    if (!ids.size) return;
+    const { rows } = await api(`/dashboard/api/rows?ids=${[...ids].join(",")}`);
     for (const r of rows) {
       const row = S.rows.get(r.rid);
       if (row) Object.assign(row, { prompt: r.prompt, output: r.output, cached: r.cached, created: r.created ?? row.created });
+      if (r.prompt == null) S.rowsSoon = true;  // not tokenized yet: ask again soon
     }
   } catch (e) { console.warn("rows refresh failed", e); } finally { S.refreshing = false; }
 }
