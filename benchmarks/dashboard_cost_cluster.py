@@ -162,11 +162,16 @@ async def measure(cluster: ConveyorUp, args) -> dict:
         browser["stale_rows"] = stale_rows(r, browser.pop("page_live"), browser.pop("page_at"))
     browser = {**browser, "in_flight": f0,
                "gateway_cpu_s_per_s": (gateway_cpu(cluster) - c0) / (time.monotonic() - t_b)}
+    # A client loop stops at its first failed request: what stopped them (none should have).
+    stopped: dict[str, int] = {}
     for t in clients:
+        if t.done() and not t.cancelled() and t.exception() is None:
+            why = (t.result()[-1].error or "")[:120]
+            stopped[why] = stopped.get(why, 0) + 1
         t.cancel()
     await asyncio.gather(*clients, return_exceptions=True)
     return {"streams": args.streams, "max_tokens": args.max_tokens, "sim_speedup": args.sim_speedup,
-            "window_s": args.window, "levels": levels, "browser": browser}
+            "window_s": args.window, "levels": levels, "browser": browser, "clients_stopped_by": stopped}
 
 
 def run_dashboards(args) -> None:
@@ -186,6 +191,7 @@ def run_dashboards(args) -> None:
               f"{(lv['bytes_per_s_per_dashboard'] or 0) / 1024:.1f} KiB/s per dashboard")
         prev = lv
     print("browser:", res["browser"])
+    print("client loops stopped by a failed request:", res["clients_stopped_by"] or "none")
     path = write_json(ROOT / "docs" / "results", "dashboard_cost", res, run_id)
     print(f"results: {path}")
     if args.screenshot:
