@@ -162,3 +162,36 @@ def test_choices_of_a_prompt_too_long_fail_as_one_400(client, cluster, r, stream
     rid = e.value.response.headers["x-request-id"]
     wait_for(lambda: all(s in ("FAILED", "CANCELLED") for s in _states(r, cluster, _members(r, cluster, rid))),
              30, what="every choice ended")
+
+
+def test_native_generate_with_n_returns_each_choice_and_the_requests_usage(cluster):
+    body = {"prompt": PROMPT, "n": N, "max_tokens": 6, "seed": 21}
+    out = httpx.post(f"{cluster.url}/generate", json=body, timeout=60).json()
+    assert [c["index"] for c in out["choices"]] == list(range(N))
+    assert out["choices"][0]["request_id"] == out["request_id"]
+    assert len({c["text"] for c in out["choices"]}) == N
+    assert out["usage"]["completion_tokens"] == N * 6
+    assert out["usage"]["prompt_tokens"] == out["choices"][0]["usage"]["prompt_tokens"]
+
+
+def test_native_stream_with_n_tags_each_event_with_its_choice_then_sends_the_usage(cluster):
+    body = {"prompt": PROMPT, "n": N, "max_tokens": 6, "seed": 21}
+    whole = httpx.post(f"{cluster.url}/generate", json=body, timeout=60).json()
+    texts, finals, last = defaultdict(str), {}, None
+    with httpx.stream("POST", f"{cluster.url}/generate", json={**body, "stream": True}, timeout=60) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    for ev in events[:-1]:
+        texts[ev["choice"]] += ev["text"]
+        if "finish_reason" in ev:
+            finals[ev["choice"]] = ev["finish_reason"]
+    last = events[-1]
+    assert dict(texts) == {c["index"]: c["text"] for c in whole["choices"]}
+    assert finals == {i: "length" for i in range(N)}
+    assert last["usage"] == whole["usage"] | {"cached_tokens": last["usage"]["cached_tokens"]}
+
+
+def test_native_generate_with_more_than_16_choices_is_a_400_naming_n(cluster):
+    answer = httpx.post(f"{cluster.url}/generate", json={"prompt": PROMPT, "n": 17, "max_tokens": 2}, timeout=30)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "n" and "16" in error["message"]

@@ -40,3 +40,4 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
     stream: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")
