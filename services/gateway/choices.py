@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from services.gateway.core import GatewayCore
+from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
 from services.gateway.intake import accept
 from services.gateway.responses import drive, final_body
@@ -125,12 +126,13 @@ class ChoiceRun:
             raise item
         return index, item
 
-    def close(self) -> None:
-        """Stop driving; choices not ended are cancelled (in tasks of their own), every handle released. No await:
-        this runs in a handler that may be being cancelled."""
+    def close(self, failed: bool) -> None:
+        """Stop driving; choices not ended are cancelled (in tasks of their own), every handle released. failed: a
+        choice ended the request (else the handler was cancelled or errored: as for n = 1, the client left). No
+        await: this runs in a handler that may be being cancelled."""
         for t in self.tasks:
             t.cancel()
-        gone = any(h.client_gone for h in self.choices.handles)
+        gone = not failed or any(h.client_gone for h in self.choices.handles)
         for h in self.choices.handles:
             if h.ended is None:
                 self.core.abandon(h, "client_disconnect" if gone else SIBLING_FAILED)
@@ -149,14 +151,20 @@ async def collect_choices(core: GatewayCore, choices: Choices, request: Request)
     """Every choice's native body (text, finish_reason, usage), in choice order; or the first error."""
     run = ChoiceRun(core, choices, request)
     bodies: dict[int, dict] = {}
+    failed = False
     try:
         while len(bodies) < len(choices.handles):
             index, chunk = await run.next()
-            if (body := await first_outcome(core, run, index, chunk)) is not None:
+            try:
+                body = await first_outcome(core, run, index, chunk)
+            except GatewayError:
+                failed = True
+                raise
+            if body is not None:
                 bodies[index] = body
         return [bodies[i] for i in range(len(choices.handles))]
     finally:
-        run.close()
+        run.close(failed)
 
 
 def merged_usage(bodies: list[dict]) -> dict:

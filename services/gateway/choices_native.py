@@ -35,6 +35,7 @@ async def generate_choices(request: Request, body: GenerateRequest):
 async def _stream(core: GatewayCore, choices: Choices, request: Request) -> AsyncIterator[bytes]:
     run = ChoiceRun(core, choices, request)
     finals: dict[int, dict] = {}
+    failed = False
     try:
         while len(finals) < len(choices.handles):
             index, chunk = await run.next()
@@ -47,6 +48,7 @@ async def _stream(core: GatewayCore, choices: Choices, request: Request) -> Asyn
             final = {**await final_event(core, handle, chunk), "choice": index}
             yield sse(final)
             if "error" in final:  # one outcome for the request: close() cancels the siblings
+                failed = True
                 break
             finals[index] = final
         if len(finals) == len(choices.handles):
@@ -54,4 +56,4 @@ async def _stream(core: GatewayCore, choices: Choices, request: Request) -> Asyn
                        "usage": merged_usage([finals[i] for i in range(len(finals))])})
         yield sse("[DONE]")
     finally:
-        run.close()  # before any await: a cancelled handler's next await raises at once
+        run.close(failed)  # before any await: a cancelled handler's next await raises at once

@@ -62,8 +62,8 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
         first = await run.next()
         if first[1].end is not None and not isinstance(first[1].end, Completed):
             await first_outcome(core, run, *first)  # raises the GatewayError this ending calls for
-    except BaseException:
-        run.close()
+    except BaseException as e:
+        run.close(isinstance(e, GatewayError))
         raise
     return StreamingResponse(_events(core, run, shape, first), media_type="text/event-stream", headers=headers)
 
@@ -71,6 +71,7 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
 async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
     n = len(run.choices.handles)
     bodies: dict[int, dict] = {}
+    failed = False
     try:
         if shape.chat:
             for i in range(n):
@@ -82,6 +83,7 @@ async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[
             try:
                 body = await first_outcome(core, run, index, chunk)
             except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()
+                failed = True
                 yield sse(e.body())
                 break
             if body is not None:
@@ -94,4 +96,4 @@ async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[
             index, chunk = await run.next()
         yield sse("[DONE]")
     finally:
-        run.close()  # before any await: a cancelled handler's next await raises at once
+        run.close(failed)  # before any await: a cancelled handler's next await raises at once
