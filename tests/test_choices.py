@@ -194,3 +194,14 @@ def test_native_generate_with_more_than_16_choices_is_a_400_naming_n(cluster):
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "n" and "16" in error["message"]
+
+
+def test_a_stop_string_ends_each_choice_at_it(client, cluster, r):
+    reference = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    stop = reference[len(reference) // 2:len(reference) // 2 + 3]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], n=3,
+                                    extra_body={"ignore_eos": True})
+    assert [(c.text, c.finish_reason) for c in out.choices] == [(reference[:reference.index(stop)], "stop")] * 3
+    ids = _members(r, cluster, request_id(out.id))
+    assert {_layer(r, cluster, i, "meta")["reason"] for i in ids} == {"stop_string"}
