@@ -49,6 +49,8 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     deadline: float  # epoch seconds after which the request times out
     adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
+    group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
+    group_size: int = 1  # how many requests share group_id (n)
 
 
 class Preprocessed(Event, tag="preprocessed", kw_only=True):
@@ -62,6 +64,8 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     received_at: float  # epoch seconds at the gateway's receipt
     block_size: int = 0  # tokens per block of block_hashes (0: none attached)
     block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/block_hash.py)
+    group_id: str = ""  # the choices of one request with n > 1 share it ("" = alone)
+    group_size: int = 1  # how many requests share group_id (n)
 
 
 class Scheduled(Event, tag="scheduled", kw_only=True):
@@ -75,6 +79,7 @@ class Scheduled(Event, tag="scheduled", kw_only=True):
     deadline: float  # epoch seconds
     received_at: float = 0.0  # epoch seconds at the gateway's receipt (keeps its place if requeued)
     attempt: int = 1  # 1 for the first placement, +1 per move to another worker
+    group_id: str = ""  # the choices of one request with n > 1 share it: the worker prefills their prompt once
 
 
 class CancelRequested(Event, tag="cancel", kw_only=True):

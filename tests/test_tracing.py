@@ -193,3 +193,21 @@ def test_no_endpoint_means_no_op_tracing():
     assert not telemetry.enabled() and telemetry.context_from("00-" + "1" * 32 + "-" + "2" * 16 + "-01") is None
     assert telemetry.traces_url("http://h:4318/") == "http://h:4318/v1/traces"
     assert telemetry.parse("garbage") is None
+
+
+def test_the_choices_of_one_request_are_one_trace_their_roots_under_the_first(traced):
+    cluster, receiver = traced
+    r = httpx.post(f"{cluster.url}/generate", timeout=120,
+                   json={"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "n": 3})
+    assert r.status_code == 200, r.text
+    ids, tid = [c["request_id"] for c in r.json()["choices"]], _trace_id(r)
+
+    def three_whole_requests():
+        spans = receiver.trace(tid)
+        return spans if sum(s.name == "stream" for s in spans) == 3 and \
+            sum(s.name == "decode" for s in spans) == 3 else None
+    spans = wait_for(three_whole_requests, 30, 0.1, "every choice's spans exported")
+    roots = {s.attributes["conveyor.request_id"]: s for s in spans if s.name == "POST /generate"}
+    assert set(roots) == set(ids)
+    first = roots[ids[0]]
+    assert first.parent_id == "" and all(roots[rid].parent_id == first.span_id for rid in ids[1:])

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admission import OpenRequestLimit
 from services.gateway.auth import ApiKeyAuth, owned_snapshot
+from services.gateway.choices_native import generate_choices
 from services.gateway.core import GatewayCore
 from services.gateway.dashboard import router as dashboard_router
 from services.gateway.introspection import cancel_owned
@@ -108,6 +109,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                       **GENERATION_ERRORS})
     async def generate(body: GenerateRequest, request: Request):
         core: GatewayCore = request.app.state.core
+        if body.n > 1:  # one request of its own per choice (choices.py)
+            return await generate_choices(request, body)
         handle = await accept(request, body)
         headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
         if body.stream:

@@ -104,12 +104,14 @@ class GatewayCore:
         logger.info("gateway core stopped")
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
-                     extra_meta: dict | None = None, route: str = "/generate") -> RequestHandle:
-        """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id."""
+                     extra_meta: dict | None = None, route: str = "/generate", request_id: str = "",
+                     group_id: str = "", group_size: int = 1) -> RequestHandle:
+        """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
+        n > 1 request comes with its id and its group's (choices.py)."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
                               headers={"Retry-After": "1"})
-        rid = uuid.uuid4().hex  # 128 random bits
+        rid = request_id or uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
         timeout = req.timeout or self.s.request_timeout_s
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
@@ -120,7 +122,8 @@ class GatewayCore:
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
         ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
                              sampling=sampling, priority=req.priority, deadline=now + timeout,
-                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp)
+                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp,
+                             group_id=group_id, group_size=group_size)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt

@@ -15,8 +15,9 @@ from services.gateway.schemas import GenerateRequest
 
 
 async def accept(request: Request, body: GenerateRequest, default_max_tokens: int | None = None,
-                 extra_meta: dict | None = None) -> RequestHandle:
-    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError)."""
+                 extra_meta: dict | None = None, **choice) -> RequestHandle:
+    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). choice: a
+    choice of an n > 1 request (choices.py) gives its request_id, group_id, group_size and traceparent."""
     core = request.app.state.core
     if (body.prompt is None) == (body.messages is None):
         which = "both were given" if body.prompt is not None else "neither was given"
@@ -30,5 +31,6 @@ async def accept(request: Request, body: GenerateRequest, default_max_tokens: in
     if max_tokens > limit:
         raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
                              "max_tokens_too_large")
+    traceparent = choice.pop("traceparent", None) or request.headers.get("traceparent", "")
     return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
-                             traceparent=request.headers.get("traceparent", ""), route=request.url.path)
+                             traceparent=traceparent, route=request.url.path, **choice)

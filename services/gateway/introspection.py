@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from services.gateway.auth import owned_snapshot, visible_owner
+from services.gateway.choices import members
 from services.gateway.core import GatewayCore
 from shared.lifecycle import TERMINAL, State
 
@@ -56,7 +57,9 @@ async def cancel_owned(core: GatewayCore, request: Request, request_id: str) -> 
     """Cancel a request the caller may see (404 otherwise): DELETE /v1/requests/{id} and the dashboard's."""
     snap = await owned_snapshot(core, request, request_id)
     request_id = snap.request_id
-    cancelled = await core.cancel(request_id, "client_cancel", snap.layers["meta"].get("reply_to", ""))
+    cancelled = False
+    for rid in await members(core, snap.layers["meta"], request_id):  # a choice of n > 1: the whole request
+        cancelled = await core.cancel(rid, "client_cancel", snap.layers["meta"].get("reply_to", "")) or cancelled
     after = await core.store.aread(core.r, request_id)
     return {"request_id": request_id, "cancelled": cancelled,
             "state": after.state.value if after and after.state else None}

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from services.gateway.choices_openai import serve_choices
 from services.gateway.errors import InvalidRequest, NotFound
 from services.gateway.intake import accept
 from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -43,7 +44,6 @@ def _check_common(request: Request, body: OpenAIRequest) -> None:
         raise NotFound(f"the model '{body.model}' does not exist; this server serves '{name}'", "model",
                        "model_not_found")
     rules: list[tuple[str, bool, str]] = [
-        ("n", body.n not in (None, 1), "only 1 choice per request is supported"),
         ("presence_penalty", body.presence_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
         ("frequency_penalty", body.frequency_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
         ("logit_bias", bool(body.logit_bias), "not supported"),
@@ -110,9 +110,11 @@ async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest,
                  default_max_tokens: int | None = None):
     meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
             "client_request_id": body.request_id}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if (body.n or 1) > 1:  # one request of its own per choice (choices.py)
+        return await serve_choices(request, native, body.n, chat, meta, include_usage, default_max_tokens)
     handle = await accept(request, native, default_max_tokens, extra_meta=meta)
     core = request.app.state.core
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
                   include_usage)
     headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}

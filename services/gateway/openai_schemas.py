@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.schemas import INT32_MAX, Stop
+from services.gateway.schemas import INT32_MAX, MAX_CHOICES, Stop
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -31,7 +31,7 @@ class OpenAIRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="most new tokens")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (default 1)")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=128, description="choices per request: only 1 is supported")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per request (prompt prefilled once)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")

@@ -23,14 +23,16 @@ DEADLINE_GRACE_S = 2.0  # the scheduler/worker report timeouts; the gateway sett
 MIN_WAIT_S = 0.05  # shortest wait for output (a deadline just passed is looked at again this soon)
 
 
-async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[Chunk]:
+async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
+                watch: bool = True) -> AsyncIterator[Chunk]:
     """Chunks until the terminal one; cancels on client disconnect, times out as a backstop.
 
     A waiting request sleeps until output arrives, its client leaves (a watcher task wakes it) or its deadline's
     backstop is due: no periodic poll. (A poll of the client every half second cost a gateway holding 5,000
-    waiting streams 10,000 wakeups a second, half of its time.)"""
+    waiting streams 10,000 wakeups a second, half of its time.) watch=False: the caller watches the client (the
+    choices of an n > 1 request share one connection, whose disconnect receive() answers only once)."""
     asked_cancel = asked_timeout = False
-    watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+    watcher = asyncio.ensure_future(_watch_disconnect(request, handle)) if watch else None
     try:
         while True:
             grace = DEADLINE_GRACE_S * (2 if asked_timeout else 1)
@@ -54,7 +56,8 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request) -> A
                     return
                 asked_timeout = True
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
+MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (choices.py)
 
 # A stop string: matched on the output text; neither it nor any part of it is returned.
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
@@ -39,3 +40,4 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
     stream: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")

@@ -116,4 +116,4 @@ def scheduled_event(q, worker_id: str, traceparent: str) -> Scheduled:
     return Scheduled(request_id=ev.request_id, worker_id=worker_id, reply_to=ev.reply_to,
                      prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids, sampling=ev.sampling,
                      priority=ev.priority, deadline=ev.deadline, received_at=ev.received_at, attempt=q.attempt,
-                     traceparent=traceparent)
+                     traceparent=traceparent, group_id=ev.group_id)

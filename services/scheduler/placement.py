@@ -39,7 +39,7 @@ class Candidate:
 class Decision:
     worker_id: str
     mode: str
-    reason: str  # overlap | load_guard | load | round_robin
+    reason: str  # overlap | load_guard | load | round_robin | group (routing.py: with its n > 1 siblings)
     prompt_blocks: int  # blocks of the prompt (the last one partial) the request has to have
     matched: dict[str, int]  # candidate -> prompt blocks it holds
     costs: dict[str, float]  # candidate -> its cost (kv) or its free share of the pool (load); empty: round_robin

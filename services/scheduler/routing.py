@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from services.scheduler.affinity import GroupAffinity
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import Candidate, Decision, Placement
 from services.scheduler.state import WorkerView
@@ -30,6 +31,7 @@ class Router:
         self.policy = Placement(settings.routing, settings.routing_overlap_weight, settings.routing_balance_abs,
                                 settings.routing_balance_rel)
         self.index = KvIndex()
+        self.groups = GroupAffinity()  # the choices of one n > 1 request: on one worker
         self.cursor = "0-0"  # a (re)started scheduler replays what the capped stream still holds
         self.ask_every_s = settings.liveness_ttl_s
         self._asked: dict[str, float] = {}  # worker -> when it was last asked to announce its cache
@@ -57,6 +59,7 @@ class Router:
 
     def drop_worker(self, worker_id: str) -> None:
         self.index.drop_worker(worker_id)
+        self.groups.drop_worker(worker_id)
         self._asked.pop(worker_id, None)
         self._unknown_since.pop(worker_id, None)
 
@@ -74,6 +77,22 @@ class Router:
         """The worker for queued request q among fits (live, with a free slot)."""
         ev = q.event
         num_tokens = len(ev.prompt_token_ids) + len(q.output_token_ids)
+        decision = self._with_group(q, fits, num_tokens, block_size) or \
+            self._route(q, fits, num_tokens, need_blocks, block_size)
+        self.groups.placed(ev.group_id, ev.group_size, decision.worker_id)
+        return decision
+
+    def _with_group(self, q, fits: list[WorkerView], num_tokens: int, block_size: int) -> Decision | None:
+        """A choice of an n > 1 request goes where its group's first choice went, if that worker has a slot: the
+        prompt blocks are computed there (or being computed), so it needs only the rest of its own."""
+        wid = self.groups.worker_for(q.event.group_id)
+        if wid is None or all(w.worker_id != wid for w in fits):
+            return None
+        shared = min(len(q.event.prompt_token_ids), num_tokens - 1) // block_size
+        return Decision(wid, self.policy.mode, "group", -(-num_tokens // block_size), {wid: shared}, {})
+
+    def _route(self, q, fits: list[WorkerView], num_tokens: int, need_blocks: int, block_size: int) -> Decision:
+        ev = q.event
         matched = {}
         if self.policy.mode == "kv" and ev.block_size == block_size:
             # The engine computes the block holding the last token whatever it has cached (its logits are needed).

@@ -234,7 +234,8 @@ class SchedulerService:
         ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
                           sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
                           received_at=sch.received_at, traceparent=sch.traceparent, block_size=bs,
-                          block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs))
+                          block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs),
+                          group_id=sch.group_id)
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
         if item is not None:

@@ -164,7 +164,8 @@ class TokenizerService:
         return Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
                             sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
                             adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
-                            block_size=bs, block_hashes=block_hashes(ids, bs), traceparent=traceparent)
+                            block_size=bs, block_hashes=block_hashes(ids, bs), traceparent=traceparent,
+                            group_id=ev.group_id, group_size=ev.group_size)
 
     @staticmethod
     def _failed(ev: RequestReceived, e: PromptError, traceparent: str) -> Failed:

@@ -139,7 +139,8 @@ class WorkerService:
             self.engine.add_request(EngineRequest(request_id=ev.request_id,
                                                   prompt_token_ids=list(ev.prompt_token_ids),
                                                   sampling=sampling_options(ev.sampling), priority=ev.priority,
-                                                  output_token_ids=list(ev.output_token_ids)))
+                                                  output_token_ids=list(ev.output_token_ids),
+                                                  group_id=ev.group_id))
         except RecoverableEngineError as e:  # this request alone is at fault
             logger.warning("refusing %s: %s", ev.request_id, e)
             fail = Failed(request_id=ev.request_id, reason="worker_error", message=f"the worker refused it: {e}",

@@ -62,6 +62,7 @@ class EngineRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     priority: int = 0  # higher number = less important (preempted first), like vLLM
     output_token_ids: list[int] = field(default_factory=list)  # already generated elsewhere (resume)
+    group_id: str = ""  # requests sharing it (the choices of one n > 1 request) have one prompt: prefilled once
 
 
 class SequenceStatus(enum.Enum):
@@ -79,10 +80,11 @@ class Sequence:
     __slots__ = ("request_id", "sampling", "priority", "arrival", "token_ids", "num_prompt_tokens",
                  "num_emitted", "status", "block_table", "block_hashes", "num_computed_tokens",
                  "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
-                 "error_reason", "error", "stop_ids")
+                 "error_reason", "error", "stop_ids", "group_id")
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
+        self.group_id = req.group_id
         self.sampling = req.sampling
         self.priority = req.priority
         self.arrival = arrival  # global admission counter: larger = newer

@@ -2,7 +2,8 @@
 
 Each step: (1) running sequences get their next tokens, decode-format ones first, then
 ongoing prefill chunks; (2) if no one was preempted and slots and budget remain, waiting
-sequences are admitted FIFO (preempted ones sit at the front), reusing prefix-cache blocks.
+sequences are admitted FIFO (preempted ones sit at the front), reusing prefix-cache blocks; the
+choices of one n > 1 request (a group) wait while a sibling computes their shared prompt, then reuse it.
 When blocks run out the least important running sequence (highest priority number, then
 newest) is preempted: its blocks are released and it will recompute prompt + outputs.
 """
@@ -111,8 +112,12 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         bs = self.blocks.block_size
+        held: list[Sequence] = []  # choices waiting for a sibling's prompt blocks: they keep their place in line
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._sibling_computes_prompt(seq):
+                held.append(self.waiting.popleft())
+                continue
             hits: list[int] = []
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
@@ -139,6 +144,17 @@ class Scheduler:
             batch.transitions.append((seq.request_id, SequenceStatus.PREFILLING.value))
             batch.items.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
+
+    def _sibling_computes_prompt(self, seq: Sequence) -> bool:
+        """Whether a running sibling (same group: the choices of one n > 1 request, one prompt) is still computing
+        prompt blocks `seq` could reuse. Admitted now, `seq` would find them uncached and compute them again;
+        held until they are registered, it gets them as prefix-cache hits, so the prompt is computed once."""
+        if not seq.group_id or not self.blocks.enable_prefix_caching:
+            return False
+        shared = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.blocks.block_size
+        return any(s.group_id == seq.group_id and s.num_registered_blocks < shared
+                   and s.num_computed_tokens < s.num_prompt_tokens for s in self.running)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks to the prefix cache."""

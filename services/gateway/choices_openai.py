@@ -1,0 +1,99 @@
+"""OpenAI's shape of a request with n > 1 choices (choices.py drives them): one body with n choices, or one
+stream whose chunks each carry their choice's `index`.
+
+Non-stream: the choices in index order, `usage` for the whole request (prompt once, completion tokens summed).
+Stream: as for n = 1 (openai_stream.py) it answers once the first output of any choice (or the end) is known, so a
+request whose choices fail before any output (a prompt too long fails them all alike) gets that error's status.
+Then each choice's text deltas as they come, interleaved, each chunk naming its choice; a choice's finish_reason in
+a chunk of its own when it ends; the usage chunk (stream_options.include_usage) once all have ended; [DONE].
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, first_outcome, merged_usage
+from services.gateway.core import GatewayCore
+from services.gateway.errors import GatewayError
+from services.gateway.handle import Chunk
+from services.gateway.openai_stream import Shape, openai_usage
+from services.gateway.responses import sse
+from services.gateway.schemas import GenerateRequest
+from shared.events import Completed
+
+
+def _at(out: dict, index: int) -> dict:
+    """A one-choice body or chunk built by Shape, for choice `index`."""
+    for choice in out["choices"]:
+        choice["index"] = index
+    return out
+
+
+def choices_body(shape: Shape, bodies: list[dict]) -> dict:
+    """The non-stream answer from the choices' native bodies."""
+    out = shape.body(bodies[0])
+    out["choices"] = [_at(shape.body(b), i)["choices"][0] for i, b in enumerate(bodies)]
+    out["usage"] = openai_usage(merged_usage(bodies))
+    return out
+
+
+async def serve_choices(request: Request, native: GenerateRequest, n: int, chat: bool, meta: dict,
+                        include_usage: bool, default_max_tokens: int | None):
+    core: GatewayCore = request.app.state.core
+    choices = await accept_choices(request, native, n, default_max_tokens, meta)
+    primary = choices.primary
+    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}", int(time.time()), core.model_name,
+                  include_usage)
+    headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
+    if native.stream:
+        return await _start_stream(request, core, choices, shape, headers)
+    return JSONResponse(choices_body(shape, await collect_choices(core, choices, request)), headers=headers)
+
+
+async def _start_stream(request: Request, core: GatewayCore, choices: Choices, shape: Shape,
+                        headers: dict) -> StreamingResponse:
+    """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
+    run = ChoiceRun(core, choices, request)
+    try:
+        first = await run.next()
+        if first[1].end is not None and not isinstance(first[1].end, Completed):
+            await first_outcome(core, run, *first)  # raises the GatewayError this ending calls for
+    except BaseException as e:
+        run.close(isinstance(e, GatewayError))
+        raise
+    return StreamingResponse(_events(core, run, shape, first), media_type="text/event-stream", headers=headers)
+
+
+async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
+    n = len(run.choices.handles)
+    bodies: dict[int, dict] = {}
+    failed = False
+    try:
+        if shape.chat:
+            for i in range(n):
+                yield sse(_at(shape.chunk(role=True), i))
+        index, chunk = first
+        while True:
+            if chunk.text:
+                yield sse(_at(shape.chunk(text=chunk.text), index))
+            try:
+                body = await first_outcome(core, run, index, chunk)
+            except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()
+                failed = True
+                yield sse(e.body())
+                break
+            if body is not None:
+                bodies[index] = body
+                yield sse(_at(shape.chunk(finish_reason=body["finish_reason"]), index))
+                if len(bodies) == n:
+                    if shape.include_usage:
+                        yield sse(shape.usage_chunk(merged_usage([bodies[i] for i in range(n)])))
+                    break
+            index, chunk = await run.next()
+        yield sse("[DONE]")
+    finally:
+        run.close(failed)  # before any await: a cancelled handler's next await raises at once
