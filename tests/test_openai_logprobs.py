@@ -26,9 +26,7 @@ def client(cluster):
 @pytest.fixture(scope="module")
 def hf_logprobs(hf_reference):
     """prompt ids + output ids -> [len(output), V] float64 log-softmax of transformers' float32 logits."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_reference.tokenizer.name_or_path, dtype=torch.float32).eval()
+    model = hf_reference.model
 
     def compute(prompt: list[int], output: list[int]) -> torch.Tensor:
         with torch.inference_mode():

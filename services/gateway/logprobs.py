@@ -61,19 +61,28 @@ class TokenStrings:
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self.special |= {i for i, t in added.items() if getattr(t, "special", False)}
-        self._bytes_map = _byte_level_decoder() if _is_byte_level(tokenizer) else None
         self._cache: dict[int, tuple[bytes, str]] = {}
+        self._special: frozenset[int] | None = None
+        self._bytes_map: dict[str, int] | None = None  # byte-level BPE's alphabet, reversed (read at first use)
+
+    @property
+    def special(self) -> frozenset[int]:
+        if self._special is None:
+            tok = self.tok
+            added = getattr(tok, "added_tokens_decoder", {}) or {}
+            self._special = frozenset(getattr(tok, "all_special_ids", ()) or ()) | \
+                {i for i, t in added.items() if getattr(t, "special", False)}
+            self._bytes_map = _byte_level_decoder() if _is_byte_level(tok) else {}
+        return self._special
 
     def _compute(self, tid: int) -> tuple[bytes, str]:
+        special = self.special  # (reads the tokenizer's facts at first use)
         piece = self.tok.convert_ids_to_tokens(tid)
         if piece is None:  # an id beyond the tokenizer's vocabulary (a model with padded embeddings)
             raw = b""
-        elif tid in self.special:
+        elif tid in special:
             raw = piece.encode()
-        elif self._bytes_map is not None and all(c in self._bytes_map for c in piece):
+        elif self._bytes_map and all(c in self._bytes_map for c in piece):
             raw = bytes(self._bytes_map[c] for c in piece)
         elif m := _BYTE_PIECE.fullmatch(piece):
             raw = bytes([int(m.group(1), 16)])

@@ -46,7 +46,7 @@ class Shape:
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
-        completion = CompletionLogprobs(self.token_strings) if self.token_strings and not self.chat else None
+        completion = CompletionLogprobs(self.token_strings) if self.token_strings is not None and not self.chat else None
         object.__setattr__(self, "_completion_logprobs", completion)
 
     def _head(self, obj: str) -> dict:
