@@ -32,6 +32,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0  # stop tokens are masked until this many were generated
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep generating past EOS
+    presence_penalty: float = 0.0  # OpenAI's, over the output so far, [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, over the output so far, [-2, 2]; 0 = off
+    logprobs: int | None = None  # None = off; k: each token's log probability and its k most likely (0..20)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -96,10 +99,19 @@ class HandBack(Event, tag="hand_back", kw_only=True):
     output_token_ids: tuple[int, ...]  # tokens generated so far: the next worker resumes after them
 
 
+class Logprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log probabilities of a TokenDelta's tokens, packed (shared/logprobs.py packs and unpacks them)."""
+
+    top: int  # alternatives given per token
+    values: bytes  # float32 little-endian; per token: its own log probability, then its `top` alternatives'
+    top_ids: tuple[int, ...]  # per token, its `top` alternatives' ids, most likely first
+
+
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     request_id: str  # request the tokens belong to
     index: int  # position of token_ids[0] in the request's output (duplicates are dropped by it)
     token_ids: tuple[int, ...]  # new tokens of this step
+    logprobs: Logprobs | None = None  # when the request asked for them (an older reader ignores a trailing field)
 
 
 class TokenGenerated(Event, tag="token_generated", kw_only=True):

@@ -75,6 +75,7 @@ def hf_reference(model_dir):
 
     generate.prompt_ids = prompt_ids
     generate.tokenizer = tok
+    generate.model = model  # float32, for tests that need its logits
     return generate
 
 

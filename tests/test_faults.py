@@ -42,8 +42,9 @@ def _idle(c: Cluster) -> bool:
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, seen: dict) -> dict:
-    """One streaming request; returns its ids in order, the index of every delta, and the final event."""
-    out = {"ids": [], "indexes": [], "final": None, "finals": 0}
+    """One streaming request; returns its ids in order, the index of every delta, the token id of every log
+    probability entry, and the final event."""
+    out = {"ids": [], "indexes": [], "final": None, "finals": 0, "logprob_ids": []}
     async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -55,6 +56,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, seen: dict) -> dict:
             else:
                 out["indexes"].append((ev["index"], len(ev["token_ids"])))
                 out["ids"] += ev["token_ids"]
+                out["logprob_ids"] += [e["token_id"] for e in ev.get("logprobs", [])]
     return out
 
 
@@ -67,6 +69,7 @@ def _check_streams(results: list[dict], expected: list[list[int]]) -> None:
             assert idx == pos, (idx, pos)
             pos += n
         assert res["ids"] == exp
+        assert res["logprob_ids"] == exp, "one log probability entry per token: none lost or repeated by the move"
 
 
 def _expected(hf_reference) -> list[list[int]]:
@@ -92,8 +95,8 @@ def _run_with_fault(c: Cluster, fault) -> list[dict]:
     async def main():
         seen: dict = {}
         async with httpx.AsyncClient(base_url=c.url, timeout=300) as client:
-            tasks = [asyncio.create_task(_stream(client, {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 600},
-                                                 seen)) for p in PROMPTS]
+            body = {"max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 600, "logprobs": 1}
+            tasks = [asyncio.create_task(_stream(client, {"prompt": p, **body}, seen)) for p in PROMPTS]
             t0 = time.monotonic()
             while len([v for v in seen.values() if v >= 2]) < len(PROMPTS) // 2 and time.monotonic() - t0 < 120:
                 await asyncio.sleep(0.05)

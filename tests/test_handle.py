@@ -57,3 +57,38 @@ def test_deltas_queued_together_come_out_as_one_chunk_then_the_end(tokenizer):
         last = await handle.next_chunk(0.05)
         assert last.end is not None and last.index == 3 and handle.token_ids == [42, 43, 44]
     asyncio.run(main())
+
+
+def _lp(*values: float):
+    """A delta's packed log probabilities: one token per value, each with itself as its one alternative."""
+    from shared.logprobs import TokenLogprob, pack
+
+    return pack([TokenLogprob(v, (i,), (v,)) for i, v in enumerate(values)])
+
+
+def test_logprobs_follow_their_tokens_through_duplicates_and_a_stop_string_cut(tokenizer):
+    """A delta seen twice (redelivery, a request moved to another worker) adds its log probabilities once; a stop
+    string that completes inside a delta cuts them with the tokens."""
+    ids = tokenizer.encode(" alpha beta gamma delta")
+
+    async def main():
+        handle = RequestHandle("r", "reply", TextStream(tokenizer, [" gam"]), time.time() + 60, time.perf_counter())
+        handle.logprobs = []
+        handle.deliver(TokenDelta("r", 0, tuple(ids[:2]), _lp(-0.5, -1.5)))
+        handle.deliver(TokenDelta("r", 0, tuple(ids[:2]), _lp(-0.5, -1.5)))  # the same again
+        handle.deliver(TokenDelta("r", 1, tuple(ids[1:]), _lp(-1.5, -2.5, -3.5)))  # overlaps by one
+        chunk = await handle.next_chunk(0.05)
+        assert handle.stop_matched == " gam"
+        assert chunk.token_ids == handle.token_ids == ids[:3], "cut at the token that completed the stop string"
+        assert [e.logprob for e in chunk.logprobs] == [e.logprob for e in handle.logprobs] == [-0.5, -1.5, -2.5]
+        assert chunk.logprobs[2].top_logprobs == (-2.5,)
+    asyncio.run(main())
+
+
+def test_a_request_that_did_not_ask_keeps_no_logprobs(tokenizer):
+    async def main():
+        handle = RequestHandle("r", "reply", TextStream(tokenizer), time.time() + 60, time.perf_counter())
+        handle.deliver(TokenDelta("r", 0, (42, 43), _lp(-1.0, -2.0)))
+        chunk = await handle.next_chunk(0.05)
+        assert chunk.logprobs is None and handle.logprobs is None
+    asyncio.run(main())

@@ -92,7 +92,7 @@ def test_stop_string_ends_output_before_it(client, cluster):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 17}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": True}, "logprobs"),
+    ({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"temperature": 3}, "temperature"),
 ])

@@ -7,6 +7,7 @@ emits for the prompt (`hf_reference` below)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -107,3 +108,18 @@ def test_same_prompt_and_seed_give_the_same_simulated_text(cluster):
     other = httpx.post(f"{cluster.url}/generate", json={**body, "seed": 12}, timeout=60).json()
     assert first["token_ids"] == again["token_ids"] and first["text"] == again["text"]
     assert other["token_ids"] != first["token_ids"]
+
+
+def test_simulated_logprobs_reach_the_openai_client(cluster):
+    """Synthetic (SimVocab.logprobs): with no EOS chance the emitted word is the mode, at probability 1/2."""
+    from tests.openai_fixtures import openai_client
+
+    out = openai_client(cluster.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say words"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == out.choices[0].message.content
+    for e in content:
+        assert abs(e.logprob - math.log(0.5)) < 1e-6 and [t.token for t in e.top_logprobs][0] == e.token
+        assert abs(e.top_logprobs[1].logprob - math.log(0.25)) < 1e-6

@@ -207,3 +207,26 @@ def test_the_engine_setting_is_torch_by_default_and_takes_sim(monkeypatch):
     monkeypatch.setenv("CONVEYOR_ENGINE", "vllm")
     with pytest.raises(ValidationError, match="engine"):
         WorkerSettings()
+
+
+def test_simulated_logprobs_are_synthetic_but_consistent_with_the_emitted_tokens(make_engine):
+    """The simulator's stand-in distribution: the word it emits (or EOS) is among the alternatives with its own
+    value, the alternatives are sorted and sum to at most 1, and the same request gives the same values."""
+    import math
+
+    runs = []
+    for _ in range(2):
+        engine, _ = make_engine(eos_probability=0.2)
+        engine.add_request(EngineRequest("a", prompt(20), SamplingOptions(temperature=0, max_tokens=40, logprobs=3)))
+        engine.add_request(EngineRequest("b", prompt(20, 3000), SamplingOptions(temperature=0, max_tokens=40)))
+        got: dict[str, list] = {"a": [], "b": []}
+        while engine.has_unfinished():
+            for o in engine.step().outputs:
+                got[o.request_id] += list(zip(o.new_token_ids, o.logprobs or [None] * len(o.new_token_ids)))
+        runs.append(got)
+    assert runs[0] == runs[1]
+    assert all(lp is None for _, lp in runs[0]["b"]), "a request that did not ask gets none"
+    for token, lp in runs[0]["a"]:
+        assert len(lp.top_ids) == 3 and list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
+        assert sum(math.exp(v) for v in lp.top_logprobs) <= 1.0 + 1e-9
+        assert token in lp.top_ids and lp.logprob == lp.top_logprobs[lp.top_ids.index(token)]

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
 from services.gateway.core import GatewayCore
-from services.gateway.responses import final_event, sse
+from services.gateway.responses import delta_event, final_event, sse
 from services.gateway.schemas import GenerateRequest
 
 
@@ -42,8 +42,7 @@ async def _stream(core: GatewayCore, choices: Choices, request: Request) -> Asyn
             handle = choices.handles[index]
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
-                    yield sse({"request_id": handle.request_id, "choice": index, "index": chunk.index,
-                               "text": chunk.text, "token_ids": chunk.token_ids})
+                    yield sse({**delta_event(core, handle, chunk), "choice": index})
                 continue
             final = {**await final_event(core, handle, chunk), "choice": index}
             yield sse(final)

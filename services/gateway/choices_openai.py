@@ -33,10 +33,11 @@ def _at(out: dict, index: int) -> dict:
     return out
 
 
-def choices_body(shape: Shape, bodies: list[dict]) -> dict:
-    """The non-stream answer from the choices' native bodies."""
-    out = shape.body(bodies[0])
-    out["choices"] = [_at(shape.body(b), i)["choices"][0] for i, b in enumerate(bodies)]
+def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> dict:
+    """The non-stream answer from the choices' native bodies (and their handles' log probabilities)."""
+    out = shapes[0].body(bodies[0])
+    out["choices"] = [_at(shapes[i].body(b, choices.handles[i].logprobs), i)["choices"][0]
+                      for i, b in enumerate(bodies)]
     out["usage"] = openai_usage(merged_usage(bodies))
     return out
 
@@ -46,15 +47,16 @@ async def serve_choices(request: Request, native: GenerateRequest, n: int, chat:
     core: GatewayCore = request.app.state.core
     choices = await accept_choices(request, native, n, default_max_tokens, meta)
     primary = choices.primary
-    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}", int(time.time()), core.model_name,
-                  include_usage)
+    # One Shape per choice: a completion's log probabilities carry a text offset that runs on within its choice.
+    shapes = [Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}", int(time.time()), core.model_name,
+                    include_usage, core.token_strings if native.logprobs is not None else None) for _ in range(n)]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
-        return await _start_stream(request, core, choices, shape, headers)
-    return JSONResponse(choices_body(shape, await collect_choices(core, choices, request)), headers=headers)
+        return await _start_stream(request, core, choices, shapes, headers)
+    return JSONResponse(choices_body(shapes, choices, await collect_choices(core, choices, request)), headers=headers)
 
 
-async def _start_stream(request: Request, core: GatewayCore, choices: Choices, shape: Shape,
+async def _start_stream(request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape],
                         headers: dict) -> StreamingResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
     run = ChoiceRun(core, choices, request)
@@ -65,11 +67,12 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
     except BaseException as e:
         run.close(isinstance(e, GatewayError))
         raise
-    return StreamingResponse(_events(core, run, shape, first), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_events(core, run, shapes, first), media_type="text/event-stream", headers=headers)
 
 
-async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
-    n = len(run.choices.handles)
+async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
+                  first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
+    n, shape = len(run.choices.handles), shapes[0]
     bodies: dict[int, dict] = {}
     failed = False
     try:
@@ -78,8 +81,9 @@ async def _events(core: GatewayCore, run: ChoiceRun, shape: Shape, first: tuple[
                 yield sse(_at(shape.chunk(role=True), i))
         index, chunk = first
         while True:
-            if chunk.text:
-                yield sse(_at(shape.chunk(text=chunk.text), index))
+            if chunk.text or chunk.logprobs:  # tokens whose text is held back still bring their log probabilities
+                yield sse(_at(shapes[index].chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs),
+                              index))
             try:
                 body = await first_outcome(core, run, index, chunk)
             except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()

@@ -19,6 +19,7 @@ from services.gateway.admission import Admission
 from services.gateway.errors import Unavailable
 from services.gateway.feed_hub import FeedHub
 from services.gateway.handle import RequestHandle
+from services.gateway.logprobs import TokenStrings
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
 from services.gateway.stop_strings import TextStream
@@ -65,6 +66,7 @@ class GatewayCore:
         self.id = instance_id(settings, "gateway")
         self.reply_to = self.names.reply_stream(self.id)
         self.tokenizer = tokenizer
+        self.token_strings = TokenStrings(tokenizer)  # log probabilities' token strings and bytes
         self.model_name = model_name
         self.lifecycle = Lifecycle(client, self.names, "gateway", settings.context_ttl_s)
         self.store = ContextStore(client, self.names, int(settings.request_timeout_s) + settings.context_ttl_s)
@@ -117,7 +119,8 @@ class GatewayCore:
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
                             min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
                             min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
-                            ignore_eos=req.ignore_eos)
+                            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs)
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
         ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
@@ -128,6 +131,7 @@ class GatewayCore:
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt
         handle.epoch = self.epoch.known
+        handle.logprobs = [] if req.logprobs is not None else None
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
         meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
                 "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",

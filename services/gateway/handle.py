@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.stop_strings import TextStream
 from shared.events import AnyEvent, TokenDelta
+from shared.logprobs import TokenLogprob, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class Chunk:
     token_ids: list[int]  # new token ids
     index: int  # position of token_ids[0] in the output
     end: AnyEvent | None = None  # the terminal event, on the last chunk
+    logprobs: list[TokenLogprob | None] | None = None  # one per token_ids, when the request asked for them
 
 
 @dataclass
@@ -37,6 +39,8 @@ class RequestHandle:
     t0: float  # perf_counter at receipt: every client-side interval is measured from it
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)
+    # One per token_ids when the request asked for log probabilities (None: it did not); cut with token_ids.
+    logprobs: list[TokenLogprob | None] | None = None
     text: list[str] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # perf_counter per delivered delta
     first_token_at: float | None = None
@@ -59,8 +63,16 @@ class RequestHandle:
         have = len(self.token_ids)
         if delta.index > have:
             logger.error("request %s: token gap (have %d, got index %d)", self.request_id, have, delta.index)
-        new = list(delta.token_ids[max(0, have - delta.index):])
+        skip = max(0, have - delta.index)
+        new = list(delta.token_ids[skip:])
         self.token_ids.extend(new)
+        if self.logprobs is not None:
+            entries = unpack(delta.logprobs) if delta.logprobs is not None else []
+            if len(entries) != len(delta.token_ids):  # a worker that does not know them (an older version)
+                logger.error("request %s: %d log probabilities for %d tokens", self.request_id, len(entries),
+                             len(delta.token_ids))
+                entries = [None] * len(delta.token_ids)
+            self.logprobs.extend(entries[skip:])
         return new
 
     async def next_chunk(self, timeout: float) -> Chunk | None:
@@ -96,10 +108,12 @@ class RequestHandle:
         self.token_times.append(now)
         text, used = self.detok.push(new)
         if used < len(new):  # a stop string completed inside these deltas: the later tokens are not output
-            del self.token_ids[len(self.token_ids) - len(new) + used:]
+            del self.token_ids[index + used:]
+            if self.logprobs is not None:
+                del self.logprobs[index + used:]
             new = new[:used]
         self.text.append(text)
-        return Chunk(text, new, index)
+        return Chunk(text, new, index, logprobs=None if self.logprobs is None else self.logprobs[index:])
 
     def finish(self, end: AnyEvent) -> Chunk:
         tail = self.detok.flush()

@@ -30,8 +30,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 STARTED = int(time.time())  # "created" of the model card: when this gateway started serving it
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)
 # Fields passed to the native request unchanged when given (both sides validate them alike).
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "min_tokens", "stop_token_ids",
-          "ignore_eos", "priority", "timeout", "stop")
+PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+          "seed", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "timeout", "stop")
 
 
 def _unsupported(param: str, message: str) -> InvalidRequest:
@@ -44,8 +44,6 @@ def _check_common(request: Request, body: OpenAIRequest) -> None:
         raise NotFound(f"the model '{body.model}' does not exist; this server serves '{name}'", "model",
                        "model_not_found")
     rules: list[tuple[str, bool, str]] = [
-        ("presence_penalty", body.presence_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0), "only 0 is supported (repetition_penalty is)"),
         ("logit_bias", bool(body.logit_bias), "not supported"),
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
     ]
@@ -57,8 +55,7 @@ def _check_common(request: Request, body: OpenAIRequest) -> None:
 def _check_completion(body: CompletionRequest) -> str:
     """The single prompt, once the completion-only fields are known to be supported."""
     for param, broken, message in [
-        ("logprobs", body.logprobs is not None, "log probabilities are not supported"),
-        ("echo", bool(body.echo), "not supported"),
+        ("echo", bool(body.echo), "not supported (the prompt is not returned, nor its tokens' log probabilities)"),
         ("suffix", body.suffix is not None, "not supported"),
         ("best_of", body.best_of not in (None, 1), "only 1 is supported"),
     ]:
@@ -72,11 +69,16 @@ def _check_completion(body: CompletionRequest) -> str:
     return body.prompt
 
 
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    """The native `logprobs` (alternatives per token, None = off) of a chat request."""
+    if body.top_logprobs not in (None, 0) and not body.logprobs:
+        raise InvalidRequest("top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def _check_chat(body: ChatCompletionRequest) -> None:
     no_tools = not body.tools
     for param, broken, message in [
-        ("logprobs", bool(body.logprobs), "log probabilities are not supported"),
-        ("top_logprobs", body.top_logprobs not in (None, 0), "log probabilities are not supported"),
         ("response_format", body.response_format is not None and body.response_format.type != "text",
          "only {'type': 'text'} is supported"),
         ("tools", not no_tools, "tool calling is not supported"),
@@ -96,10 +98,10 @@ def _messages(body: ChatCompletionRequest) -> list[Message]:
     return out
 
 
-def _native(body: OpenAIRequest, max_tokens: int | None, **prompt: Any) -> GenerateRequest:
+def _native(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> GenerateRequest:
     fields = {k: v for k in PASSED if (v := getattr(body, k)) is not None}
     try:
-        return GenerateRequest(**prompt, **fields, max_tokens=max_tokens, stream=bool(body.stream))
+        return GenerateRequest(**prompt, **fields, max_tokens=max_tokens, logprobs=logprobs, stream=bool(body.stream))
     except ValidationError as e:  # a rule of the native API the OpenAI schema does not repeat (empty prompt)
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
@@ -116,18 +118,19 @@ async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest,
     handle = await accept(request, native, default_max_tokens, extra_meta=meta)
     core = request.app.state.core
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
-                  include_usage)
+                  include_usage, core.token_strings if native.logprobs is not None else None)
     headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, handle, shape, headers)
-    return JSONResponse(shape.body(await collect(core, handle, request)), headers=headers)
+    body = await collect(core, handle, request, with_logprobs=False)
+    return JSONResponse(shape.body(body, handle.logprobs), headers=headers)
 
 
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
 async def completions(body: CompletionRequest, request: Request):
     _check_common(request, body)
     prompt = _check_completion(body)
-    native = _native(body, body.max_tokens, prompt=prompt)
+    native = _native(body, body.max_tokens, body.logprobs, prompt=prompt)
     return await _serve(request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
@@ -136,7 +139,8 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_common(request, body)
     _check_chat(body)
-    native = _native(body, body.max_completion_tokens or body.max_tokens, messages=_messages(body))
+    native = _native(body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body),
+                     messages=_messages(body))
     return await _serve(request, body, native, chat=True)
 
 

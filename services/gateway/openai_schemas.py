@@ -1,7 +1,7 @@
 """OpenAI's request and response bodies (completions, chat completions, models), plus vLLM's extras.
 
 Requests are validated strictly, like the native API. Every field an OpenAI client may send is
-known: the ones Conveyor cannot honour (n > 1, logprobs, penalties, tools...) are refused with a
+known: the ones Conveyor cannot honour (n > 1, logit_bias, echo, tools...) are refused with a
 400 naming them, never silently ignored. Response models document the answers (and let the API
 fuzzer check them); the handlers build plain dicts of the same shape.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.schemas import INT32_MAX, MAX_CHOICES, Stop
+from services.gateway.schemas import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Stop
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -36,8 +36,10 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                           "token already in the output (0 = off)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's logit "
+                                            "once per time it is already in the output (0 = off)")
     logit_bias: dict[str, float] | None = Field(None, description="not supported: null or {}")
     user: str | None = Field(None, max_length=256, description="end-user id, recorded with the request")
     # vLLM's extra sampling and scheduling fields
@@ -55,7 +57,8 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
-    logprobs: int | None = Field(None, ge=0, le=5, description="not supported: null")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each output token's log probability "
+                                 "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)")
     echo: bool | None = Field(None, description="not supported: false")
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
@@ -82,8 +85,9 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="most new tokens (wins over max_tokens)")
-    logprobs: bool | None = Field(None, description="not supported: false")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported: null or 0")
+    logprobs: bool | None = Field(None, description="each output token's log probability in choices[].logprobs")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: the N most likely alternatives of each token")
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: null or []")
     tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none' (or 'auto' without tools)")
@@ -109,10 +113,17 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="each output token as text (`bytes:\\xNN...` for part of a character)")
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(description="per token: its alternatives and itself")
+    text_offset: list[int] = Field(description="per token: the character offset of its text in the output")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -130,10 +141,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None = Field(description="the token's exact UTF-8 bytes")
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -19,8 +19,10 @@ from fastapi.responses import StreamingResponse
 from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat as chat_logprobs
 from services.gateway.responses import drive, final_body, sse
 from shared.events import Completed
+from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +42,45 @@ class Shape:
     created: int
     model: str
     include_usage: bool = False  # stream_options.include_usage
+    token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
+
+    def __post_init__(self) -> None:
+        # completions' text_offset runs on across a stream's chunks: one formatter per request
+        completion = CompletionLogprobs(self.token_strings) if self.token_strings is not None and not self.chat else None
+        object.__setattr__(self, "_completion_logprobs", completion)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, native: dict) -> dict:
-        """The non-stream answer, from the native body (text, finish_reason, usage)."""
+    def _logprobs(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None) -> dict | None:
+        if self.token_strings is None or entries is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": native["text"]}, "logprobs": None,
+            return chat_logprobs(self.token_strings, token_ids, entries)
+        return self._completion_logprobs(token_ids, entries)
+
+    def body(self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
+        """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
+        log probabilities (the handle's, one per token id) when the request asked for them."""
+        lp = self._logprobs(native["token_ids"], logprobs)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": native["text"]}, "logprobs": lp,
                       "finish_reason": native["finish_reason"]}
         else:
-            choice = {"index": 0, "text": native["text"], "logprobs": None, "finish_reason": native["finish_reason"]}
+            choice = {"index": 0, "text": native["text"], "logprobs": lp, "finish_reason": native["finish_reason"]}
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
+        """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from."""
+        lp = self._logprobs(token_ids, logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
@@ -78,7 +98,7 @@ async def start_stream(request: Request, core: GatewayCore, handle: RequestHandl
     try:
         first = await chunks.__anext__()
         if first.end is not None and not isinstance(first.end, Completed):
-            await final_body(core, handle)  # raises the GatewayError this ending calls for
+            await final_body(core, handle, with_logprobs=False)  # raises the GatewayError this ending calls for
     except BaseException:
         _close(core, handle)
         await chunks.aclose()
@@ -94,13 +114,13 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
             yield sse(shape.chunk(role=True))
         chunk = first
         while True:
-            if chunk.text:
-                yield sse(shape.chunk(text=chunk.text))
+            if chunk.text or chunk.logprobs:  # tokens whose text is held back still bring their log probabilities
+                yield sse(shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs))
             if chunk.end is not None:
                 break
             chunk = await rest.__anext__()
         try:
-            body = await final_body(core, handle)
+            body = await final_body(core, handle, with_logprobs=False)
         except GatewayError as e:
             yield sse(e.body())
         else:

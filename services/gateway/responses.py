@@ -13,6 +13,7 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import (GatewayError, InvalidRequest, RequestCancelled, RequestFailed, RequestTimedOut,
                                      Unavailable)
 from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.logprobs import native as native_logprobs
 from services.gateway.metrics import request_metrics
 from services.gateway.stop_finish import finish_at_stop
 from shared.events import Cancelled, Completed, Failed, TimedOut
@@ -69,8 +70,9 @@ async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
     handle.wake()
 
 
-async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
-    """The success body, or raise the GatewayError the terminal event calls for."""
+async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bool = True) -> dict:
+    """The success body, or raise the GatewayError the terminal event calls for. with_logprobs=False: a stream's
+    end, whose log probabilities went out with its chunks."""
     end = handle.ended
     partial = {"text": handle.full_text, "token_ids": handle.token_ids}
     ids = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
@@ -83,6 +85,8 @@ async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
                           "total_tokens": end.prompt_tokens + len(handle.token_ids),
                           "cached_tokens": end.cached_tokens},
                 "metrics": metrics}
+        if handle.logprobs is not None and with_logprobs:
+            body["logprobs"] = native_logprobs(core.token_strings, handle.token_ids, handle.logprobs)
         await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
         return body
     if isinstance(end, Failed):
@@ -100,11 +104,11 @@ async def final_body(core: GatewayCore, handle: RequestHandle) -> dict:
     raise RequestFailed(f"unexpected end event {type(end).__name__}", None, "internal")
 
 
-async def collect(core: GatewayCore, handle: RequestHandle, request: Request) -> dict:
+async def collect(core: GatewayCore, handle: RequestHandle, request: Request, with_logprobs: bool = True) -> dict:
     try:
         async for _chunk in drive(core, handle, request):
             pass
-        return await final_body(core, handle)
+        return await final_body(core, handle, with_logprobs)
     finally:
         if handle.ended is None:  # the handler was cancelled (client gone, shutdown) before the end
             core.abandon(handle, "client_disconnect")
@@ -122,8 +126,7 @@ async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> 
         async for chunk in drive(core, handle, request):
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
-                    yield sse({"request_id": handle.request_id, "index": chunk.index, "text": chunk.text,
-                               "token_ids": chunk.token_ids})
+                    yield sse(delta_event(core, handle, chunk))
                 continue
             yield sse(await final_event(core, handle, chunk))
             yield sse("[DONE]")
@@ -133,10 +136,18 @@ async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> 
         core.release(handle)
 
 
+def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
+    """/generate's SSE event of one text delta: its text, token ids and (when asked for) their log probabilities."""
+    event = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": chunk.token_ids}
+    if chunk.logprobs is not None:
+        event["logprobs"] = native_logprobs(core.token_strings, chunk.token_ids, chunk.logprobs)
+    return event
+
+
 async def final_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
     out = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": []}
     try:
-        body = await final_body(core, handle)
+        body = await final_body(core, handle, with_logprobs=False)
     except GatewayError as e:
         reason = {504: "timeout", 499: "cancelled"}.get(e.status, "error")
         return {**out, "finish_reason": reason, "error": e.body()["error"]}

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
 MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (choices.py)
+MAX_LOGPROBS = 20  # most alternatives per token (the engine's limit, OpenAI's top_logprobs limit)
 
 # A stop string: matched on the output text; neither it nor any part of it is returned.
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
@@ -32,6 +33,10 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from the logit of "
+                                    "every token already in the output (0 = off)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's logit "
+                                     "once per time it is already in the output (0 = off)")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
@@ -39,5 +44,7 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each output token's log probability "
+                                 "and its N most likely alternatives (null = none)")
     stream: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")

@@ -20,6 +20,7 @@ from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Publish, State
+from shared.logprobs import pack as pack_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class StepPublisher:
             for out in result.outputs:
                 if out.request_id in new and out.request_id not in lost:
                     by_reply[active[out.request_id].reply_to].append(
-                        TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids)))
+                        TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids),
+                                   pack_logprobs(out.logprobs) if out.logprobs else None))
             for rid, tokens in new.items():
                 if rid not in lost:
                     pipe.rpush(self.names.tokens(rid), *tokens)

@@ -57,7 +57,9 @@ def build_engine(s: WorkerSettings) -> Engine:
 def sampling_options(s: Sampling) -> SamplingOptions:
     return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                            repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
-                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                           logprobs=s.logprobs)
 
 
 class WorkerService:

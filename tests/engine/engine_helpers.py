@@ -46,6 +46,7 @@ class Run:
     error_reason: str | None = None
     finished: bool = False
     cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
 
 
 def collect(result, runs: dict[str, Run]) -> None:
@@ -57,6 +58,9 @@ def collect(result, runs: dict[str, Run]) -> None:
             assert out.first_index == len(run.tokens), (
                 f"{out.request_id}: first_index {out.first_index}, expected {len(run.tokens)}")
         run.tokens.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            assert len(out.logprobs) == len(out.new_token_ids), f"{out.request_id}: one TokenLogprobs per token"
+            run.logprobs.extend(out.logprobs)
         run.cached_tokens = max(run.cached_tokens, out.num_cached_tokens)
         if out.finished:
             run.finished, run.finish_reason, run.error_reason = True, out.finish_reason, out.error_reason

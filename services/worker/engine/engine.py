@@ -20,7 +20,7 @@ from pathlib import Path
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import OOM, TOO_LONG, WORKER_ERROR, InvalidRequestError
-from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult
+from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult, TokenLogprobs
 from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
@@ -28,6 +28,8 @@ from services.worker.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 _EMA = 0.1  # weight of the newest step in the per-token time averages
+
+Sampled = tuple[Sequence, int, TokenLogprobs | None]  # a sequence, its sampled token, and its log probabilities
 
 
 class LLMEngine:
@@ -148,13 +150,14 @@ class LLMEngine:
         else:
             result.transitions = batch.transitions
         if batch.items:
-            for seq, token in self._execute(batch.items, result):
-                self._append_token(seq, token, result)
+            for seq, token, logprobs in self._execute(batch.items, result):
+                self._append_token(seq, token, logprobs, result)
         result.step_time_s = time.perf_counter() - t0
         return result
 
-    def _execute(self, items: list[tuple[Sequence, int]], result: StepResult) -> list[tuple[Sequence, int]]:
-        """Run the forward pass for items; -> (sequence, sampled token) for those that sample."""
+    def _execute(self, items: list[tuple[Sequence, int]], result: StepResult) -> list[Sampled]:
+        """Run the forward pass for items; -> (sequence, sampled token, its logprobs or None) for those that
+        sample."""
         while True:
             try:
                 step = self.runner.prepare(items)
@@ -181,23 +184,25 @@ class LLMEngine:
             self.scheduler.register_computed_blocks(seq)
         return self._sample(logits, step.sample_seqs, result)
 
-    def _sample(self, logits, seqs: list[Sequence], result: StepResult) -> list[tuple[Sequence, int]]:
+    def _sample(self, logits, seqs: list[Sequence], result: StepResult) -> list[Sampled]:
         if not seqs:
             return []
         try:
-            return list(zip(seqs, self.runner.sample(logits, seqs)))
+            tokens, logprobs = self.runner.sample(logits, seqs)
+            return list(zip(seqs, tokens, logprobs or [None] * len(seqs)))
         except Exception:  # find the row(s) at fault; the others keep their tokens
             logger.exception("batched sampling failed; sampling row by row")
         out = []
         for i, seq in enumerate(seqs):
             try:
-                out.append((seq, self.runner.sample(logits[i:i + 1], [seq])[0]))
+                tokens, logprobs = self.runner.sample(logits[i:i + 1], [seq])
+                out.append((seq, tokens[0], logprobs[0] if logprobs else None))
             except Exception as e:
                 logger.exception("sampling failed for %s", seq.request_id)
                 self._fail(seq, WORKER_ERROR, f"sampling: {type(e).__name__}: {e}", result)
         return out
 
-    def _append_token(self, seq: Sequence, token: int, result: StepResult) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, result: StepResult) -> None:
         try:
             seq.token_ids.append(token)
             if seq.status == SequenceStatus.PREFILLING:
@@ -212,7 +217,8 @@ class LLMEngine:
             index = seq.num_emitted
             seq.num_emitted += 1
             result.outputs.append(RequestOutput(seq.request_id, [token], index, reason is not None, reason,
-                                                num_cached_tokens=seq.num_cached_tokens))
+                                                num_cached_tokens=seq.num_cached_tokens,
+                                                logprobs=None if logprobs is None else [logprobs]))
             if reason is not None:
                 seq.finish_reason = reason
                 self._end(seq, SequenceStatus.FINISHED)

@@ -22,6 +22,7 @@ from services.worker.engine.fused_llama import FusedLlama
 from services.worker.engine.gemm import plain_linears, tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
+from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence
 from services.worker.engine.sampler import sample
 
@@ -86,7 +87,7 @@ class ModelRunner:
             gen.manual_seed(seq.sampling.seed)
         seq.generator = gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         return sample(logits, seqs, native=self.decode_kernel)
 
     def is_out_of_memory(self, error: BaseException) -> bool:

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probabilities of one sampled token (sampler.py says of which distribution): its own, and the
+    request's `logprobs` most likely tokens, most likely first."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -15,6 +25,7 @@ class RequestOutput:
     error_reason: str | None = None  # "too_long", "oom", "worker_error" when the request failed
     error: str | None = None  # human-readable detail of error_reason
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
+    logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids, when the request asked for them
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence as Seq
 
-from services.worker.engine.outputs import EngineStats, StepResult
+from services.worker.engine.outputs import EngineStats, StepResult, TokenLogprobs
 from services.worker.engine.request import EngineRequest, Sequence
 
 OnScheduled = Callable[[list[tuple[str, str]]], None]
@@ -64,8 +64,9 @@ class ModelRunner(Protocol):
     def forward(self, step: Any) -> tuple[Seq[Any], float]:
         """-> (one row of scores per step.sample_seqs, sliceable by row; seconds the compute took)."""
 
-    def sample(self, rows: Seq[Any], seqs: list[Sequence]) -> list[int]:
-        """Next token of each sequence from its row (honouring its SamplingOptions)."""
+    def sample(self, rows: Seq[Any], seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Next token of each sequence from its row (honouring its SamplingOptions), and the TokenLogprobs of
+        each whose request asked for them (None for the others; None alone when none asked)."""
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         """Whether error is the device running out of memory (the engine then halves the batch)."""

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 from services.worker.engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit; vLLM's default)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -27,6 +30,11 @@ class SamplingOptions:
     min_tokens: int = 0  # EOS / stop tokens are masked until this many outputs exist
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    # OpenAI's penalties, over this request's output tokens so far (the prompt does not count):
+    # logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty. 0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None = off; k >= 0: each sampled token's log probability and its k most likely
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +57,12 @@ class SamplingOptions:
             bad.append(f"max_tokens={self.max_tokens} (must be >= 1)")
         if self.min_tokens < 0:
             bad.append(f"min_tokens={self.min_tokens} (must be >= 0)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                bad.append(f"{name}={value} (must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}])")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad.append(f"logprobs={self.logprobs!r} (must be None or in [0, {MAX_LOGPROBS}])")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad.append(f"stop_token_ids={self.stop_token_ids!r} (must be non-negative ints)")
         if bad:

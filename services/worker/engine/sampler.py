@@ -1,20 +1,34 @@
 """Per-request sampling over a batch of next-token logits.
 
-Order (as transformers' logits processors): repetition penalty, min_tokens masking,
-then greedy argmax (temperature 0) or temperature -> top_k -> top_p -> min_p -> draw (inverse CDF) with the
-request's own torch.Generator (so a seed gives the same tokens whatever else is batched).
-Greedy rows are the exact argmax of the (penalised/masked) logits.
+Order (as transformers' logits processors, then vLLM's penalties): repetition penalty (prompt and output
+tokens), OpenAI's frequency and presence penalties (output tokens only), min_tokens masking, then greedy argmax
+(temperature 0) or temperature -> top_k -> top_p -> min_p -> draw (inverse CDF) with the request's own
+torch.Generator (so a seed gives the same tokens whatever else is batched). Greedy rows are the exact argmax of
+the (penalised/masked) logits.
+
+Log probabilities (a request's `logprobs`), computed only for the rows that ask: log_softmax of the logits
+after the penalties and min_tokens masking and divided by the temperature, before top-k/top-p/min-p truncation
+(vLLM's "processed" log probabilities); a greedy row's are those of the penalised logits as they are (no
+temperature). So with no penalty, temperature 0 or 1 gives the model's own log-softmax.
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence
 
 
+def _needs_penalty(seq: Sequence) -> bool:
+    o = seq.sampling
+    return (o.repetition_penalty != 1.0 or seq.num_outputs < o.min_tokens
+            or (seq.num_outputs > 0 and (o.frequency_penalty != 0.0 or o.presence_penalty != 0.0)))
+
+
 def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place, per row that needs it: repetition penalty and EOS/stop masking before min_tokens."""
+    """In place, per row that needs it: repetition penalty, frequency/presence penalties and EOS/stop masking
+    before min_tokens."""
     for i, seq in enumerate(seqs):
         opts = seq.sampling
         if opts.repetition_penalty != 1.0:
@@ -22,6 +36,10 @@ def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             scores = logits[i, seen]
             scores = torch.where(scores < 0, scores * opts.repetition_penalty, scores / opts.repetition_penalty)
             logits[i, seen] = scores
+        if (opts.frequency_penalty != 0.0 or opts.presence_penalty != 0.0) and seq.num_outputs > 0:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            ids, counts = torch.unique(out, return_counts=True)
+            logits[i, ids] -= counts.to(logits.dtype) * opts.frequency_penalty + opts.presence_penalty
         if seq.num_outputs < opts.min_tokens and seq.stop_ids:
             stop = torch.tensor(sorted(seq.stop_ids), dtype=torch.long, device=logits.device)
             logits[i, stop] = float("-inf")
@@ -86,13 +104,44 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> l
     return idx[:, 0].tolist()
 
 
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
+    """For the rows whose request asked: the sampled token's log probability and the k most likely tokens'
+    (see the module's docstring for which distribution). logits: the penalised rows, left unchanged."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    x = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+    temps = [seqs[i].sampling.temperature or 1.0 for i in rows]  # greedy: the penalised logits as they are
+    if any(t != 1.0 for t in temps):
+        x = x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]
+    lp = torch.log_softmax(x, dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])  # [R, 1]
+    k = max(seqs[i].sampling.logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (chosen[:, :0], None)
+    values = torch.cat([chosen, top_v], dim=1).tolist()  # one transfer: own logprob, then the top k
+    ids = top_i.tolist() if k else [[] for _ in rows]
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    for r, i in enumerate(rows):
+        n = seqs[i].sampling.logprobs
+        out[i] = TokenLogprobs(values[r][0], tuple(ids[r][:n]), tuple(values[r][1:n + 1]))
+    return out
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> list[int]:
-    """logits [N, V] (any float dtype) for seqs (len N) -> next token of each; native: see _draw."""
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           native: bool = False) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    """logits [N, V] (any float dtype) for seqs (len N) -> (next token of each, and per row its TokenLogprobs
+    where the request asked for them, else None; None alone when no row asked: nothing extra is computed).
+    native: see _draw."""
     logits = logits.float()
-    if any(s.sampling.repetition_penalty != 1.0 or s.num_outputs < s.sampling.min_tokens for s in seqs):
+    if any(_needs_penalty(s) for s in seqs):
         logits = logits.clone()
         _penalise(logits, seqs)
+    tokens = _tokens(logits, seqs, native)  # reads logits, never writes them
+    if all(s.sampling.logprobs is None for s in seqs):
+        return tokens, None
+    return tokens, _logprobs(logits, seqs, tokens)
+
+
+def _tokens(logits: torch.Tensor, seqs: list[Sequence], native: bool) -> list[int]:
     greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
     if len(greedy) == len(seqs):
         return logits.argmax(dim=-1).tolist()

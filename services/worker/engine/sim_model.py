@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,16 +49,51 @@ class SimVocab:
                    eos_probability: float) -> int:
         """Output token `index` of the sequence keyed by (prompt, seed): the same whatever the batch, the
         worker or the step it is computed on. A stop id is never chosen before may_stop (min_tokens)."""
-        h = hashlib.blake2b(key + index.to_bytes(8, "little"), digest_size=16).digest()
-        pick, draw = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little") / 2.0 ** 64
+        pick, draw = _hash(key, index)
         eos = sorted(stop_ids & self.eos_token_ids)  # empty with ignore_eos
         if may_stop and eos and draw < eos_probability:
             return eos[0]
+        for token in self._words_from(pick, stop_ids, may_stop, 1):
+            return token
+        raise ModelLoadError("every word the simulator can emit is a stop token")
+
+    def _words_from(self, pick: int, stop_ids: frozenset[int], may_stop: bool, n: int) -> list[int]:
+        """The first n words next_token would try, in its order (stop ids skipped while they may not end it)."""
+        out = []
         for i in range(len(self.words)):
             token = self.words[(pick + i) % len(self.words)]
             if may_stop or token not in stop_ids:
-                return token
-        raise ModelLoadError("every word the simulator can emit is a stop token")
+                out.append(token)
+                if len(out) == n:
+                    break
+        return out
+
+    def logprobs(self, key: bytes, index: int, token: int, stop_ids: frozenset[int], may_stop: bool,
+                 eos_probability: float, k: int) -> tuple[float, tuple[int, ...], tuple[float, ...]]:
+        """Synthetic log probabilities of output `index` (no model computes them): the simulator's stand-in
+        distribution gives EOS eos_probability where EOS may end the output, and the words next_token tries,
+        in its order, (1 - that) times 1/2, 1/4, 1/8, ... (the first is what it emits unless it emits EOS).
+        -> (log probability of `token`, the k most likely ids, their log probabilities)."""
+        pick, _ = _hash(key, index)
+        eos = sorted(stop_ids & self.eos_token_ids)
+        e = eos_probability if may_stop and eos else 0.0
+        dist = [(t, (1.0 - e) * 0.5 ** (j + 1)) for j, t in enumerate(self._words_from(pick, stop_ids, may_stop, k + 1))]
+        if e > 0.0:
+            dist.append((eos[0], e))
+        dist.sort(key=lambda tp: -tp[1])
+        probs = dict(dist)
+        top = dist[:k]
+        return _log(probs.get(token, 0.0)), tuple(t for t, _ in top), tuple(_log(p) for _, p in top)
+
+
+def _hash(key: bytes, index: int) -> tuple[int, float]:
+    """(which word, a uniform draw) for output `index` of the sequence keyed by key."""
+    h = hashlib.blake2b(key + index.to_bytes(8, "little"), digest_size=16).digest()
+    return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little") / 2.0 ** 64
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0.0 else float("-inf")
 
 
 def sequence_key(prompt: list[int], seed: int) -> bytes:

@@ -21,6 +21,7 @@ from typing import Callable, TextIO
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
+from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
 
@@ -78,10 +79,18 @@ class SimRunner:
                                 f"{step.kv_tokens} {len(step.sample_seqs)}\n")
         return [None] * len(step.sample_seqs), modelled
 
-    def sample(self, rows: list[None], seqs: list[Sequence]) -> list[int]:
-        return [self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
-                                      seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
-                for seq in seqs]
+    def sample(self, rows: list[None], seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Each sequence's next word; where a request asks for log probabilities, synthetic ones of the
+        simulator's stand-in distribution (SimVocab.logprobs). Penalties, temperature and the top-k/top-p/min-p
+        filters do not change what the simulator emits (seeds and min_tokens do)."""
+        tokens = [self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
+                                        seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
+                  for seq in seqs]
+        if all(seq.sampling.logprobs is None for seq in seqs):
+            return tokens, None
+        return tokens, [None if seq.sampling.logprobs is None else TokenLogprobs(*self.vocab.logprobs(
+            seq.generator, seq.num_outputs, token, seq.stop_ids, seq.num_outputs >= seq.sampling.min_tokens,
+            self.eos_probability, seq.sampling.logprobs)) for seq, token in zip(seqs, tokens)]
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return False  # nothing is allocated: a simulated step never runs out of memory
