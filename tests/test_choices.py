@@ -205,3 +205,22 @@ def test_a_stop_string_ends_each_choice_at_it(client, cluster, r):
     assert [(c.text, c.finish_reason) for c in out.choices] == [(reference[:reference.index(stop)], "stop")] * 3
     ids = _members(r, cluster, request_id(out.id))
     assert {_layer(r, cluster, i, "meta")["reason"] for i in ids} == {"stop_string"}
+
+
+def _logprob_tokens(choice, chat: bool) -> list[str]:
+    return [e.token for e in choice.logprobs.content] if chat else choice.logprobs.tokens
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_each_choice_carries_its_own_logprobs_streamed_as_whole(client, chat):
+    asked = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    whole = _create(client, chat, n=N, max_tokens=8, seed=5, **asked)
+    streamed = defaultdict(list)
+    for chunk in _create(client, chat, n=N, max_tokens=8, seed=5, stream=True, **asked):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += _logprob_tokens(c, chat)
+    for c in whole.choices:
+        tokens = _logprob_tokens(c, chat)
+        assert len(tokens) == 8 and "".join(tokens) == _text(c, chat)
+        assert streamed[c.index] == tokens
