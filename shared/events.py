@@ -15,8 +15,15 @@ SCHEMA_VERSION = 1
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str  # the message text
+
+
+class Constraint(msgspec.Struct, frozen=True):
+    """What the output must be, enforced token by token (shared/grammar.py compiles it)."""
+
+    kind: str  # json_schema: one JSON value valid against `spec`
+    spec: str  # the JSON Schema, as JSON text
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +39,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0  # stop tokens are masked until this many were generated
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep generating past EOS
+    constraint: Constraint | None = None  # grammar every output token must keep to (None = free text)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -49,6 +57,7 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     deadline: float  # epoch seconds after which the request times out
     adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
+    tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
 
 
 class Preprocessed(Event, tag="preprocessed", kw_only=True):

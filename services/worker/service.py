@@ -12,6 +12,7 @@ import time
 
 from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
                                    SamplingOptions)
+from services.worker.engine.request import GrammarSpec
 from services.worker.engine.sim_model import SimTiming
 from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
@@ -57,7 +58,8 @@ def build_engine(s: WorkerSettings) -> Engine:
 def sampling_options(s: Sampling) -> SamplingOptions:
     return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                            repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
-                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                           grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None)
 
 
 class WorkerService:

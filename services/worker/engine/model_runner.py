@@ -86,8 +86,8 @@ class ModelRunner:
             gen.manual_seed(seq.sampling.seed)
         seq.generator = gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return sample(logits, seqs, native=self.decode_kernel)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed=None) -> list[int]:
+        return sample(logits, seqs, native=self.decode_kernel, allowed=allowed)
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, torch.OutOfMemoryError)

@@ -64,8 +64,9 @@ class ModelRunner(Protocol):
     def forward(self, step: Any) -> tuple[Seq[Any], float]:
         """-> (one row of scores per step.sample_seqs, sliceable by row; seconds the compute took)."""
 
-    def sample(self, rows: Seq[Any], seqs: list[Sequence]) -> list[int]:
-        """Next token of each sequence from its row (honouring its SamplingOptions)."""
+    def sample(self, rows: Seq[Any], seqs: list[Sequence], allowed: Any = None) -> list[int]:
+        """Next token of each sequence from its row (honouring its SamplingOptions); allowed: None, or the
+        tokens each row may take (structured.py's bitmask, a numpy int32 array [rows, ceil(vocab / 32)])."""
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         """Whether error is the device running out of memory (the engine then halves the batch)."""

@@ -16,6 +16,14 @@ from services.worker.engine.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint (the wire's shared.events.Constraint), compiled by structured.py."""
+
+    kind: str  # shared.grammar.KINDS
+    spec: str  # for json_schema: the JSON Schema's text
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = 1.0  # 0 = greedy (exact argmax)
     top_p: float = 1.0
@@ -27,6 +35,7 @@ class SamplingOptions:
     min_tokens: int = 0  # EOS / stop tokens are masked until this many outputs exist
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None  # every output token must keep to it (None = free text)
 
     @property
     def greedy(self) -> bool:
@@ -79,7 +88,7 @@ class Sequence:
     __slots__ = ("request_id", "sampling", "priority", "arrival", "token_ids", "num_prompt_tokens",
                  "num_emitted", "status", "block_table", "block_hashes", "num_computed_tokens",
                  "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
-                 "error_reason", "error", "stop_ids")
+                 "error_reason", "error", "stop_ids", "grammar")
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
@@ -103,6 +112,8 @@ class Sequence:
         # The model runner's per-request sampling state, set by its init_sequence (a torch.Generator for the
         # torch runner): kept here so that this module, and whatever imports the request types, needs no torch.
         self.generator: object | None = None
+        # Its grammar matcher while it has a constraint (structured.py); released when it ends.
+        self.grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -86,10 +86,22 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> l
     return idx[:, 0].tolist()
 
 
+def _allow_only(logits: torch.Tensor, allowed) -> torch.Tensor:
+    """Grammar-constrained rows: -inf for every token the row's bitmask (numpy int32 [N, ceil(V / 32)], bit j of
+    word w = token 32w + j; structured.py) does not allow."""
+    words = torch.from_numpy(allowed).to(logits.device)
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+    ok = bits.flatten(1)[:, :logits.shape[1]].bool()
+    return logits.masked_fill(~ok, float("-inf"))
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> list[int]:
-    """logits [N, V] (any float dtype) for seqs (len N) -> next token of each; native: see _draw."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False, allowed=None) -> list[int]:
+    """logits [N, V] (any float dtype) for seqs (len N) -> next token of each; native: see _draw; allowed: see
+    _allow_only (None = no row is constrained)."""
     logits = logits.float()
+    if allowed is not None:
+        logits = _allow_only(logits, allowed)
     if any(s.sampling.repetition_penalty != 1.0 or s.num_outputs < s.sampling.min_tokens for s in seqs):
         logits = logits.clone()
         _penalise(logits, seqs)
