@@ -12,11 +12,14 @@ from services.gateway.auth import caller
 from services.gateway.errors import InvalidRequest
 from services.gateway.handle import RequestHandle
 from services.gateway.schemas import GenerateRequest
+from shared.events import Constraint
 
 
 async def accept(request: Request, body: GenerateRequest, default_max_tokens: int | None = None,
-                 extra_meta: dict | None = None) -> RequestHandle:
-    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError)."""
+                 extra_meta: dict | None = None, constraint: Constraint | None = None,
+                 tools: str = "") -> RequestHandle:
+    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). constraint and
+    tools: what structured_output.plan_chat decided (already checked)."""
     core = request.app.state.core
     if (body.prompt is None) == (body.messages is None):
         which = "both were given" if body.prompt is not None else "neither was given"
@@ -31,4 +34,5 @@ async def accept(request: Request, body: GenerateRequest, default_max_tokens: in
         raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
                              "max_tokens_too_large")
     return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
-                             traceparent=request.headers.get("traceparent", ""), route=request.url.path)
+                             traceparent=request.headers.get("traceparent", ""), route=request.url.path,
+                             constraint=constraint, tools=tools)

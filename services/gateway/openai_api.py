@@ -22,6 +22,8 @@ from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompleti
 from services.gateway.openai_stream import Shape, start_stream
 from services.gateway.responses import collect
 from services.gateway.schemas import GenerateRequest, Message
+from services.gateway.structured_output import OutputPlan, plan_chat
+from services.gateway.tool_calls import turn_text
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -73,15 +75,9 @@ def _check_completion(body: CompletionRequest) -> str:
 
 
 def _check_chat(body: ChatCompletionRequest) -> None:
-    no_tools = not body.tools
     for param, broken, message in [
         ("logprobs", bool(body.logprobs), "log probabilities are not supported"),
         ("top_logprobs", body.top_logprobs not in (None, 0), "log probabilities are not supported"),
-        ("response_format", body.response_format is not None and body.response_format.type != "text",
-         "only {'type': 'text'} is supported"),
-        ("tools", not no_tools, "tool calling is not supported"),
-        ("tool_choice", body.tool_choice not in (None, "none") and not (body.tool_choice == "auto" and no_tools),
-         "tool calling is not supported"),
     ]:
         if broken:
             raise _unsupported(param, message)
@@ -89,9 +85,10 @@ def _check_chat(body: ChatCompletionRequest) -> None:
 
 def _messages(body: ChatCompletionRequest) -> list[Message]:
     out = []
-    for m in body.messages:
+    for i, m in enumerate(body.messages):
         # As vLLM does: text parts are joined by newlines; "developer" is OpenAI's new name for "system".
-        text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        text = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        text = turn_text(i, m.role, text, m.tool_calls)
         out.append(Message(role="system" if m.role == "developer" else m.role, content=text))
     return out
 
@@ -107,14 +104,15 @@ def _native(body: OpenAIRequest, max_tokens: int | None, **prompt: Any) -> Gener
 
 
 async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest, chat: bool,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, plan: OutputPlan = OutputPlan()):
     meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
             "client_request_id": body.request_id}
-    handle = await accept(request, native, default_max_tokens, extra_meta=meta)
+    handle = await accept(request, native, default_max_tokens, extra_meta=meta, constraint=plan.constraint,
+                          tools=plan.tools_json)
     core = request.app.state.core
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
-                  include_usage)
+                  include_usage, plan)
     headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, handle, shape, headers)
@@ -134,8 +132,9 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_common(request, body)
     _check_chat(body)
+    plan = plan_chat(body)
     native = _native(body, body.max_completion_tokens or body.max_tokens, messages=_messages(body))
-    return await _serve(request, body, native, chat=True)
+    return await _serve(request, body, native, chat=True, plan=plan)
 
 
 def _card(request: Request) -> dict:

@@ -19,7 +19,9 @@ from fastapi.responses import StreamingResponse
 from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.openai_tools import ToolShaper, message
 from services.gateway.responses import drive, final_body, sse
+from services.gateway.structured_output import OutputPlan
 from shared.events import Completed
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,21 @@ class Shape:
     created: int
     model: str
     include_usage: bool = False  # stream_options.include_usage
+    plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
+
+    @property
+    def with_tools(self) -> bool:
+        return self.chat and self.plan is not None and self.plan.tool_mode != "none"
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def body(self, native: dict) -> dict:
         """The non-stream answer, from the native body (text, finish_reason, usage)."""
-        if self.chat:
+        if self.with_tools:
+            msg, finish = message(self.plan, native["text"], native["finish_reason"])
+            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": native["text"]}, "logprobs": None,
                       "finish_reason": native["finish_reason"]}
         else:
@@ -54,9 +64,11 @@ class Shape:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              delta: dict | None = None) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -92,9 +104,13 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
+        tools = ToolShaper(shape.plan) if shape.with_tools else None
         chunk = first
         while True:
-            if chunk.text:
+            if chunk.text and tools is not None:
+                for delta in tools.feed(chunk.text):
+                    yield sse(shape.chunk(delta=delta))
+            elif chunk.text:
                 yield sse(shape.chunk(text=chunk.text))
             if chunk.end is not None:
                 break
@@ -104,7 +120,12 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
         except GatewayError as e:
             yield sse(e.body())
         else:
-            yield sse(shape.chunk(finish_reason=body["finish_reason"]))
+            finish = body["finish_reason"]
+            if tools is not None:
+                for delta in tools.end(finish):
+                    yield sse(shape.chunk(delta=delta))
+                finish = tools.finish_reason(finish)
+            yield sse(shape.chunk(finish_reason=finish))
             if shape.include_usage:
                 yield sse(shape.usage_chunk(body["usage"]))
         yield sse("[DONE]")
