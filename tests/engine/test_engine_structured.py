@@ -20,10 +20,10 @@ QUESTION = "Give me a person as JSON."
 
 
 @pytest.fixture
-def engine(make_engine, tokenizer):
+def engine(make_engine, model_dir):
     def build(**overrides):
         eng = make_engine(**overrides)
-        eng.structured = StructuredOutputs(lambda: tokenizer, eng.vocab_size)
+        eng.structured = StructuredOutputs(model_dir / "tokenizer.json", eng.vocab_size, eng.eos_token_ids)
         return eng
     return build
 

@@ -62,11 +62,10 @@ class LLMEngine:
         from services.worker.engine.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
 
         device = resolve_device(config.device)
-        from shared.tokenization import load_tokenizer
-
         model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
         engine = cls.from_model(model, config, eos_token_ids(model_dir, model))
-        engine.structured = StructuredOutputs(lambda: load_tokenizer(Path(model_dir)), engine.vocab_size)
+        engine.structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", engine.vocab_size,
+                                              engine.eos_token_ids)
         return engine
 
     @classmethod

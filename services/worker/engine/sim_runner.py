@@ -26,7 +26,6 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
 from services.worker.engine.structured import StructuredOutputs
-from shared.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -126,5 +125,5 @@ def build_sim_engine(model_dir: Path | str, config: EngineConfig, timing: SimTim
                        step_log=open_step_log(step_log_dir))
     logger.info("simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words),
                 eos_probability)
-    structured = StructuredOutputs(lambda: load_tokenizer(Path(model_dir)), vocab.vocab_size)
+    structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", vocab.vocab_size, vocab.eos_token_ids)
     return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len, structured)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from pathlib import Path
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy as llg_np
 import numpy as np
 
@@ -52,9 +51,12 @@ class MaskJob:
 
 
 class StructuredOutputs:
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int):
-        """load_tokenizer: the served model's transformers tokenizer, loaded on the first constrained request."""
-        self._load_tokenizer = load_tokenizer
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: frozenset[int]):
+        """tokenizer_file: the served model's tokenizer.json, read on the first constrained request (with the
+        tokenizers library inside llguidance: no transformers, so a simulated worker still imports no torch);
+        eos_ids: the tokens the mask allows once the grammar may end."""
+        self.tokenizer_file = Path(tokenizer_file)
+        self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
@@ -67,7 +69,11 @@ class StructuredOutputs:
 
     def _tok(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
+            try:
+                text = self.tokenizer_file.read_text()
+            except OSError as e:
+                raise InvalidRequestError(f"constrained output needs the model's tokenizer.json: {e}") from e
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         return self._tokenizer
 
     def _template(self, g: GrammarSpec) -> llguidance.LLMatcher:
@@ -119,8 +125,8 @@ class StructuredOutputs:
         llg_np.fill_next_token_bitmask_par(self._executor, rows, mask)
         for m, i in rows:
             if not mask[i].any():  # a matcher in error (or already stopped): only EOS, so the row can be sampled
-                eos = self._tok().eos_token
-                mask[i, eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
+                for eos in self.eos_ids:
+                    mask[i, eos // 32] |= np.uint32(1 << (eos % 32)).view(np.int32)
                 logger.warning("grammar matcher has no allowed token (%s); allowing EOS only", m.get_error())
         return mask
 
