@@ -248,8 +248,10 @@ def turn_text(i: int, role: str, text: str | None, tool_calls: list[dict] | None
     for j, c in enumerate(tool_calls):
         fn = c.get("function") if c.get("type", "function") == "function" else None
         try:
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise TypeError("no function name")
             calls.append({"name": fn["name"], "arguments": json.loads(fn.get("arguments") or "{}")})
-        except (TypeError, KeyError, ValueError) as e:
+        except (TypeError, ValueError) as e:
             raise _bad(f"messages[{i}].tool_calls[{j}]", "must be {'id', 'type': 'function', 'function': "
                        "{'name', 'arguments': a JSON string}}") from e
     written = json.dumps(calls, ensure_ascii=False)
