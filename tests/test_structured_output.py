@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.openai_fixtures import MODEL, openai_client
+from tests.openai_fixtures import MODEL, openai_client, request_id, snapshot, worker_idle
+from tests.waiting import wait_for
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -151,3 +152,13 @@ def test_langchain_structured_output_round_trip(cluster, method):
                       max_retries=0)
     person = llm.with_structured_output(Person, method=method).invoke("Give me a person as JSON.")
     assert isinstance(person, Person) and person.name
+
+
+def test_a_constrained_stream_closed_by_its_client_is_cancelled_and_frees_the_worker(client, cluster):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=400, temperature=0,
+                                            stream=True, response_format={"type": "json_object"})
+    first = next(iter(stream))
+    stream.close()
+    rid = request_id(first.id)
+    wait_for(lambda: snapshot(cluster.url, rid)["state"] == "CANCELLED", 30, what="request cancelled")
+    wait_for(lambda: worker_idle(cluster), 30, what="worker released every block")
