@@ -15,8 +15,15 @@ SCHEMA_VERSION = 1
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str  # the message text
+
+
+class Constraint(msgspec.Struct, frozen=True):
+    """What the output must be, enforced token by token (shared/grammar.py compiles it)."""
+
+    kind: str  # json_schema: one JSON value valid against `spec`
+    spec: str  # the JSON Schema, as JSON text
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +42,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float = 0.0  # OpenAI's, over the output so far, [-2, 2]; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's, over the output so far, [-2, 2]; 0 = off
     logprobs: int | None = None  # None = off; k: each token's log probability and its k most likely (0..20)
+    constraint: Constraint | None = None  # grammar every output token must keep to (None = free text)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -54,6 +62,7 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     received_at: float  # epoch seconds at the gateway's receipt
     group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
     group_size: int = 1  # how many requests share group_id (n)
+    tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
 
 
 class Preprocessed(Event, tag="preprocessed", kw_only=True):

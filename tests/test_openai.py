@@ -94,7 +94,7 @@ def test_stop_string_ends_output_before_it(client, cluster):
 @pytest.mark.parametrize("extra, param", [
     ({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"temperature": 3}, "temperature"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 129}, "tools"), ({"temperature": 3}, "temperature"),
 ])
 def test_unsupported_or_invalid_parameter_raises_bad_request_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -3,6 +3,7 @@ simulated runner. Its sleeps are recorded instead of slept, so each step's model
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -230,3 +231,37 @@ def test_simulated_logprobs_are_synthetic_but_consistent_with_the_emitted_tokens
         assert len(lp.top_ids) == 3 and list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
         assert sum(math.exp(v) for v in lp.top_logprobs) <= 1.0 + 1e-9
         assert token in lp.top_ids and lp.logprob == lp.top_logprobs[lp.top_ids.index(token)]
+
+
+def test_a_constrained_request_on_the_sim_emits_only_tokens_its_grammar_allows(vocab, model_dir):
+    from services.worker.engine.request import GrammarSpec
+    from services.worker.engine.structured import StructuredOutputs
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "enum": ["a", "b"]}}}, "required": ["name", "tags"], "additionalProperties": False}
+    cfg = EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512, max_num_seqs=64)
+    structured = StructuredOutputs(model_dir / "tokenizer.json", vocab.vocab_size, vocab.eos_token_ids)
+    engine = LLMEngine(SimRunner(TIMING, vocab, 256, sleep=lambda s: None), cfg, vocab.eos_token_ids,
+                       vocab.vocab_size, vocab.context_len, structured)
+    grammar = GrammarSpec("json_schema", json.dumps(schema))
+    for i in range(4):
+        engine.add_request(EngineRequest(f"c{i}", prompt(20 + i), SamplingOptions(max_tokens=40, seed=i,
+                                                                                   grammar=grammar)))
+    for rid, (tokens, reason) in run(engine).items():
+        checker = EngineRequest(f"check-{rid}", prompt(5), SamplingOptions(max_tokens=99, grammar=grammar),
+                                output_token_ids=tokens[:-1] if reason == "stop" else tokens)
+        engine.add_request(checker)  # replays the tokens into a fresh matcher: raises if one is not allowed
+        engine.abort_request(checker.request_id)
+        assert reason in ("stop", "length")
+
+
+def test_a_constrained_sim_worker_imports_no_torch(model_dir):
+    code = ("import sys, json; from services.worker.engine import EngineConfig, EngineRequest, SamplingOptions; "
+            "from services.worker.engine.request import GrammarSpec; "
+            "from services.worker.engine.sim_model import SimTiming; "
+            "from services.worker.engine.sim_runner import build_sim_engine; "
+            f"e = build_sim_engine({str(model_dir)!r}, EngineConfig(), SimTiming(0.0, 0.0, 0.0, 0.0)); "
+            "e.add_request(EngineRequest('r', [5, 6, 7], SamplingOptions(max_tokens=4, grammar=GrammarSpec("
+            "'json_schema', json.dumps({'type': 'object'}))))); "
+            "[e.step() for _ in range(6)]; assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -57,8 +57,9 @@ def choice_body(body: GenerateRequest, index: int) -> GenerateRequest:
 
 
 async def accept_choices(request: Request, body: GenerateRequest, n: int, default_max_tokens: int | None = None,
-                         extra_meta: dict | None = None) -> Choices:
-    """Create the n choices, the first first (its trace holds the others'); all or none (raises GatewayError)."""
+                         extra_meta: dict | None = None, **output) -> Choices:
+    """Create the n choices, the first first (its trace holds the others'); all or none (raises GatewayError).
+    output: intake.accept's constraint and tools, the same for every choice."""
     core: GatewayCore = request.app.state.core
     ids = [uuid.uuid4().hex for _ in range(n)]
     handles: list[RequestHandle] = []
@@ -69,7 +70,7 @@ async def accept_choices(request: Request, body: GenerateRequest, n: int, defaul
                 meta["group_members"] = ids  # what a cancel of any choice reads (members)
             tp = handles[0].trace.traceparent if handles else None
             handles.append(await accept(request, choice_body(body, i), default_max_tokens, meta, request_id=rid,
-                                        group_id=ids[0], group_size=n, traceparent=tp))
+                                        group_id=ids[0], group_size=n, traceparent=tp, **output))
     except BaseException:
         for h in handles:  # refused whole: what was created is cancelled (in tasks: this may be a cancellation)
             core.abandon(h, SIBLING_FAILED)

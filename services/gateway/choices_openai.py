@@ -20,9 +20,11 @@ from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect
 from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk
-from services.gateway.openai_stream import Shape, openai_usage
+from services.gateway.openai_stream import Shape, end_chunks, openai_usage, text_chunks
+from services.gateway.openai_tools import ToolShaper
 from services.gateway.responses import sse
 from services.gateway.schemas import GenerateRequest
+from services.gateway.structured_output import OutputPlan
 from shared.events import Completed
 
 
@@ -43,13 +45,15 @@ def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> d
 
 
 async def serve_choices(request: Request, native: GenerateRequest, n: int, chat: bool, meta: dict,
-                        include_usage: bool, default_max_tokens: int | None):
+                        include_usage: bool, default_max_tokens: int | None, plan: OutputPlan = OutputPlan()):
     core: GatewayCore = request.app.state.core
-    choices = await accept_choices(request, native, n, default_max_tokens, meta)
+    choices = await accept_choices(request, native, n, default_max_tokens, meta, constraint=plan.constraint,
+                                   tools=plan.tools_json)
     primary = choices.primary
     # One Shape per choice: a completion's log probabilities carry a text offset that runs on within its choice.
     shapes = [Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}", int(time.time()), core.model_name,
-                    include_usage, core.token_strings if native.logprobs is not None else None) for _ in range(n)]
+                    include_usage, core.token_strings if native.logprobs is not None else None, plan)
+              for _ in range(n)]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await _start_stream(request, core, choices, shapes, headers)
@@ -73,6 +77,7 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
 async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                   first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
     n, shape = len(run.choices.handles), shapes[0]
+    tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
     failed = False
     try:
@@ -81,9 +86,8 @@ async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                 yield sse(_at(shape.chunk(role=True), i))
         index, chunk = first
         while True:
-            if chunk.text or chunk.logprobs:  # tokens whose text is held back still bring their log probabilities
-                yield sse(_at(shapes[index].chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs),
-                              index))
+            for out in text_chunks(shapes[index], tools[index], chunk):
+                yield sse(_at(out, index))
             try:
                 body = await first_outcome(core, run, index, chunk)
             except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()
@@ -92,7 +96,8 @@ async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                 break
             if body is not None:
                 bodies[index] = body
-                yield sse(_at(shape.chunk(finish_reason=body["finish_reason"]), index))
+                for out in end_chunks(shapes[index], tools[index], body["finish_reason"]):
+                    yield sse(_at(out, index))
                 if len(bodies) == n:
                     if shape.include_usage:
                         yield sse(shape.usage_chunk(merged_usage([bodies[i] for i in range(n)])))

@@ -27,8 +27,8 @@ from services.gateway.tracing import active, finish_trace, published, refused, r
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S, Names
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
-from shared.events import (CancelRequested, Cancelled, ChatMessage, Failed, RequestReceived, Sampling, SchemaError,
-                           TimedOut, TokenGenerated, decode)
+from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
+                           SchemaError, TimedOut, TokenGenerated, decode)
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
@@ -107,9 +107,11 @@ class GatewayCore:
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
                      extra_meta: dict | None = None, route: str = "/generate", request_id: str = "",
-                     group_id: str = "", group_size: int = 1) -> RequestHandle:
+                     group_id: str = "", group_size: int = 1, constraint: Constraint | None = None,
+                     tools: str = "") -> RequestHandle:
         """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
-        n > 1 request comes with its id and its group's (choices.py)."""
+        n > 1 request comes with its id and its group's (choices.py); constraint and tools: what
+        structured_output.plan_chat decided (already checked)."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
                               headers={"Retry-After": "1"})
@@ -120,13 +122,13 @@ class GatewayCore:
                             min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
                             min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs)
+                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs, constraint=constraint)
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
         ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
                              sampling=sampling, priority=req.priority, deadline=now + timeout,
                              adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp,
-                             group_id=group_id, group_size=group_size)
+                             group_id=group_id, group_size=group_size, tools=tools)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt

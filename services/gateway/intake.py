@@ -12,12 +12,15 @@ from services.gateway.auth import caller
 from services.gateway.errors import InvalidRequest
 from services.gateway.handle import RequestHandle
 from services.gateway.schemas import GenerateRequest
+from shared.events import Constraint
 
 
 async def accept(request: Request, body: GenerateRequest, default_max_tokens: int | None = None,
-                 extra_meta: dict | None = None, **choice) -> RequestHandle:
-    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). choice: a
-    choice of an n > 1 request (choices.py) gives its request_id, group_id, group_size and traceparent."""
+                 extra_meta: dict | None = None, constraint: Constraint | None = None, tools: str = "",
+                 **choice) -> RequestHandle:
+    """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). constraint and
+    tools: what structured_output.plan_chat decided (already checked). choice: a choice of an n > 1 request
+    (choices.py) gives its request_id, group_id, group_size and traceparent."""
     core = request.app.state.core
     if (body.prompt is None) == (body.messages is None):
         which = "both were given" if body.prompt is not None else "neither was given"
@@ -33,4 +36,5 @@ async def accept(request: Request, body: GenerateRequest, default_max_tokens: in
                              "max_tokens_too_large")
     traceparent = choice.pop("traceparent", None) or request.headers.get("traceparent", "")
     return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
-                             traceparent=traceparent, route=request.url.path, **choice)
+                             traceparent=traceparent, route=request.url.path, constraint=constraint, tools=tools,
+                             **choice)

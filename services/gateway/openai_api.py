@@ -23,6 +23,8 @@ from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompleti
 from services.gateway.openai_stream import Shape, start_stream
 from services.gateway.responses import collect
 from services.gateway.schemas import GenerateRequest, Message
+from services.gateway.structured_output import OutputPlan, plan_chat
+from services.gateway.tool_calls import turn_text
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -76,24 +78,13 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _check_chat(body: ChatCompletionRequest) -> None:
-    no_tools = not body.tools
-    for param, broken, message in [
-        ("response_format", body.response_format is not None and body.response_format.type != "text",
-         "only {'type': 'text'} is supported"),
-        ("tools", not no_tools, "tool calling is not supported"),
-        ("tool_choice", body.tool_choice not in (None, "none") and not (body.tool_choice == "auto" and no_tools),
-         "tool calling is not supported"),
-    ]:
-        if broken:
-            raise _unsupported(param, message)
-
 
 def _messages(body: ChatCompletionRequest) -> list[Message]:
     out = []
-    for m in body.messages:
+    for i, m in enumerate(body.messages):
         # As vLLM does: text parts are joined by newlines; "developer" is OpenAI's new name for "system".
-        text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        text = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        text = turn_text(i, m.role, text, m.tool_calls)
         out.append(Message(role="system" if m.role == "developer" else m.role, content=text))
     return out
 
@@ -109,16 +100,17 @@ def _native(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, *
 
 
 async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest, chat: bool,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, plan: OutputPlan = OutputPlan()):
     meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
             "client_request_id": body.request_id}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if (body.n or 1) > 1:  # one request of its own per choice (choices.py)
-        return await serve_choices(request, native, body.n, chat, meta, include_usage, default_max_tokens)
-    handle = await accept(request, native, default_max_tokens, extra_meta=meta)
+        return await serve_choices(request, native, body.n, chat, meta, include_usage, default_max_tokens, plan)
+    handle = await accept(request, native, default_max_tokens, extra_meta=meta, constraint=plan.constraint,
+                          tools=plan.tools_json)
     core = request.app.state.core
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
-                  include_usage, core.token_strings if native.logprobs is not None else None)
+                  include_usage, core.token_strings if native.logprobs is not None else None, plan)
     headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, handle, shape, headers)
@@ -138,10 +130,10 @@ async def completions(body: CompletionRequest, request: Request):
              responses={**sse_or_json(ChatCompletionResponse, "the assistant's message"), **GENERATION_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_common(request, body)
-    _check_chat(body)
+    plan = plan_chat(body)
     native = _native(body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body),
                      messages=_messages(body))
-    return await _serve(request, body, native, chat=True)
+    return await _serve(request, body, native, chat=True, plan=plan)
 
 
 def _card(request: Request) -> dict:

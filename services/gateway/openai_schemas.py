@@ -72,14 +72,17 @@ class TextPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="text, or a list of text parts")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(..., description="text, or a list of text parts (null: an "
+                                                 "assistant turn of tool calls)")
     name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool turn: the call it answers")
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str = Field(..., description="only 'text' is supported")
+    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -89,8 +92,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: the N most likely alternatives of each token")
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: null or []")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none' (or 'auto' without tools)")
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools (services/gateway/tool_calls.py)")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="none | auto | required | a named function")
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -110,7 +113,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -138,7 +141,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class TopLogprob(BaseModel):

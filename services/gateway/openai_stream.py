@@ -20,7 +20,9 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
 from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat as chat_logprobs
+from services.gateway.openai_tools import ToolShaper, message
 from services.gateway.responses import drive, final_body, sse
+from services.gateway.structured_output import OutputPlan
 from shared.events import Completed
 from shared.logprobs import TokenLogprob
 
@@ -43,11 +45,16 @@ class Shape:
     model: str
     include_usage: bool = False  # stream_options.include_usage
     token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
+    plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
         completion = CompletionLogprobs(self.token_strings) if self.token_strings is not None and not self.chat else None
         object.__setattr__(self, "_completion_logprobs", completion)
+
+    @property
+    def with_tools(self) -> bool:
+        return self.chat and self.plan is not None and self.plan.tool_mode != "none"
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -63,7 +70,10 @@ class Shape:
         """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
         log probabilities (the handle's, one per token id) when the request asked for them."""
         lp = self._logprobs(native["token_ids"], logprobs)
-        if self.chat:
+        if self.with_tools:
+            msg, finish = message(self.plan, native["text"], native["finish_reason"])
+            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": native["text"]}, "logprobs": lp,
                       "finish_reason": native["finish_reason"]}
         else:
@@ -72,11 +82,14 @@ class Shape:
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
-        """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from."""
+              token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprob | None] | None = None,
+              delta: dict | None = None) -> dict:
+        """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from; delta: a chat
+        delta made elsewhere (a tool call's pieces) instead of the text's."""
         lp = self._logprobs(token_ids, logprobs)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -107,15 +120,42 @@ async def start_stream(request: Request, core: GatewayCore, handle: RequestHandl
                              headers=headers)
 
 
+def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[dict]:
+    """The stream chunks of one piece of output: its text (or, answering with tools, the tool-call deltas it
+    completes) with the log probabilities of its tokens (whose text may still be held back)."""
+    if tools is None:
+        if not (chunk.text or chunk.logprobs):
+            return []
+        return [shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
+    out = [shape.chunk(delta=delta) for delta in tools.feed(chunk.text)] if chunk.text else []
+    if chunk.logprobs:  # on the first of them, or on an empty delta of their own
+        lp = shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)["choices"][0]["logprobs"]
+        if out:
+            out[0]["choices"][0]["logprobs"] = lp
+        else:
+            out = [shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
+    return out
+
+
+def end_chunks(shape: Shape, tools: ToolShaper | None, finish: str) -> list[dict]:
+    """The last chunks of an output: a tool call's closing deltas, then the finish_reason (tool_calls for one)."""
+    out = []
+    if tools is not None:
+        out = [shape.chunk(delta=delta) for delta in tools.end(finish)]
+        finish = tools.finish_reason(finish)
+    return out + [shape.chunk(finish_reason=finish)]
+
+
 async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first: Chunk,
                   rest: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
     try:
         if shape.chat:
             yield sse(shape.chunk(role=True))
+        tools = ToolShaper(shape.plan) if shape.with_tools else None
         chunk = first
         while True:
-            if chunk.text or chunk.logprobs:  # tokens whose text is held back still bring their log probabilities
-                yield sse(shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs))
+            for out in text_chunks(shape, tools, chunk):
+                yield sse(out)
             if chunk.end is not None:
                 break
             chunk = await rest.__anext__()
@@ -124,7 +164,8 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
         except GatewayError as e:
             yield sse(e.body())
         else:
-            yield sse(shape.chunk(finish_reason=body["finish_reason"]))
+            for out in end_chunks(shape, tools, body["finish_reason"]):
+                yield sse(out)
             if shape.include_usage:
                 yield sse(shape.usage_chunk(body["usage"]))
         yield sse("[DONE]")

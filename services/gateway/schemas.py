@@ -18,7 +18,7 @@ Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=1_000_000)
 
 

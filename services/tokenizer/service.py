@@ -8,9 +8,11 @@ before it got here is not tokenized at all: its transition is refused.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Callable
 
+from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
@@ -42,11 +44,19 @@ class Preprocessor:
     def __init__(self, tokenizer, max_len: int):
         self.tok = tokenizer
         self.max_len = max_len
+        self.tools_in_template = template_takes_tools(tokenizer)
+
+    def _template(self, chat: list[dict], tools: list[dict] | None) -> str:
+        if tools and self.tools_in_template:
+            return self.tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+        if tools:
+            chat = with_tools(chat, tools)
+        return self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in ev.messages]
-            text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self._template(chat, json.loads(ev.tools) if ev.tools else None)
             ids = self.tok.encode(text, add_special_tokens=False)
             field = "messages"
         else:

@@ -12,6 +12,7 @@ import time
 
 from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
                                    SamplingOptions)
+from services.worker.engine.request import GrammarSpec
 from services.worker.engine.sim_model import SimTiming
 from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
@@ -59,7 +60,8 @@ def sampling_options(s: Sampling) -> SamplingOptions:
                            repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
                            min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                           logprobs=s.logprobs)
+                           logprobs=s.logprobs,
+                           grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None)
 
 
 class WorkerService:

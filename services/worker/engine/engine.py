@@ -24,6 +24,7 @@ from services.worker.engine.outputs import EngineStats, RequestOutput, StepResul
 from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.structured import MaskJob, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,11 @@ Sampled = tuple[Sequence, int, TokenLogprobs | None]  # a sequence, its sampled 
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_ids: frozenset[int], vocab_size: int,
-                 context_len: int):
+                 context_len: int, structured: StructuredOutputs | None = None):
         """runner computes the steps over its pool of runner.num_blocks KV blocks; vocab_size bounds valid
-        token ids; context_len is the model's context window."""
+        token ids; context_len is the model's context window; structured: the grammar matchers of constrained
+        requests (None: such requests are refused)."""
+        self.structured = structured
         self.config = config
         self.runner = runner
         num_blocks = runner.num_blocks
@@ -62,7 +65,10 @@ class LLMEngine:
 
         device = resolve_device(config.device)
         model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
-        return cls.from_model(model, config, eos_token_ids(model_dir, model))
+        engine = cls.from_model(model, config, eos_token_ids(model_dir, model))
+        engine.structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", engine.vocab_size,
+                                              engine.eos_token_ids)
+        return engine
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, eos_ids: frozenset[int] | None = None) -> LLMEngine:
@@ -96,6 +102,7 @@ class LLMEngine:
         if done is not None:  # resumed with nothing left to generate
             self._pending.append(RequestOutput(req.request_id, [], seq.num_emitted, True, done))
             return
+        self._attach_grammar(seq)
         self.runner.init_sequence(seq)
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -108,6 +115,14 @@ class LLMEngine:
         if len(outputs) >= seq.sampling.max_tokens:
             return "length"
         return None
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        if seq.sampling.grammar is None:
+            return
+        if self.structured is None:
+            raise InvalidRequestError(f"request {seq.request_id!r} has an output constraint and this engine has no "
+                                      "tokenizer to compile it")
+        self.structured.attach(seq)
 
     def _validate(self, req: EngineRequest) -> None:
         if req.request_id in self._seqs:
@@ -127,6 +142,7 @@ class LLMEngine:
         if seq is None:
             return len(self._pending) != pending
         self.scheduler.remove(seq)
+        StructuredOutputs.release(seq)
         seq.status = SequenceStatus.FAILED
         seq.error_reason = "aborted"
         return True
@@ -161,6 +177,8 @@ class LLMEngine:
         while True:
             try:
                 step = self.runner.prepare(items)
+                # the constrained rows' masks are filled while the forward pass runs
+                masks = self.structured.start(step.sample_seqs) if self.structured is not None else None
                 logits, forward_s = self.runner.forward(step)
                 break
             except Exception as e:  # isolate: the culprit fails alone, the others still run
@@ -182,20 +200,32 @@ class LLMEngine:
         for seq, n in items:
             seq.num_computed_tokens += n
             self.scheduler.register_computed_blocks(seq)
-        return self._sample(logits, step.sample_seqs, result)
+        return self._sample(logits, step.sample_seqs, result, masks)
 
-    def _sample(self, logits, seqs: list[Sequence], result: StepResult) -> list[Sampled]:
+    def _sample(self, logits, seqs: list[Sequence], result: StepResult,
+                masks: MaskJob | None = None) -> list[Sampled]:
         if not seqs:
             return []
+        allowed = None
+        if masks is not None:
+            try:
+                allowed = masks.result()
+            except Exception as e:  # the constrained rows fail; the others are sampled as usual
+                logger.exception("grammar mask failed")
+                for seq in seqs:
+                    if seq.grammar is not None:
+                        self._fail(seq, WORKER_ERROR, f"grammar mask: {type(e).__name__}: {e}", result)
+                return [s for s in self._sample(logits, seqs, result) if not s[0].is_done]
         try:
-            tokens, logprobs = self.runner.sample(logits, seqs)
+            tokens, logprobs = self.runner.sample(logits, seqs, allowed)
             return list(zip(seqs, tokens, logprobs or [None] * len(seqs)))
         except Exception:  # find the row(s) at fault; the others keep their tokens
             logger.exception("batched sampling failed; sampling row by row")
         out = []
         for i, seq in enumerate(seqs):
             try:
-                tokens, logprobs = self.runner.sample(logits[i:i + 1], [seq])
+                row = allowed[i:i + 1] if allowed is not None else None
+                tokens, logprobs = self.runner.sample(logits[i:i + 1], [seq], row)
                 out.append((seq, tokens[0], logprobs[0] if logprobs else None))
             except Exception as e:
                 logger.exception("sampling failed for %s", seq.request_id)
@@ -204,6 +234,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, result: StepResult) -> None:
         try:
+            if seq.grammar is not None:
+                StructuredOutputs.advance(seq, token)
             seq.token_ids.append(token)
             if seq.status == SequenceStatus.PREFILLING:
                 seq.status = SequenceStatus.DECODING
@@ -237,6 +269,7 @@ class LLMEngine:
     def _end(self, seq: Sequence, status: SequenceStatus) -> None:
         self._ended_kv[seq.request_id] = (len(seq.block_table), seq.num_cached_tokens)
         seq.status = status
+        StructuredOutputs.release(seq)
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
 

@@ -87,8 +87,9 @@ class ModelRunner:
             gen.manual_seed(seq.sampling.seed)
         seq.generator = gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        return sample(logits, seqs, native=self.decode_kernel)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               allowed=None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        return sample(logits, seqs, native=self.decode_kernel, allowed=allowed)
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, torch.OutOfMemoryError)

@@ -19,6 +19,14 @@ MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's ran
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint (the wire's shared.events.Constraint), compiled by structured.py."""
+
+    kind: str  # shared.grammar.KINDS
+    spec: str  # for json_schema: the JSON Schema's text
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = 1.0  # 0 = greedy (exact argmax)
     top_p: float = 1.0
@@ -35,6 +43,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None = off; k >= 0: each sampled token's log probability and its k most likely
+    grammar: GrammarSpec | None = None  # every output token must keep to it (None = free text)
 
     @property
     def greedy(self) -> bool:
@@ -94,7 +103,7 @@ class Sequence:
     __slots__ = ("request_id", "sampling", "priority", "arrival", "token_ids", "num_prompt_tokens",
                  "num_emitted", "status", "block_table", "block_hashes", "num_computed_tokens",
                  "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
-                 "error_reason", "error", "stop_ids", "group_id")
+                 "error_reason", "error", "stop_ids", "group_id", "grammar")
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
@@ -119,6 +128,8 @@ class Sequence:
         # The model runner's per-request sampling state, set by its init_sequence (a torch.Generator for the
         # torch runner): kept here so that this module, and whatever imports the request types, needs no torch.
         self.generator: object | None = None
+        # Its grammar matcher while it has a constraint (structured.py); released when it ends.
+        self.grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

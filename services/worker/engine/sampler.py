@@ -104,6 +104,15 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> l
     return idx[:, 0].tolist()
 
 
+def _allow_only(logits: torch.Tensor, allowed) -> torch.Tensor:
+    """Grammar-constrained rows: -inf for every token the row's bitmask (numpy int32 [N, ceil(V / 32)], bit j of
+    word w = token 32w + j; structured.py) does not allow."""
+    words = torch.from_numpy(allowed).to(logits.device)
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+    ok = bits.flatten(1)[:, :logits.shape[1]].bool()
+    return logits.masked_fill(~ok, float("-inf"))
+
+
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
     """For the rows whose request asked: the sampled token's log probability and the k most likely tokens'
     (see the module's docstring for which distribution). logits: the penalised rows, left unchanged."""
@@ -126,12 +135,15 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> 
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           native: bool = False) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False,
+           allowed=None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """logits [N, V] (any float dtype) for seqs (len N) -> (next token of each, and per row its TokenLogprobs
     where the request asked for them, else None; None alone when no row asked: nothing extra is computed).
-    native: see _draw."""
+    native: see _draw; allowed: see _allow_only (None = no row is constrained). A constrained row's log
+    probabilities are those of the distribution it was sampled from: the tokens its grammar forbids have -inf."""
     logits = logits.float()
+    if allowed is not None:
+        logits = _allow_only(logits, allowed)
     if any(_needs_penalty(s) for s in seqs):
         logits = logits.clone()
         _penalise(logits, seqs)

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+import numpy as np
+
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
+from services.worker.engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,24 +82,46 @@ class SimRunner:
                                 f"{step.kv_tokens} {len(step.sample_seqs)}\n")
         return [None] * len(step.sample_seqs), modelled
 
-    def sample(self, rows: list[None], seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """Each sequence's next word; where a request asks for log probabilities, synthetic ones of the
-        simulator's stand-in distribution (SimVocab.logprobs). Penalties, temperature and the top-k/top-p/min-p
-        filters do not change what the simulator emits (seeds and min_tokens do)."""
-        tokens = [self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
-                                        seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
-                  for seq in seqs]
+    def sample(self, rows: list[None], seqs: list[Sequence],
+               allowed: np.ndarray | None = None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Each sequence's next word (a constrained one keeps to its grammar: _constrained); where a request asks
+        for log probabilities, synthetic ones of the simulator's stand-in distribution (SimVocab.logprobs).
+        Penalties, temperature and the top-k/top-p/min-p filters do not change what the simulator emits (seeds
+        and min_tokens do)."""
+        tokens = []
+        for i, seq in enumerate(seqs):
+            token = self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
+                                          seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
+            if allowed is not None and seq.grammar is not None:
+                token = self._constrained(token, allowed[i], seq)
+            tokens.append(token)
         if all(seq.sampling.logprobs is None for seq in seqs):
             return tokens, None
         return tokens, [None if seq.sampling.logprobs is None else TokenLogprobs(*self.vocab.logprobs(
             seq.generator, seq.num_outputs, token, seq.stop_ids, seq.num_outputs >= seq.sampling.min_tokens,
             self.eos_probability, seq.sampling.logprobs)) for seq, token in zip(seqs, tokens)]
 
+    def _constrained(self, token: int, row: np.ndarray, seq: Sequence) -> int:
+        """A constrained sequence keeps to its grammar: EOS as soon as the grammar may end, else the word it would
+        have emitted if allowed, else an allowed token picked by (prompt, seed, index). Such a walk closes its
+        JSON only by chance: most constrained sim outputs end with "length"."""
+        eos = [t for t in sorted(seq.stop_ids) if t < row.size * 32 and _bit(row, t)]
+        if eos:
+            return eos[0]
+        if _bit(row, token):
+            return token
+        ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        return int(ids[(int.from_bytes(seq.generator[:8], "little") + seq.num_outputs) % len(ids)])
+
     def is_out_of_memory(self, error: BaseException) -> bool:
         return False  # nothing is allocated: a simulated step never runs out of memory
 
     def free_memory(self) -> None:
         return None
+
+
+def _bit(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def open_step_log(folder: str) -> TextIO | None:
@@ -116,4 +141,5 @@ def build_sim_engine(model_dir: Path | str, config: EngineConfig, timing: SimTim
                        step_log=open_step_log(step_log_dir))
     logger.info("simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words),
                 eos_probability)
-    return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)
+    structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", vocab.vocab_size, vocab.eos_token_ids)
+    return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len, structured)

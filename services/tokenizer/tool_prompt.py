@@ -1,0 +1,34 @@
+"""The tools of a chat request, put into its prompt.
+
+A chat template that takes `tools` (it mentions them) renders them its own way. One that does not (SmolLM2's)
+gets them from here, in a system turn: the functions' definitions and the one call format the gateway reads back
+(services/gateway/tool_calls.py): a JSON array of {"name", "arguments"} and nothing else. When a call is forced
+the grammar writes that format whatever the prompt says; with tool_choice "auto" the prompt is all the model has.
+"""
+
+from __future__ import annotations
+
+import json
+
+CALL_FORMAT = ('To call one or more of these functions, reply with only a JSON array of calls, '
+               '[{"name": "<function name>", "arguments": {<its arguments>}}], and nothing else. '
+               'To answer without calling a function, reply with plain text.')
+
+
+def tools_prompt(tools: list[dict]) -> str:
+    lines = [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
+    return "You can call these functions (each with a JSON Schema of its arguments):\n" + "\n".join(lines) + \
+        "\n\n" + CALL_FORMAT
+
+
+def template_takes_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def with_tools(chat: list[dict], tools: list[dict]) -> list[dict]:
+    """chat with the tools described in its system turn (added first when it has none)."""
+    prompt = tools_prompt(tools)
+    if chat and chat[0]["role"] == "system":
+        return [{"role": "system", "content": f"{chat[0]['content']}\n\n{prompt}"}, *chat[1:]]
+    return [{"role": "system", "content": prompt}, *chat]
