@@ -176,7 +176,7 @@ def test_native_generate_with_n_returns_each_choice_and_the_requests_usage(clust
 def test_native_stream_with_n_tags_each_event_with_its_choice_then_sends_the_usage(cluster):
     body = {"prompt": PROMPT, "n": N, "max_tokens": 6, "seed": 21}
     whole = httpx.post(f"{cluster.url}/generate", json=body, timeout=60).json()
-    texts, finals, last = defaultdict(str), {}, None
+    texts, finals = defaultdict(str), {}
     with httpx.stream("POST", f"{cluster.url}/generate", json={**body, "stream": True}, timeout=60) as answer:
         events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
     for ev in events[:-1]:

@@ -113,9 +113,10 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         bs = self.blocks.block_size
         held: list[Sequence] = []  # choices waiting for a sibling's prompt blocks: they keep their place in line
+        computing = self._prompts_in_prefill()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._sibling_computes_prompt(seq):
+            if self._held(seq, computing):
                 held.append(self.waiting.popleft())
                 continue
             hits: list[int] = []
@@ -144,17 +145,30 @@ class Scheduler:
             batch.transitions.append((seq.request_id, SequenceStatus.PREFILLING.value))
             batch.items.append((seq, n))
             budget -= n
+            self._note_prefill(seq, computing)
         self.waiting.extendleft(reversed(held))
 
-    def _sibling_computes_prompt(self, seq: Sequence) -> bool:
+    def _prompts_in_prefill(self) -> dict[str, int]:
+        """group -> the fewest prompt blocks registered so far by a running sibling still computing the prompt."""
+        computing: dict[str, int] = {}
+        for seq in self.running:
+            self._note_prefill(seq, computing)
+        return computing
+
+    @staticmethod
+    def _note_prefill(seq: Sequence, computing: dict[str, int]) -> None:
+        if seq.group_id and seq.num_computed_tokens < seq.num_prompt_tokens:
+            computing[seq.group_id] = min(computing.get(seq.group_id, seq.num_registered_blocks),
+                                          seq.num_registered_blocks)
+
+    def _held(self, seq: Sequence, computing: dict[str, int]) -> bool:
         """Whether a running sibling (same group: the choices of one n > 1 request, one prompt) is still computing
         prompt blocks `seq` could reuse. Admitted now, `seq` would find them uncached and compute them again;
         held until they are registered, it gets them as prefix-cache hits, so the prompt is computed once."""
         if not seq.group_id or not self.blocks.enable_prefix_caching:
             return False
         shared = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.blocks.block_size
-        return any(s.group_id == seq.group_id and s.num_registered_blocks < shared
-                   and s.num_computed_tokens < s.num_prompt_tokens for s in self.running)
+        return computing.get(seq.group_id, shared) < shared
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks to the prefix cache."""
