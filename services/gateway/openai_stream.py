@@ -122,8 +122,6 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
         else:
             finish = body["finish_reason"]
             if tools is not None:
-                for delta in tools.end(finish):
-                    yield sse(shape.chunk(delta=delta))
                 finish = tools.finish_reason(finish)
             yield sse(shape.chunk(finish_reason=finish))
             if shape.include_usage:
