@@ -162,3 +162,26 @@ def test_a_constrained_stream_closed_by_its_client_is_cancelled_and_frees_the_wo
     rid = request_id(first.id)
     wait_for(lambda: snapshot(cluster.url, rid)["state"] == "CANCELLED", 30, what="request cancelled")
     wait_for(lambda: worker_idle(cluster), 30, what="worker released every block")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_auto_answer_is_text_or_valid_calls(client, stream):
+    kw = dict(messages=ASK_WEATHER, max_tokens=24, temperature=1.0, seed=3, tools=TOOLS)
+    if not stream:
+        choice = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        text, finish = choice.message.content, choice.finish_reason
+    else:
+        chunks = [c for c in client.chat.completions.create(model=MODEL, stream=True, **kw) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls, finish = [], chunks[-1].choices[0].finish_reason
+        if any(c.choices[0].delta.tool_calls for c in chunks):
+            calls, finish = _calls(client, True, **kw)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    if calls:  # the model chose to call: every call is of a given tool, with valid arguments
+        assert finish == "tool_calls" and not text
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
+    else:
+        assert text and not text.startswith("[") and finish in ("stop", "length")

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 
 import llguidance
-import llguidance.hf
 import pytest
 
 from services.gateway.errors import InvalidRequest
 from services.gateway.openai_schemas import ChatCompletionRequest
 from services.gateway.openai_tools import ToolShaper, message
 from services.gateway.structured_output import plan_chat
-from services.gateway.tool_calls import CallParser, Tool, call_schema, check_tools, parse_auto
+from services.gateway.tool_calls import CallParser, Tool, call_schema
 from shared.grammar import grammar_for
-from shared.tokenization import load_tokenizer
 
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Par}is\\\\", "q": "a\\"b", "n": [1, {"a": 2}]}}, '
          '{"name": "search", "arguments": {}}]')
@@ -57,31 +55,36 @@ def test_call_schema_moves_each_functions_defs_to_the_root_so_refs_resolve(model
     params = {"type": "object", "$defs": {"unit": {"enum": ["c", "f"]}},
               "properties": {"unit": {"$ref": "#/$defs/unit"}}, "required": ["unit"], "additionalProperties": False}
     tools = [Tool("a", params, {}), Tool("b", params, {})]
-    tok = llguidance.hf.from_tokenizer(load_tokenizer(model_dir), n_vocab=49152)
+    tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
     m = llguidance.LLMatcher(tok, grammar_for("json_schema", call_schema(tools, parallel=True)), log_level=0)
     good, bad = m.deep_copy(), m.deep_copy()
     assert good.consume_tokens(tok.tokenize_str('[{"name": "b", "arguments": {"unit": "f"}}]')) and not good.is_error()
     assert not bad.consume_tokens(tok.tokenize_str('[{"name": "b", "arguments": {"unit": "k"}}]'))
 
 
-def test_auto_output_is_tool_calls_only_when_it_is_exactly_an_array_of_calls_of_known_tools():
-    tools = check_tools([WEATHER])
-    assert [c.name for c in parse_auto('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', tools)] == [
-        "get_weather"]
-    assert parse_auto('[{"name": "other", "arguments": {}}]', tools) is None
-    assert parse_auto("The weather is nice.", tools) is None
-    assert parse_auto('[1, 2]', tools) is None
+def test_auto_grammar_takes_text_or_valid_calls_and_nothing_else(model_dir):
+    tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2])
+    plan = plan_chat(_chat(tools=[WEATHER]))
+    grammar = grammar_for(plan.constraint.kind, plan.constraint.spec)
+
+    def takes(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
+    assert takes("The weather is nice.") and takes('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert not takes('[{"name": "other", "arguments": {}}]') and not takes('[{"name": "get_weather", "arguments": {}}]')
 
 
-def test_auto_stream_holds_back_text_only_while_it_could_still_be_a_call():
+def test_auto_answer_is_calls_when_it_starts_with_a_bracket_and_content_otherwise():
     plan = plan_chat(_chat(tools=[WEATHER]))
     text = ToolShaper(plan)
-    assert text.feed("  The") == [{"content": "  The"}] and text.feed(" sky") == [{"content": " sky"}]
+    assert text.feed("The") == [{"content": "The"}] and text.feed(" sky") == [{"content": " sky"}]
+    assert text.finish_reason("stop") == "stop"
     calls = ToolShaper(plan)
-    assert calls.feed('[{"name": "get_weather", ') == [] and calls.feed('"arguments": {"city": "Oslo"}}]') == []
-    sent = calls.end("stop")
-    assert sent[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    assert calls.finish_reason("stop") == "tool_calls"
+    head = calls.feed('[{"name": "get_weather", ')  # the name is out as soon as it is complete
+    assert head[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert calls.feed('"arguments": {"city": "Oslo"}}]') == [{"tool_calls": [
+        {"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]}]
+    assert calls.calls[0].arguments == '{"city": "Oslo"}' and calls.finish_reason("stop") == "tool_calls"
 
 
 def test_a_cut_forced_call_keeps_finish_reason_length():
@@ -105,6 +108,7 @@ def test_a_cut_forced_call_keeps_finish_reason_length():
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"tools": [WEATHER], "min_tokens": 3}, "min_tokens"),
 ])
 def test_bad_structured_output_field_is_refused_naming_it(body, param):
     assert _param(**body) == param

@@ -138,12 +138,10 @@ def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[di
 
 
 def end_chunks(shape: Shape, tools: ToolShaper | None, finish: str) -> list[dict]:
-    """The last chunks of an output: a tool call's closing deltas, then the finish_reason (tool_calls for one)."""
-    out = []
+    """The last chunk of an output: its finish_reason (tool_calls when it answered with them)."""
     if tools is not None:
-        out = [shape.chunk(delta=delta) for delta in tools.end(finish)]
         finish = tools.finish_reason(finish)
-    return out + [shape.chunk(finish_reason=finish)]
+    return [shape.chunk(finish_reason=finish)]
 
 
 async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first: Chunk,

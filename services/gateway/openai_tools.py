@@ -1,14 +1,13 @@
 """A chat answer with tools, in OpenAI's shape: message.tool_calls, or streamed delta.tool_calls.
 
-Forced calls (tool_choice "required" or a named function) are read as they stream (tool_calls.CallParser): the
-first delta of each call carries its index, id, type and name with empty arguments, the next ones argument
-fragments; finish_reason is "tool_calls" once the array is complete. A cut output (max_tokens) ends with
-finish_reason "length": its last call's arguments are then not complete JSON, as with plain text.
+Calls are read as they stream (tool_calls.CallParser): the first delta of each call carries its index, id, type
+and name with empty arguments, the next ones argument fragments; finish_reason is "tool_calls" once the array is
+complete. A cut output (max_tokens) ends with finish_reason "length": its last call's arguments are then not
+complete JSON, as with plain text.
 
-With "auto" the model may answer in text or with the call array. A stream holds the text back only while it
-could still be such an array (it starts with "["); once it cannot, the held text and the rest go out as content.
-An output that is exactly an array of calls of the given tools becomes tool_calls (finish_reason "tool_calls"),
-sent whole at the end; anything else is content.
+With tool_choice "required" or a named function the whole output is the call array. With "auto" the grammar
+(tool_calls.auto_grammar) lets the model either write text that does not start with "[" or the call array, so the
+first character decides: "[" and the answer is tool calls, anything else and it is content.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from services.gateway.structured_output import OutputPlan
-from services.gateway.tool_calls import CallParser, parse_auto
+from services.gateway.tool_calls import Call, CallParser
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ logger = logging.getLogger(__name__)
 def message(plan: OutputPlan, text: str, finish_reason: str) -> tuple[dict, str]:
     """The non-stream assistant message and finish reason of a chat answer under plan."""
     shaper = ToolShaper(plan)
-    deltas = shaper.feed(text) + shaper.end(finish_reason)
+    deltas = shaper.feed(text)
     if not shaper.calls:
         return {"role": "assistant", "content": text}, finish_reason
     content = "".join(d.get("content") or "" for d in deltas) or None
@@ -36,12 +35,15 @@ class ToolShaper:
     """One answer's text deltas in, OpenAI delta dicts out ({"content": ...} or {"tool_calls": [...]})."""
 
     def __init__(self, plan: OutputPlan):
-        self.plan = plan
         self.parser: CallParser | None = CallParser() if plan.tool_mode == "forced" else None
-        self.held: str | None = "" if plan.tool_mode == "auto" else None  # auto: text held back, None once sent
-        self.calls = []
+        self.deciding = plan.tool_mode == "auto"  # auto: the first character says calls ("[") or content
+        self.calls: list[Call] = []
 
     def feed(self, text: str) -> list[dict]:
+        if self.deciding and text:
+            self.deciding = False
+            if text.startswith("["):
+                self.parser = CallParser()
         if self.parser is not None:
             try:
                 deltas = self.parser.feed(text)
@@ -51,25 +53,9 @@ class ToolShaper:
                 return [{"content": text}]
             self.calls = self.parser.calls
             return [{"tool_calls": deltas}] if deltas else []
-        if self.held is not None:
-            self.held += text
-            if self.held.lstrip() == "" or self.held.lstrip().startswith("["):
-                return []
-            text, self.held = self.held, None
         return [{"content": text}] if text else []
 
-    def end(self, finish_reason: str) -> list[dict]:
-        """The deltas still to send once the output is complete."""
-        if self.held is None:
-            return []
-        held, self.held = self.held, None
-        calls = parse_auto(held, list(self.plan.tools)) if finish_reason == "stop" else None
-        if calls is None:
-            return [{"content": held}] if held else []
-        self.calls = calls
-        return [{"tool_calls": [{"index": i, **c.openai()} for i, c in enumerate(calls)]}]
-
     def finish_reason(self, native: str) -> str:
-        if not self.calls or native != "stop":
-            return native
-        return "tool_calls" if self.parser is None or self.parser.complete else native
+        """ "tool_calls" when the output ended on its own (EOS) with the call array complete."""
+        complete = self.parser is not None and self.parser.complete
+        return "tool_calls" if complete and native == "stop" else native

@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 
 from services.gateway.errors import InvalidRequest
-from services.gateway.tool_calls import Tool, call_schema, check_tools, chosen
+from services.gateway.tool_calls import Tool, auto_grammar, call_schema, check_tools, chosen
 from shared.events import Constraint
-from shared.grammar import ANY_OBJECT, GrammarError, KIND_JSON_SCHEMA, grammar_for
+from shared.grammar import ANY_OBJECT, GrammarError, KIND_JSON_SCHEMA, KIND_LARK, grammar_for
 
 FORMATS = ("text", "json_object", "json_schema")
 
@@ -79,13 +79,17 @@ def plan_chat(body) -> OutputPlan:
     if mode != "none" and constraint is not None:
         raise _bad("response_format", "cannot be combined with tools unless tool_choice is 'none'",
                    "unsupported_parameter")
-    if mode == "forced":  # a named function is called once; "required" may call several unless told otherwise
-        parallel = not isinstance(body.tool_choice, dict) and body.parallel_tool_calls is not False
+    # a named function is called once; "required" and "auto" may call several unless told otherwise
+    parallel = not isinstance(body.tool_choice, dict) and body.parallel_tool_calls is not False
+    if mode == "forced":
         constraint = Constraint(kind=KIND_JSON_SCHEMA, spec=call_schema(usable, parallel))
+    elif mode == "auto":
+        constraint = Constraint(kind=KIND_LARK, spec=auto_grammar(usable, parallel))
     if constraint is not None:
         # Both would need tokens the grammar forbids: EOS ends a constrained output when it is complete.
         for param, broken in [("ignore_eos", bool(body.ignore_eos)), ("min_tokens", bool(body.min_tokens))]:
             if broken:
-                raise _bad(param, "cannot be combined with response_format json or a forced tool call",
+                raise _bad(param, "cannot be combined with response_format json or tools (unless tool_choice is "
+                           "'none')",
                            "unsupported_parameter")
     return OutputPlan(constraint, tuple(usable), mode)

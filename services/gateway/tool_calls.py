@@ -5,8 +5,8 @@ of calls, `[{"name": "<one of the tools>", "arguments": <that function's paramet
 parallel_tool_calls is false or a function is named), written compactly with ", " and ": " as separators and the
 keys in that order. CallParser reads exactly that text as it streams and cuts it into OpenAI's tool-call deltas
 (id, type and name first, then argument fragments), so the streamed fragments concatenate to the arguments of the
-non-stream answer. With "auto" nothing is constrained: the prompt asks for the same array and the whole output is
-parsed once it is complete (parse_auto).
+non-stream answer. With "auto" the output is constrained to either text that does not start with "[" or that same
+array (auto_grammar).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import InvalidRequest
-from shared.grammar import GrammarError, KIND_JSON_SCHEMA, grammar_for
+from shared.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, grammar_for
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
@@ -115,6 +115,17 @@ def _scoped(params: dict, prefix: str, defs: dict) -> dict:
 
 def call_schema(tools: list[Tool], parallel: bool) -> str:
     """The JSON Schema of the output when a call is forced: an array of 1 (or, parallel, more) calls."""
+    return json.dumps(_calls_schema(tools, parallel))
+
+
+def auto_grammar(tools: list[Tool], parallel: bool) -> str:
+    """The Lark grammar of an "auto" answer: text that does not start with "[", or an array of valid calls (the
+    JSON written as in a forced call)."""
+    calls = {**_calls_schema(tools, parallel), "x-guidance": JSON_OPTIONS}
+    return f"start: calls | text\ncalls: %json {json.dumps(calls)}\ntext: /[^\\[][\\s\\S]*/\n"
+
+
+def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
     defs: dict = {}
     calls = [{"type": "object", "properties": {"name": {"const": t.name},
                                                "arguments": _scoped(t.parameters, f"f{i}_", defs)},
@@ -124,7 +135,7 @@ def call_schema(tools: list[Tool], parallel: bool) -> str:
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return json.dumps(schema)
+    return schema
 
 
 def new_call_id() -> str:
@@ -218,21 +229,6 @@ class CallParser:
     @property
     def complete(self) -> bool:
         return self._state == "done"
-
-
-def parse_auto(text: str, tools: list[Tool]) -> list[Call] | None:
-    """The calls in an unconstrained ("auto") output, or None when it is not only a JSON array of calls of the
-    given tools (then it is the assistant's text)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    names = {t.name for t in tools}
-    if not isinstance(value, list) or not value or not all(
-            isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names
-            and isinstance(c["arguments"], dict) for c in value):
-        return None
-    return [Call(new_call_id(), c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
 
 
 def turn_text(i: int, role: str, text: str | None, tool_calls: list[dict] | None) -> str:
