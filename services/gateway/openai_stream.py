@@ -49,8 +49,8 @@ class Shape:
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
-        completion = CompletionLogprobs(self.token_strings) if self.token_strings is not None and not self.chat else None
-        object.__setattr__(self, "_completion_logprobs", completion)
+        wanted = self.token_strings is not None and not self.chat
+        object.__setattr__(self, "_completion_logprobs", CompletionLogprobs(self.token_strings) if wanted else None)
 
     @property
     def with_tools(self) -> bool:

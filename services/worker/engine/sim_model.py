@@ -77,7 +77,8 @@ class SimVocab:
         pick, _ = _hash(key, index)
         eos = sorted(stop_ids & self.eos_token_ids)
         e = eos_probability if may_stop and eos else 0.0
-        dist = [(t, (1.0 - e) * 0.5 ** (j + 1)) for j, t in enumerate(self._words_from(pick, stop_ids, may_stop, k + 1))]
+        words = self._words_from(pick, stop_ids, may_stop, k + 1)
+        dist = [(t, (1.0 - e) * 0.5 ** (j + 1)) for j, t in enumerate(words)]
         if e > 0.0:
             dist.append((eos[0], e))
         dist.sort(key=lambda tp: -tp[1])
