@@ -95,7 +95,7 @@ def test_choices_whose_worker_dies_are_moved_and_complete_with_their_own_tokens(
     try:
         client, r = openai_client(c.url), redis.Redis.from_url(c.redis.url)
         wait_for(lambda: len(read_live(r, Names(c.ns), "worker")) == 2, 30, what="two workers")
-        ask = {"model": MODEL, "prompt": "Once upon a time " * 8, "n": N, "max_tokens": 300, "seed": 9,
+        ask = {"model": MODEL, "prompt": "Once upon a time " * 8, "n": N, "max_tokens": 96, "seed": 9,
                "extra_body": {"ignore_eos": True}}
         victims = []
 
