@@ -103,6 +103,8 @@ def test_rows_that_appear_below_the_screen_get_their_token_counts(page, cluster)
     rids = [r["rid"] for r in reqs]
     try:
         page.wait_for_function(f"{rids}.every(id => S.rows.get(id)?.prompt > 0)", timeout=WAIT_MS)
+        # and the rows on screen go on being refreshed: their output counts grow
+        page.wait_for_function("S.order.slice(0, 5).every(r => r.output > 0)", timeout=WAIT_MS)
     finally:
         _shot(page, "4-many-rows")
         for rid in rids:

@@ -88,7 +88,8 @@ function renderCounts() {
   S.counts = counts;
 }
 
-// The token counts: of the rows on screen (output grows), and of every row that has none yet wherever it is.
+// The token counts: of the rows on screen (output grows), and of every row whose prompt or cached count is not
+// known yet, wherever it is.
 // The feed carries transitions, not tokens. Not only the rows on screen: with a thousand requests in flight
 // about fifty end a second, so the list slides past a fixed scroll position and a new row may be on screen for
 // under a second; asked only while on screen, it would come into view blank again and again.
@@ -104,7 +105,7 @@ async function refreshRows() {
   const ids = new Set(onScreen);
   for (const r of S.rows.values()) {
     if (ids.size >= S.config.max_row_ids) break;
-    if (r.prompt == null && !r.endedAt) ids.add(r.rid);
+    if ((r.prompt == null || r.cached == null) && !r.endedAt) ids.add(r.rid);  // not tokenized or not prefilled yet
   }
   try {
     if (!ids.size) return;
@@ -112,7 +113,7 @@ async function refreshRows() {
     for (const r of rows) {
       const row = S.rows.get(r.rid);
       if (row) Object.assign(row, { prompt: r.prompt, output: r.output, cached: r.cached, created: r.created ?? row.created });
-      if (r.prompt == null) S.rowsSoon = true;  // not tokenized yet: ask again soon
+      if (r.prompt == null || r.cached == null) S.rowsSoon = true;  // not tokenized or prefilled yet: ask again soon
     }
   } catch (e) { console.warn("rows refresh failed", e); } finally { S.refreshing = false; }
 }
