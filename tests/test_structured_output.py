@@ -185,3 +185,19 @@ def test_auto_answer_is_text_or_valid_calls(client, stream):
             jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
     else:
         assert text and not text.startswith("[") and finish in ("stop", "length")
+
+
+def test_each_of_n_choices_is_a_valid_named_call_streamed_as_whole(client):
+    kw = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=80, temperature=1.0, seed=3, n=2, tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kw)
+    args: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                args[c.index] = args.get(c.index, "") + (call.function.arguments or "")
+    assert [c.index for c in whole.choices] == [0, 1]
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["get_time"]
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), TOOLS[1]["function"]["parameters"])
+        assert args[c.index] == c.message.tool_calls[0].function.arguments
