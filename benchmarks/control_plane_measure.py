@@ -172,7 +172,7 @@ class Sampler:
         try:
             pipe = r.pipeline(transaction=False)
             for s in LIVE_STATES:
-                pipe.zcard(names.state_set(s))
+                pipe.zcard(names.state_set(0, s))
             return dict(zip(LIVE_STATES, pipe.execute()))
         finally:
             r.close()

@@ -48,7 +48,7 @@ def transitions(n: int, batch: int) -> dict:
                 for rid in ids[i:i + batch]:
                     ev = RequestReceived(request_id=rid, reply_to="x", prompt="p", sampling=Sampling(max_tokens=1),
                                          deadline=0, received_at=0)
-                    keys, argv = store.create_args(rid, {"owner": "k"}, {"prompt": "p"}, names.received_stream, ev)
+                    keys, argv = store.create_args(rid, {"owner": "k"}, {"prompt": "p"}, ev)
                     store._create(keys=keys, args=argv, client=pipe)
                 pipe.execute()
             r.config_resetstat()

@@ -60,7 +60,7 @@ def in_flight(r: redis.Redis) -> int:
     names = Names()
     pipe = r.pipeline(transaction=False)
     for s in LIVE_STATES:
-        pipe.zcard(names.state_set(s.value))
+        pipe.zcard(names.state_set(0, s.value))
     return sum(pipe.execute())
 
 

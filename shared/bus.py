@@ -50,6 +50,7 @@ class Bus:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.on_dead = on_dead
+        self._turn = 0  # which slot an idle read blocks on next (a cluster: see _read_slots)
 
     def ensure_group(self, stream: str, group: str) -> None:
         try:
@@ -57,6 +58,10 @@ class Bus:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+    def ensure_groups(self, streams: list[str], group: str) -> None:
+        for stream in streams:
+            self.ensure_group(stream, group)
 
     def publish(self, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> str:
         """XADD, capped; a process's own stream also gets its TTL (a dead process's inbox must not live on)."""
@@ -71,12 +76,31 @@ class Bus:
     def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:
         """New entries of `streams` for this consumer; block_ms=0 means do not block."""
         block = self.block_ms if block_ms is None else block_ms
-        reply = self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
-                                  block=block if block > 0 else None)
+        groups = self.names.slot_groups(streams)
+        if len(groups) == 1:  # a single Redis (or one slot): one read of them all, blocking
+            replies = [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
+                                         block=block if block > 0 else None)]
+        else:
+            replies = self._read_slots(groups, group, count, block)
         out: list[Delivery] = []
-        for stream, entries in reply or []:
+        for stream, entries in (x for reply in replies for x in reply or []):
             out.extend(self._decode_entries(_s(stream), group, entries))
         return out
+
+    def _read_slots(self, groups: list[list[str]], group: str, count: int, block: int) -> list:
+        """A cluster: one XREADGROUP cannot span hash slots. One non-blocking read per slot, pipelined (a round
+        trip per node); when all were empty, a blocking read of one slot for a share of the wait, a different
+        slot each time, so an idle consumer neither spins nor leaves another slot's events waiting long."""
+        pipe = self.r.pipeline(transaction=False)
+        for streams in groups:
+            pipe.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count)
+        replies = pipe.execute()
+        if any(replies) or block <= 0:
+            return replies
+        streams = groups[self._turn % len(groups)]
+        self._turn += 1
+        return [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
+                                  block=max(1, block // len(groups)))]
 
     def ack(self, d: Delivery) -> None:
         self.r.xack(d.stream, d.group, d.entry_id)
@@ -143,6 +167,9 @@ class Bus:
         if floors:
             self.r.xtrim(stream, minid=min(floors, key=entry_key), approximate=False)
 
+    def sweep_all(self, streams: list[str], group: str, count: int = 64) -> list[Delivery]:
+        return [d for stream in streams for d in self.sweep(stream, group, count)]
+
     def sweep(self, stream: str, group: str, count: int = 64) -> list[Delivery]:
         """Claim entries idle longer than claim_idle_ms; dead-letter the over-delivered ones."""
         pending = self.r.xpending_range(stream, group, min="-", max="+", count=count, idle=self.claim_idle_ms)
@@ -177,11 +204,13 @@ class Bus:
             raw = found[0][1] if found else {}
         event = _best_effort_decode(raw.get(EVENT_FIELD))
         logger.error("dead-lettering %s entry %s (group %s): %s", stream, entry_id, group, why)
-        pipe = self.r.pipeline(transaction=True)
+        # In this order, not one transaction (the keys are on different slots of a cluster): dying in between
+        # dead-letters the entry twice at worst, never loses it.
+        pipe = self.r.pipeline(transaction=False)
         pipe.xadd(self.names.dead_letter_stream, {**raw, b"stream": stream, b"group": group,
                                                   b"entry_id": entry_id, b"why": why}, maxlen=STREAM_MAXLEN)
         pipe.xack(stream, group, entry_id)
-        pipe.hincrby(self.names.counters, "dead_letters", 1)
+        pipe.hincrby(self.names.counters(0), "dead_letters", 1)
         pipe.execute()
         if self.on_dead is not None:
             self.on_dead(stream, event, why)

@@ -1,13 +1,16 @@
 """Every stream, consumer-group and key name, in one place.
 
 All names live under a namespace (setting CONVEYOR_NAMESPACE), so tests and several
-clusters can share one Redis without seeing each other. Request keys carry the request id
-in a hash tag ({id}) so one request's layers would sit in one Redis Cluster slot.
+clusters can share one Redis without seeing each other. Request keys carry their partition's
+hash tag, so a request's keys and the indexes its transitions update sit in one Redis Cluster slot.
 """
 
 from __future__ import annotations
 
+import binascii
+import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 # Consumer groups: one per kind of consumer. Replicas of a service share their group.
 GROUP_TOKENIZER = "tokenizer"
@@ -42,20 +45,143 @@ LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner"
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 
 
+# Redis Cluster (issue 16): a multi-key command or script may only touch keys of one hash slot. Everything a
+# request's transitions touch together therefore lives under one hash tag: that of its PARTITION (a stable hash
+# of the request id, see Names.partition). A partition holds its requests' keys and the indexes and streams
+# their scripts update in the same atomic step (state sets, waiting set, lifecycle feed, received and
+# preprocessed streams, counters...). A process's own streams (a worker's inbox, a gateway's replies) and the
+# low-rate shared ones (control, heartbeats, KV events, dead letters) each sit on a slot of their own. On a
+# single Redis there is one partition and nothing changes but the names.
+SLOTS = 16384
+# Partitions on a cluster when the setting leaves it to us: enough to spread over a few masters evenly.
+CLUSTER_PARTITIONS = 16
+
+
+def _crc16_slot(tag: str) -> int:
+    return binascii.crc_hqx(tag.encode(), 0) % SLOTS
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster slot of a key (its hash tag's, when it has a non-empty one)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            key = key[start + 1:end]
+    return _crc16_slot(key)
+
+
+def partition_tags(n: int) -> tuple[str, ...]:
+    """One hash tag per partition, partition k's slot in the k-th n-th of the slot space: a cluster whose
+    masters own equal contiguous slot ranges (what `redis-cli --cluster create` makes) gets an equal share of
+    partitions on each master, where tags like p0..p15 would fall where their CRC16 happens to."""
+    tags = []
+    for k in range(n):
+        lo, hi = k * SLOTS // n, (k + 1) * SLOTS // n
+        i = 0
+        while not lo <= _crc16_slot(f"{k}.{i}") < hi:
+            i += 1
+        tags.append(f"{k}.{i}")
+    return tuple(tags)
+
+
 @dataclass(frozen=True)
 class Names:
-    """Stream and key names of one namespace."""
+    """Stream and key names of one namespace split into `partitions` partitions (1 on a single Redis)."""
 
     ns: str = "conveyor"
+    partitions: int = 1
+    # On a Redis Cluster a script may only write keys of its own slot: events to a stream of another slot are
+    # published right after the transition instead of inside it (see shared.lifecycle).
+    cluster: bool = False
+
+    def __post_init__(self):
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+
+    @cached_property
+    def _tags(self) -> tuple[str, ...]:
+        return partition_tags(self.partitions)
+
+    def partition(self, request_id: str) -> int:
+        """The partition a request belongs to, for its whole life (a stable hash of its id)."""
+        return zlib.crc32(request_id.encode()) % self.partitions if self.partitions > 1 else 0
 
     @property
-    def received_stream(self) -> str:  # request_received: gateway -> tokenizer
-        return f"{self.ns}:stream:received"
+    def all_partitions(self) -> range:
+        return range(self.partitions)
 
-    @property
-    def preprocessed_stream(self) -> str:  # preprocessed: tokenizer -> scheduler
-        return f"{self.ns}:stream:preprocessed"
+    def _p(self, p: int) -> str:  # the partition's prefix: namespace + hash tag
+        return f"{self.ns}:{{{self._tags[p]}}}"
 
+    def slot_groups(self, keys: list[str]) -> list[list[str]]:
+        """keys grouped so that one multi-key command may take each group: all of them on a single Redis, one
+        group per hash slot on a cluster."""
+        if not self.cluster:
+            return [keys] if keys else []
+        groups: dict[int, list[str]] = {}
+        for key in keys:
+            groups.setdefault(key_slot(key), []).append(key)
+        return list(groups.values())
+
+    def colocated(self, key: str, p: int) -> bool:
+        """Whether one script may touch `key` together with partition p's keys: always on a single Redis; on
+        a cluster, when the key hashes to the partition's slot."""
+        return not self.cluster or key_slot(key) == _crc16_slot(self._tags[p])
+
+    # --- per partition (one slot each): a request's scripts touch these with its own keys -------------------
+    def received_stream(self, p: int) -> str:  # request_received: gateway -> tokenizer
+        return f"{self._p(p)}:stream:received"
+
+    def preprocessed_stream(self, p: int) -> str:  # preprocessed: tokenizer -> scheduler
+        return f"{self._p(p)}:stream:preprocessed"
+
+    def lifecycle_feed(self, p: int) -> str:  # one record per transition, written only by the lifecycle scripts
+        return f"{self._p(p)}:stream:lifecycle"
+
+    def requests_index(self, p: int) -> str:  # sorted set: request id -> creation time (listing, eviction)
+        return f"{self._p(p)}:requests"
+
+    def state_set(self, p: int, state: str) -> str:  # sorted set of request ids in that state -> time they entered
+        return f"{self._p(p)}:state:{state}"
+
+    def waiting(self, p: int) -> str:  # sorted set: requests not yet on a worker (RECEIVED..QUEUED) -> creation time
+        return f"{self._p(p)}:waiting"
+
+    def owner_waiting(self, p: int) -> str:
+        """Sorted set, all scores 0, members `owner NUL request id`: each API key's waiting requests (per-key
+        bounds count them with ZLEXCOUNT). One key per partition, not per owner: a script only touches keys
+        passed in KEYS, and the caller of a transition does not know the request's owner; the script does."""
+        return f"{self._p(p)}:ownerwaiting"
+
+    def owner_index(self, p: int, owner: str) -> str:  # sorted set: one API key's request ids -> creation time
+        return f"{self._p(p)}:owner:{owner}:requests"
+
+    def request_owners(self, p: int) -> str:  # hash: request id -> owner, for requests with one (janitor's lookup)
+        return f"{self._p(p)}:owners"
+
+    def queue(self, p: int) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
+        return f"{self._p(p)}:queue"
+
+    def counters(self, p: int) -> str:  # hash of counters (settlement no-ops, dead letters): sum the partitions
+        return f"{self._p(p)}:counters"
+
+    # --- one request's keys: its partition's hash tag, so they share a slot with the partition's indexes -------
+    def layer(self, request_id: str, layer: str) -> str:
+        return f"{self._p(self.partition(request_id))}:req:{request_id}:{layer}"
+
+    def history(self, request_id: str) -> str:
+        return self.layer(request_id, "history")
+
+    def tokens(self, request_id: str) -> str:  # list: every output token so far (a moved request resumes after it)
+        return self.layer(request_id, "tokens")
+
+    def request_keys(self, request_id: str) -> list[str]:
+        """meta, input, exec, kv, output, history, tokens: the order the lifecycle script expects."""
+        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id),
+                                                                      self.tokens(request_id)]
+
+    # --- one slot each ---------------------------------------------------------------------------------------
     @property
     def control_stream(self) -> str:  # cancel requests: gateway -> scheduler
         return f"{self.ns}:stream:control"
@@ -69,83 +195,28 @@ class Names:
         return f"{self.ns}:stream:kv"
 
     @property
-    def lifecycle_feed(self) -> str:  # one record per transition, written only by the lifecycle scripts
-        return f"{self.ns}:stream:lifecycle"
-
-    @property
     def dead_letter_stream(self) -> str:  # events that failed max_deliveries times
         return f"{self.ns}:stream:dead"
 
     def worker_stream(self, worker_id: str) -> str:  # scheduled + cancel: scheduler -> one worker
-        return f"{self.ns}:stream:worker:{worker_id}"
+        return f"{self.ns}:stream:worker:{{{worker_id}}}"
 
     def reply_stream(self, gateway_id: str) -> str:  # tokens and endings -> one gateway
-        return f"{self.ns}:stream:reply:{gateway_id}"
+        return f"{self.ns}:stream:reply:{{{gateway_id}}}"
 
     def is_private_stream(self, stream: str) -> bool:
         return stream.startswith((f"{self.ns}:stream:worker:", f"{self.ns}:stream:reply:"))
-
-    def layer(self, request_id: str, layer: str) -> str:
-        return f"{self.ns}:req:{{{request_id}}}:{layer}"
-
-    def history(self, request_id: str) -> str:
-        return f"{self.ns}:req:{{{request_id}}}:history"
-
-    def tokens(self, request_id: str) -> str:  # list: every output token so far (a moved request resumes after it)
-        return f"{self.ns}:req:{{{request_id}}}:tokens"
-
-    def request_keys(self, request_id: str) -> list[str]:
-        """meta, input, exec, kv, output, history, tokens: the order the lifecycle script expects."""
-        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id),
-                                                                      self.tokens(request_id)]
-
-    @property
-    def requests_index(self) -> str:  # sorted set: request id -> creation time (listing, eviction)
-        return f"{self.ns}:requests"
-
-    @property
-    def state_prefix(self) -> str:  # + STATE: sorted set of request ids in that state -> time they entered it
-        return f"{self.ns}:state:"
-
-    def state_set(self, state: str) -> str:
-        return f"{self.state_prefix}{state}"
-
-    @property
-    def waiting(self) -> str:  # sorted set: requests not yet on a worker (RECEIVED..QUEUED) -> creation time
-        return f"{self.ns}:waiting"
 
     @property
     def assigned(self) -> str:  # hash: request id -> its placement on a worker (scheduler's memory, in Redis)
         return f"{self.ns}:assigned"
 
-    @property
-    def queue(self) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
-        return f"{self.ns}:queue"
-
     def live_hash(self, service: str) -> str:  # hash: instance -> JSON {at, ...}; one per service kind (no SCAN)
         return f"{self.ns}:livehash:{service}"
-
-    def owner_index(self, owner: str) -> str:  # sorted set: one API key's request ids -> creation time (listing)
-        return f"{self.ns}:owner:{owner}:requests"
-
-    def owner_waiting(self, owner: str) -> str:  # sorted set: one API key's waiting requests (per-key fairness)
-        return f"{self.ns}:owner:{owner}:waiting"
-
-    @property
-    def request_owners(self) -> str:  # hash: request id -> owner, for requests with one (the janitor's reverse lookup)
-        return f"{self.ns}:owners"
-
-    @property
-    def owner_waiting_prefix(self) -> str:  # lifecycle script: + owner + OWNER_WAITING_SUFFIX
-        return f"{self.ns}:owner:"
 
     @property
     def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
         return f"{self.ns}:epoch"
-
-    @property
-    def counters(self) -> str:  # hash of cluster-wide counters (settlement no-ops, dead letters)
-        return f"{self.ns}:counters"
 
 
 def private_stream_ttl(names: Names, stream: str) -> int:

@@ -24,39 +24,41 @@ from shared.lifecycle import TERMINAL, State, parse_history
 
 _json = msgspec.json.Encoder()
 
-# KEYS: meta, input, exec, kv, output, history, tokens, index, stream, waiting, RECEIVED state set, lifecycle feed,
-# and when the request has an owner (an API key id, meta 'owner'): owner index, owner waiting set, request owners.
+# KEYS: meta, input, exec, kv, output, history, tokens, then the request's partition's index, stream (of that
+# partition), waiting set, RECEIVED state set, lifecycle feed and owner-waiting set, and when the request has an
+# owner (an API key id, meta 'owner'): the owner's index in the partition and the partition's request owners.
 # ARGV: ttl, request_id, payload, waiting bound ('' = none), owner's waiting bound ('' = none), n_meta,
-#       feed maxlen, meta k/v pairs..., input k/v pairs...
+#       feed maxlen, waiting in the other partitions, the owner's waiting in the other partitions, owner ('' =
+#       none), meta k/v pairs..., input k/v pairs...
 # The birth's feed record (from '') is appended once the request exists, like every later transition's.
 # The bounds are checked here, in the same atomic step as the creation, so no admission has to wait for another
-# (and N gateways cannot overshoot them).
+# (and N gateways cannot overshoot them) -- exactly on one partition (a single Redis); with several, the other
+# partitions' counts are read just before (ARGV 8 and 9): gateways creating at once may overshoot by a few.
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
 if ARGV[4] ~= '' then
-  local waiting = redis.call('ZCARD', KEYS[10])
+  local waiting = redis.call('ZCARD', KEYS[10]) + tonumber(ARGV[8])
   if waiting >= tonumber(ARGV[4]) then return {'overloaded', tostring(waiting)} end
 end
-if ARGV[5] ~= '' and #KEYS >= 15 then
-  local mine = redis.call('ZCARD', KEYS[14])
+local owner = ARGV[10]
+if ARGV[5] ~= '' and owner ~= '' then
+  local mine = redis.call('ZLEXCOUNT', KEYS[13], '[' .. owner .. '\\0', '(' .. owner .. '\\1') + tonumber(ARGV[9])
   if mine >= tonumber(ARGV[5]) then return {'key_overloaded', tostring(mine)} end
 end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 local n = tonumber(ARGV[6])
 redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
-for i = 8, 7 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-for i = 8 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 11, 10 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 11 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
 redis.call('ZADD', KEYS[11], now, ARGV[2])
-local owner = ''
-if #KEYS >= 15 then
-  owner = cjson.decode(redis.call('HGET', KEYS[1], 'owner'))
-  redis.call('ZADD', KEYS[13], now, ARGV[2])
+if owner ~= '' then
+  redis.call('ZADD', KEYS[13], 0, owner .. '\\0' .. ARGV[2])
   redis.call('ZADD', KEYS[14], now, ARGV[2])
   redis.call('HSET', KEYS[15], ARGV[2], owner)
 end
@@ -114,26 +116,48 @@ class ContextStore:
         self._create = client.register_script(_CREATE_LUA)
         self._update = client.register_script(_UPDATE_LUA)
 
-    def create_args(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event,
-                    bounds: WaitingBounds | None = None):
-        keys = self.names.request_keys(request_id) + [self.names.requests_index, stream, self.names.waiting,
-                                                      self.names.state_set("RECEIVED"), self.names.lifecycle_feed]
+    def create_args(self, request_id: str, meta: dict, input_: dict, event: Event,
+                    bounds: WaitingBounds | None = None, elsewhere: tuple[int, int] = (0, 0), stream: str = ""):
+        """stream: where the event goes, the partition's received stream unless given (a test's sink, in the
+        same slot)."""
+        n, p = self.names, self.names.partition(request_id)
+        keys = n.request_keys(request_id) + [n.requests_index(p), stream or n.received_stream(p), n.waiting(p),
+                                             n.state_set(p, "RECEIVED"), n.lifecycle_feed(p), n.owner_waiting(p)]
         if owner := meta.get("owner") or "":  # no API keys: no per-owner index or bound
-            keys += [self.names.owner_index(owner), self.names.owner_waiting(owner), self.names.request_owners]
+            keys += [n.owner_index(p, owner), n.request_owners(p)]
         b = bounds or WaitingBounds()
         argv: list = [str(self.live_ttl_s), request_id, encode(event), "" if b.total is None else str(b.total),
-                      "" if b.per_owner is None else str(b.per_owner), str(len(meta)), str(LIFECYCLE_FEED_MAXLEN)]
+                      "" if b.per_owner is None else str(b.per_owner), str(len(meta)), str(LIFECYCLE_FEED_MAXLEN),
+                      str(elsewhere[0]), str(elsewhere[1]), owner]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
         for k, v in input_.items():
             argv += [k, _json.encode(v)]
         return keys, argv
 
-    async def acreate(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event,
-                      bounds: WaitingBounds | None = None) -> float:
-        """Write meta and input, state RECEIVED, and publish `event`, atomically; or, when the waiting requests
-        (all, or the owner's) are at their bound, create nothing and raise WaitingFull. Returns Redis time."""
-        keys, argv = self.create_args(request_id, meta, input_, stream, event, bounds)
+    async def waiting_elsewhere(self, client, request_id: str, owner: str, bounds: WaitingBounds) -> tuple[int, int]:
+        """Waiting requests (all, and the owner's) in the partitions other than the request's own: one pipelined
+        read (per node, on a cluster), skipped when there is one partition or no bound."""
+        others = [p for p in self.names.all_partitions if p != self.names.partition(request_id)]
+        if not others or (bounds.total is None and (bounds.per_owner is None or not owner)):
+            return 0, 0
+        pipe = client.pipeline(transaction=False)
+        for p in others:
+            pipe.zcard(self.names.waiting(p))
+        for p in others if owner else ():
+            pipe.zlexcount(self.names.owner_waiting(p), f"[{owner}\0", f"({owner}\1")
+        got = await pipe.execute()
+        return sum(got[:len(others)]), sum(got[len(others):])
+
+    async def acreate(self, request_id: str, meta: dict, input_: dict, event: Event,
+                      bounds: WaitingBounds | None = None, stream: str = "") -> float:
+        """Write meta and input, state RECEIVED, and publish `event` on the request's partition's received stream,
+        atomically; or, when the waiting requests (all, or the owner's) are at their bound, create nothing and
+        raise WaitingFull. Returns Redis time."""
+        b = bounds or WaitingBounds()
+        elsewhere = await self.waiting_elsewhere(self._create.registered_client, request_id,
+                                                 meta.get("owner") or "", b)
+        keys, argv = self.create_args(request_id, meta, input_, event, b, elsewhere, stream)
         res = await self._create(keys=keys, args=argv)
         status = _s(res[0])
         if status in ("overloaded", "key_overloaded"):
@@ -197,33 +221,37 @@ class ContextJanitor:
         self.r, self.names, self.ttl_s, self.cap = client, names, ttl_s, cap
 
     def sweep(self, now: float, batch: int = 1000) -> int:
-        terminal = [self.names.state_set(s.value) for s in TERMINAL]
+        terminal = [(p, self.names.state_set(p, s.value)) for p in self.names.all_partitions for s in TERMINAL]
         removed = 0
-        for zset in terminal:  # these contexts' keys expired at (end time + ttl)
+        for p, zset in terminal:  # these contexts' keys expired at (end time + ttl)
             gone = self.r.zrangebyscore(zset, "-inf", now - self.ttl_s, start=0, num=batch)
-            removed += self._forget(zset, gone, delete=False)
-        excess = sum(self.r.zcard(z) for z in terminal) - self.cap
+            removed += self._forget(p, zset, gone, delete=False)
+        pipe = self.r.pipeline(transaction=False)
+        for _p, zset in terminal:
+            pipe.zcard(zset)
+        excess = sum(pipe.execute()) - self.cap
         while excess > 0:
-            heads = [(z, self.r.zrange(z, 0, 0, withscores=True)) for z in terminal]
-            zset, head = min(((z, h[0]) for z, h in heads if h), key=lambda zh: zh[1][1])
-            n = self._forget(zset, [head[0]], delete=True)
+            heads = [(p, z, self.r.zrange(z, 0, 0, withscores=True)) for p, z in terminal]
+            p, zset, head = min(((p, z, h[0]) for p, z, h in heads if h), key=lambda pzh: pzh[2][1])
+            n = self._forget(p, zset, [head[0]], delete=True)
             removed, excess = removed + n, excess - n
         return removed
 
-    def _forget(self, zset: str, ids: list, delete: bool) -> int:
+    def _forget(self, p: int, zset: str, ids: list, delete: bool) -> int:
+        """Drop ended requests of partition p from its indexes (and their keys, with delete)."""
         if not ids:
             return 0
         rids = [_s(raw) for raw in ids]
         # The owner comes from the reverse lookup written at creation: an expired request's meta is gone.
-        owners = self.r.hmget(self.names.request_owners, rids)
+        owners = self.r.hmget(self.names.request_owners(p), rids)
         pipe = self.r.pipeline(transaction=False)
         for rid, owner in zip(rids, owners):
             if delete:
                 pipe.delete(*self.names.request_keys(rid))
             pipe.zrem(zset, rid)
-            pipe.zrem(self.names.requests_index, rid)
+            pipe.zrem(self.names.requests_index(p), rid)
             if owner:
-                pipe.zrem(self.names.owner_index(_s(owner)), rid)
-        pipe.hdel(self.names.request_owners, *rids)
+                pipe.zrem(self.names.owner_index(p, _s(owner)), rid)
+        pipe.hdel(self.names.request_owners(p), *rids)
         pipe.execute()
         return len(ids)

@@ -6,6 +6,11 @@ clock (one clock for every interval metric), appends to the request's history, a
 same step, publishes the events that must follow it (so "state changed" and "event sent"
 can never disagree after a crash). Terminal states have no way out: the first terminal
 transition wins, every later attempt is a counted no-op.
+
+On a Redis Cluster the script touches one hash slot only, its request's partition (shared.constants): the
+request's keys, the partition's indexes and feed, and the streams of that slot. An event for a stream of
+another slot (a worker's inbox, a gateway's replies, the control stream) is published right after the script
+says the transition applied: the change is still atomic, its delivery is at-least-once and eventual.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from shared import telemetry
-from shared.constants import LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.constants import EVENT_FIELD, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.errors import InvalidTransition
 from shared.events import Event, encode
 
@@ -72,25 +77,30 @@ def check_transition(current: State, to: State) -> None:
         raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
 
 
-# KEYS: meta, input, exec, kv, output, history, tokens, counters, waiting, lifecycle feed, then one key per stream
-#       to publish to.
+# KEYS: meta, input, exec, kv, output, history, tokens, then the request's partition's counters, waiting set,
+#       lifecycle feed, to-state set and owner-waiting set, then the state set of each allowed from-state (in
+#       ARGV[2]'s order), then one key per stream to publish to. All in the request's partition: one hash slot.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
-#       state-set prefix, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
-#       owner-waiting prefix, feed maxlen, then per stream: payload, stream ttl ('0' = none), maxlen.
+#       number of from-state sets, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
+#       feed maxlen, then per stream: payload, stream ttl ('0' = none), maxlen.
 # The feed record (shared.constants.LIFECYCLE_FEED_FIELDS) is appended here and only here, after every check: a
 # record exists if and only if the transition happened.
-# (State-set names are built from a prefix: fine on one Redis, not across Redis Cluster slots.)
 # Fencing: a write that a stale owner could make carries the attempt it was placed with; it is refused
 # ('fenced') unless exec.attempt still equals it, so a hung worker that wakes up after its request moved on
 # changes nothing. exec is written only here (with the SCHEDULED transition), never separately.
 # Keys created after the request's birth (exec) take meta's remaining TTL: every key has a TTL from birth.
+# The owner-waiting set's members are `owner NUL request id` (the owner is in meta: only the script knows it).
 _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
-local ok = false
-for s in string.gmatch(ARGV[2], '[^,]+') do if s == cur then ok = true end end
-if not ok then
+local from_i = nil
+local i = 0
+for s in string.gmatch(ARGV[2], '[^,]+') do
+  i = i + 1
+  if s == cur then from_i = i end
+end
+if not from_i then
   if ARGV[5] == '1' and (cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT') then
     redis.call('HINCRBY', KEYS[8], 'settle_noop', 1)
   end
@@ -112,30 +122,31 @@ if owner then owner = cjson.decode(owner) end
 if type(owner) ~= 'string' then owner = '' end
 local worker = ''
 if ARGV[11] ~= '' then worker = cjson.decode(ARGV[12]) end
-redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[14], '*', 'rid', ARGV[7], 'from', cur, 'to', ARGV[1],
+redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[13], '*', 'rid', ARGV[7], 'from', cur, 'to', ARGV[1],
   'reason', ARGV[4], 'service', ARGV[3], 'at', now, 'owner', owner, 'worker', worker, 'attempt', ARGV[11])
 if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
-  for i = 1, 7 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[6])) end
+  for k = 1, 7 do redis.call('EXPIRE', KEYS[k], tonumber(ARGV[6])) end
 end
-redis.call('ZREM', ARGV[9] .. cur, ARGV[7])
-redis.call('ZADD', ARGV[9] .. ARGV[1], now, ARGV[7])
+redis.call('ZREM', KEYS[12 + from_i], ARGV[7])
+redis.call('ZADD', KEYS[11], now, ARGV[7])
 if ARGV[8] ~= '0' then
-  local per_owner = nil
-  if owner ~= '' then per_owner = ARGV[13] .. owner .. ':waiting' end
+  local member = nil
+  if owner ~= '' then member = owner .. '\\0' .. ARGV[7] end
   if ARGV[8] == '1' then
     redis.call('ZADD', KEYS[9], now, ARGV[7])
-    if per_owner then redis.call('ZADD', per_owner, now, ARGV[7]) end
+    if member then redis.call('ZADD', KEYS[12], 0, member) end
   else
     redis.call('ZREM', KEYS[9], ARGV[7])
-    if per_owner then redis.call('ZREM', per_owner, ARGV[7]) end
+    if member then redis.call('ZREM', KEYS[12], member) end
   end
 end
 local out = {'ok', cur, now}
-for i = 11, #KEYS do
-  local a = 15 + 3 * (i - 11)
-  out[#out + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
-  if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[i], tonumber(ARGV[a + 1])) end
+local first = 13 + tonumber(ARGV[9])
+for k = first, #KEYS do
+  local a = 14 + 3 * (k - first)
+  out[#out + 1] = redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
+  if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[k], tonumber(ARGV[a + 1])) end
 end
 return out
 """
@@ -177,38 +188,81 @@ class Lifecycle:
         self.names = names
         self.service = service
         self.ttl = context_ttl_s
+        self.r = client
         self._script = client.register_script(_TRANSITION_LUA)
 
     def transition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
                    **kw) -> TransitionResult:
-        keys, argv = self.args(request_id, to, reason, publish, **kw)
-        return self.interpret(request_id, to, self._script(keys=keys, args=argv))
+        keys, argv, later = self.args(request_id, to, reason, publish, **kw)
+        res = self.interpret(request_id, to, self._script(keys=keys, args=argv))
+        if res.applied and later:
+            pipe = self.r.pipeline(transaction=False)
+            self.publish_after(pipe, later)
+            res = _with_ids(res, pipe.execute())
+        return res
 
     async def atransition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
                           **kw) -> TransitionResult:
-        keys, argv = self.args(request_id, to, reason, publish, **kw)
-        return self.interpret(request_id, to, await self._script(keys=keys, args=argv))
+        keys, argv, later = self.args(request_id, to, reason, publish, **kw)
+        res = self.interpret(request_id, to, await self._script(keys=keys, args=argv))
+        if res.applied and later:
+            pipe = self.r.pipeline(transaction=False)
+            self.publish_after(pipe, later)
+            res = _with_ids(res, await pipe.execute())
+        return res
 
     def queue(self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
-              **kw) -> None:
-        """Add the transition to a pipeline; pass its reply to interpret()."""
-        keys, argv = self.args(request_id, to, reason, publish, **kw)
+              **kw) -> tuple[Publish, ...]:
+        """Add the transition to a pipeline; pass its reply to interpret(). Returns the events that could not go
+        with it (streams outside the request's slot, on a cluster; none on a single Redis): once interpret()
+        says it applied, send them with publish_after()."""
+        keys, argv, later = self.args(request_id, to, reason, publish, **kw)
         self._script(keys=keys, args=argv, client=pipe)
+        return later
+
+    def publish_after(self, pipe, publish: Sequence[Publish]) -> None:
+        """Queue the XADDs (capped, with a private stream's TTL) of events published after their transition.
+        Delivered at least once, never atomically with the change: if the process dies in between, the recovery
+        paths stand in (docs/reliability.md, "Redis Cluster")."""
+        for p in publish:
+            pipe.xadd(p.stream, {EVENT_FIELD: encode(p.event)}, maxlen=STREAM_MAXLEN, approximate=True)
+            if ttl := private_stream_ttl(self.names, p.stream):
+                pipe.expire(p.stream, ttl)
+
+    def complete(self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]]) -> list[TransitionResult]:
+        """After a pipeline of queue()d transitions, interpreted: publish the events of the applied ones that could
+        not go with them, all in one round trip (none on a single Redis: no round trip). Returns the results with
+        those events' entry ids."""
+        out = [res for res, _ in done]
+        todo = [(i, later) for i, (res, later) in enumerate(done) if res.applied and later]
+        if not todo:
+            return out
+        pipe, spans = client.pipeline(transaction=False), []
+        for i, later in todo:
+            start = len(pipe)
+            self.publish_after(pipe, later)
+            spans.append((i, start, len(pipe)))
+        replies = pipe.execute()
+        for i, start, end in spans:
+            out[i] = _with_ids(out[i], replies[start:end])
+        return out
 
     def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish],
              only_from: Collection[State] | None = None, fence: int | None = None,
-             owner: Owner | None = None) -> tuple[list, list]:
+             owner: Owner | None = None) -> tuple[list, list, tuple[Publish, ...]]:
         allowed = predecessors(to) if only_from is None else [s.value for s in only_from if to in ALLOWED[s]]
-        keys = self.names.request_keys(request_id) + [self.names.counters, self.names.waiting,
-                                                      self.names.lifecycle_feed] + [p.stream for p in publish]
+        n, p = self.names, self.names.partition(request_id)
+        now = [x for x in publish if n.colocated(x.stream, p)]
+        keys = n.request_keys(request_id) + [n.counters(p), n.waiting(p), n.lifecycle_feed(p),
+                                             n.state_set(p, to.value), n.owner_waiting(p)]
+        keys += [n.state_set(p, s) for s in allowed] + [x.stream for x in now]
         argv = [to.value, ",".join(allowed), self.service, reason, "1" if to in TERMINAL else "0",
-                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), self.names.state_prefix,
+                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), str(len(allowed)),
                 "" if fence is None else str(fence), "" if owner is None else str(owner.attempt),
-                "" if owner is None else json.dumps(owner.worker_id), self.names.owner_waiting_prefix,
-                str(LIFECYCLE_FEED_MAXLEN)]
-        for p in publish:
-            argv += [encode(p.event), str(private_stream_ttl(self.names, p.stream)), str(STREAM_MAXLEN)]
-        return keys, argv
+                "" if owner is None else json.dumps(owner.worker_id), str(LIFECYCLE_FEED_MAXLEN)]
+        for x in now:
+            argv += [encode(x.event), str(private_stream_ttl(n, x.stream)), str(STREAM_MAXLEN)]
+        return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
         status, cur = _s(raw[0]), _s(raw[1])
@@ -232,6 +286,12 @@ class Lifecycle:
 
 def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _with_ids(res: TransitionResult, replies) -> TransitionResult:
+    """The result with the entry ids of the events published after it (XADD replies; EXPIRE gives integers)."""
+    ids = tuple(_s(x) for x in replies if isinstance(x, (bytes, str)))
+    return TransitionResult(res.applied, res.previous, res.at, res.entry_ids + ids, res.fenced)
 
 
 def parse_history(raw: list) -> list[dict]:

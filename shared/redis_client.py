@@ -10,6 +10,10 @@ from redis.retry import Retry
 from shared.settings import CommonSettings
 
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Errors after which the same command may succeed a moment later: Redis away, or a Redis Cluster shard between a
+# master's death and its replica's promotion (CLUSTERDOWN, TRYAGAIN once the client's own retries are spent).
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+                    redis.exceptions.TryAgainError)
 
 
 def sync_client(settings: CommonSettings) -> redis.Redis:

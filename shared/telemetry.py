@@ -198,8 +198,9 @@ def process_span(delivery, consumer: str) -> Iterator[Span]:
 
 
 def short(stream: str) -> str:
-    """A stream's name without the namespace, for span names (`{ns}:stream:worker:w1` -> `worker:w1`)."""
-    return stream.split(":stream:", 1)[-1]
+    """A stream's name without the namespace, partition or hash tag, for span names (`{ns}:stream:worker:{w1}` ->
+    `worker:w1`, `{ns}:{0.3}:stream:received` -> `received`)."""
+    return stream.split(":stream:", 1)[-1].replace("{", "").replace("}", "")
 
 
 def genai_request_attrs(operation: str, model: str, sampling) -> dict:

@@ -17,10 +17,24 @@ from shared.redis_server import RedisServer, die_with_parent, free_port
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
 
+class ExternalRedis:
+    """A Redis the test started itself (a Redis Cluster: tests/redis_cluster.py): the cluster only points at it."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def start(self) -> "ExternalRedis":
+        return self
+
+    def stop(self) -> None:
+        return None
+
+
 class Cluster:
-    def __init__(self, tmp: Path, cache_dir: Path, workers: int = 1, env: dict | None = None):
+    def __init__(self, tmp: Path, cache_dir: Path, workers: int = 1, env: dict | None = None,
+                 redis_url: str | None = None, redis_cluster: bool = False):
         self.tmp = Path(tmp)
-        self.redis = RedisServer(self.tmp / "redis")
+        self.redis = ExternalRedis(redis_url) if redis_url else RedisServer(self.tmp / "redis")
         self.port = free_port()
         self.ns = f"c{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, "CONVEYOR_NAMESPACE": self.ns, "CONVEYOR_CACHE_DIR": str(cache_dir),
@@ -29,6 +43,7 @@ class Cluster:
                     # A shared 2-core machine is slow and noisy: adaptive deadlines get a generous floor here;
                     # the tests of deadlines set their own.
                     "CONVEYOR_TIMEOUT_MIN_S": "120",
+                    "CONVEYOR_REDIS_CLUSTER": "true" if redis_cluster else "false",
                     **(env or {})}
         self.workers = workers
         self.procs: dict[str, subprocess.Popen] = {}

@@ -42,7 +42,7 @@ def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool
 
     async def create():
         client = aioredis.Redis.from_url(redis_server.url)
-        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to}, {}, "unused", ev)
+        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to}, {}, ev)
         await client.aclose()
 
     asyncio.run(create())
@@ -66,6 +66,6 @@ def scheduled_on(redis_client, names, worker: str = WORKER) -> list:
 def placed(redis_server, names, s: SchedulerService) -> Preprocessed:
     s.on_heartbeat(heartbeat())
     ev = preprocessed_request(redis_server, names)
-    deliver(s, names.preprocessed_stream, ev)
+    deliver(s, names.preprocessed_stream(0), ev)
     s.place()
     return ev

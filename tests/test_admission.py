@@ -75,7 +75,7 @@ def test_the_waiting_bound_is_exact_for_requests_arriving_together_at_two_gatewa
     out = asyncio.run(run())
     assert sum(isinstance(x, str) for x in out) == 3
     assert all(x.code == "overloaded" for x in out if not isinstance(x, str))
-    assert redis_client.zcard(names.waiting) == 3
+    assert redis_client.zcard(names.waiting(0)) == 3
 
 
 def test_a_burst_of_requests_shares_one_readiness_check(redis_server, redis_client, names):

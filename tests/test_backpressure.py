@@ -41,7 +41,7 @@ def _worker_running(cluster) -> bool:
 
 def test_requests_beyond_the_waiting_bound_get_429_at_once_and_accepted_ones_finish(slow):
     r = redis.Redis.from_url(slow.redis.url)
-    created_before = r.zcard(f"{slow.ns}:requests")
+    created_before = r.zcard(Names(slow.ns).requests_index(0))
 
     async def run():
         client = async_openai_client(slow.url)
@@ -70,8 +70,8 @@ def test_requests_beyond_the_waiting_bound_get_429_at_once_and_accepted_ones_fin
         assert e.response.headers["retry-after"] == "1" and e.code == "overloaded"
     assert blocker.choices[0].finish_reason == "length"
     assert all(out.choices[0].finish_reason == "length" for out in served)
-    assert r.zcard(f"{slow.ns}:requests") - created_before == 1 + BOUND  # the refused were never created
-    assert r.zcard(f"{slow.ns}:waiting") == 0
+    assert r.zcard(Names(slow.ns).requests_index(0)) - created_before == 1 + BOUND  # the refused were never created
+    assert r.zcard(Names(slow.ns).waiting(0)) == 0
 
 
 def saturated(limit: int, then):
@@ -127,7 +127,7 @@ def test_request_while_no_worker_is_live_gets_503_at_once_and_is_never_created(t
         assert r.status_code == 503 and time.monotonic() - t0 < 5
         assert r.json()["error"]["code"] == "not_ready" and "worker" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "1"
-        assert redis.Redis.from_url(c.redis.url).zcard(f"{c.ns}:requests") == 0
+        assert redis.Redis.from_url(c.redis.url).zcard(Names(c.ns).requests_index(0)) == 0
     finally:
         c.stop()
 

@@ -22,8 +22,7 @@ def _create(redis_server, names) -> str:
 
     async def create():
         client = aioredis.Redis.from_url(redis_server.url)
-        await ContextStore(client, names, 600).acreate(ev.request_id, {"priority": 0}, {"prompt": "x"},
-                                                       names.received_stream, ev)
+        await ContextStore(client, names, 600).acreate(ev.request_id, {"priority": 0}, {"prompt": "x"}, ev)
         await client.aclose()
 
     asyncio.run(create())
@@ -63,12 +62,12 @@ def test_a_process_stream_written_by_others_gets_a_ttl_and_a_shared_one_does_not
     Bus(redis_client, names, "c", 100, 1000, 3).publish(names.worker_stream("dead-worker"), request_received())
     assert 0 < redis_client.ttl(names.reply_stream("dead-gateway")) <= PRIVATE_STREAM_TTL_S
     assert 0 < redis_client.ttl(names.worker_stream("dead-worker")) <= PRIVATE_STREAM_TTL_S
-    assert redis_client.ttl(names.received_stream) == -1  # shared: lives as long as the cluster
+    assert redis_client.ttl(names.received_stream(0)) == -1  # shared: lives as long as the cluster
 
 
 def test_entries_every_group_has_handled_are_trimmed_and_pending_ones_kept(redis_client, names):
     bus = Bus(redis_client, names, "c", 100, 1000, 3)
-    stream = names.preprocessed_stream
+    stream = names.preprocessed_stream(0)
     bus.ensure_group(stream, "g")
     for _ in range(10):
         bus.publish(stream, request_received())

@@ -61,7 +61,7 @@ def test_choices_beyond_the_waiting_bound_refuse_the_request_whole(tmp_path):
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model=MODEL, prompt="Hello", n=N, max_tokens=2)
         assert e.value.code == "overloaded"
-        created = [rid.decode() for rid in r.zrange(f"{c.ns}:requests", 0, -1)]
+        created = [rid.decode() for rid in r.zrange(Names(c.ns).requests_index(0), 0, -1)]
         choices = [rid for rid in created if _meta(r, c.ns, rid).get("n") == str(N)]
         assert len(choices) == 2
         wait_for(lambda: all(_meta(r, c.ns, rid)["state"] == "CANCELLED" for rid in choices), 30,

@@ -46,7 +46,7 @@ def _queued_behind(redis_server, names, redis_client):
     s.on_heartbeat(heartbeat(max_num_seqs=0))
     first, second = (preprocessed_request(redis_server, names, adaptive=True) for _ in range(2))
     for ev in (first, second):
-        deliver(s, names.preprocessed_stream, ev)
+        deliver(s, names.preprocessed_stream(0), ev)
     return s, s.queue._live[first.request_id], s.queue._live[second.request_id]
 
 

@@ -26,8 +26,8 @@ def _context(cluster, reply_to: str, event, stream: str | None = None) -> str:
 
     async def create():
         client = aioredis.Redis.from_url(cluster.redis.url)
-        await ContextStore(client, names, 60).acreate(event.request_id, {"reply_to": reply_to}, {},
-                                                      stream or names.received_stream, event)
+        await ContextStore(client, names, 60).acreate(event.request_id, {"reply_to": reply_to}, {}, event,
+                                                      stream=stream or "")
         await client.aclose()
     asyncio.run(create())
     return event.request_id
@@ -48,11 +48,11 @@ def test_poison_event_goes_to_dead_letter_and_fails_its_request(cluster):
     wait_for(lambda: r.xlen(reply) > 0, 30, what="failure reported to the reply stream")
     failed = decode(r.xrange(reply)[0][1][b"e"])
     assert failed.request_id == rid and failed.reason == "internal" and "poison" in failed.message
-    dead = [e for _, e in r.xrange(names.dead_letter_stream) if e[b"stream"] == names.received_stream.encode()]
+    dead = [e for _, e in r.xrange(names.dead_letter_stream) if e[b"stream"] == names.received_stream(0).encode()]
     assert dead, "no dead-letter entry"
     meta = r.hgetall(names.layer(rid, "meta"))
     assert meta[b"state"] == b"FAILED" and meta[b"reason"] == b"internal"
-    assert r.xpending(names.received_stream, "tokenizer")["pending"] == 0
+    assert r.xpending(names.received_stream(0), "tokenizer")["pending"] == 0
     ok = httpx.post(f"{cluster.url}/generate", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the group is not blocked
 

@@ -166,7 +166,7 @@ def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, r
             c.start_service("scheduler2")
         t, box = _send_in_background(c, "Item", 4, 12)
         r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 2, 60, what="requests queued")
+        wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 2, 60, what="requests queued")
         os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
         c.procs["scheduler"].wait()
         if not replica:
@@ -186,7 +186,7 @@ def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_pat
     try:
         t, box = _send_in_background(c, "Entry", 3, 24)
         r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.hlen(f"{c.ns}:queue") >= 1 and r.zcard(f"{c.ns}:state:DECODING") == 1, 60,
+        wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 1 and r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60,
                  what="one running, others queued")
         port = c.redis.port
         c.redis.stop()  # SIGTERM: Redis flushes its append-only file
@@ -219,14 +219,14 @@ def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_fr
         t = threading.Thread(target=orphan)
         t.start()
         r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.zcard(f"{c.ns}:state:DECODING") == 1, 60, what="decoding")
-        rid = r.zrange(f"{c.ns}:state:DECODING", 0, 0)[0].decode()
+        wait_for(lambda: r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60, what="decoding")
+        rid = r.zrange(Names(c.ns).state_set(0, "DECODING"), 0, 0)[0].decode()
         os.kill(c.procs["gateway"].pid, signal.SIGKILL)
         t.join(60)
         ok = httpx.post(f"http://127.0.0.1:{other_port}/generate", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
-        wait_for(lambda: r.hget(f"{c.ns}:req:{{{rid}}}:meta", "state") == b"CANCELLED", 30, what="orphan cancelled")
-        assert r.hget(f"{c.ns}:req:{{{rid}}}:meta", "reason") == b"client_disconnect"
+        wait_for(lambda: r.hget(Names(c.ns).layer(rid, "meta"), "state") == b"CANCELLED", 30, what="orphan cancelled")
+        assert r.hget(Names(c.ns).layer(rid, "meta"), "reason") == b"client_disconnect"
         wait_for(lambda: _idle(c), 30, what="worker idle")
     finally:
         c.stop()

@@ -123,7 +123,7 @@ def test_janitor_removes_a_forgotten_request_from_its_owners_index(redis_server,
             await core.r.aclose()
 
     ended, alive = asyncio.run(create())
-    index = names.owner_index(OWNER_A)
+    index = names.owner_index(0, OWNER_A)
     assert redis_client.zscore(index, ended) is not None and redis_client.zscore(index, alive) is not None
     Lifecycle(redis_client, names, "test", 1).transition(ended, State.CANCELLED, "client_cancel")
     if how == "expired":

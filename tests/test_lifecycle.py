@@ -32,7 +32,7 @@ def _create(client, names, ttl=60):
     url = client.connection_pool.connection_kwargs
     aclient = aioredis.Redis(host=url["host"], port=url["port"])
     store = ContextStore(aclient, names, ttl)
-    asyncio.run(store.acreate(ev.request_id, {"priority": 0}, {"prompt": ev.prompt}, names.received_stream, ev))
+    asyncio.run(store.acreate(ev.request_id, {"priority": 0}, {"prompt": ev.prompt}, ev))
     return ev.request_id
 
 
@@ -81,7 +81,7 @@ def test_terminal_state_refuses_everything_and_counts_noop(redis_client, names, 
     for other in State:
         res = lc.transition(rid, other)
         assert not res.applied and res.previous == terminal
-    assert int(redis_client.hget(names.counters, "settle_noop")) == len(TERMINAL)
+    assert int(redis_client.hget(names.counters(0), "settle_noop")) == len(TERMINAL)
 
 
 def test_terminal_transition_sets_ttl_on_every_layer(redis_client, names):

@@ -18,14 +18,13 @@ def _create(client, names, owner: str = "", bounds: WaitingBounds | None = None)
     """Create a request through the real creating script (on a sync client), as the gateway does."""
     ev = request_received()
     store = ContextStore(client, names, 60)
-    keys, argv = store.create_args(ev.request_id, {"priority": 0, "owner": owner}, {"prompt": ev.prompt},
-                                   names.received_stream, ev, bounds)
+    keys, argv = store.create_args(ev.request_id, {"priority": 0, "owner": owner}, {"prompt": ev.prompt}, ev, bounds)
     status = store._create(keys=keys, args=argv)[0]
     return ev.request_id if status == b"ok" else status.decode()
 
 
 def _feed(client, names):
-    return [decode_record(i, f) for i, f in client.xrange(names.lifecycle_feed)]
+    return [decode_record(i, f) for i, f in client.xrange(names.lifecycle_feed(0))]
 
 
 def test_every_transition_appends_one_feed_record_with_its_fields(redis_client, names):
@@ -54,7 +53,7 @@ def test_refused_transitions_append_no_feed_record(redis_client, names):
     lc = Lifecycle(redis_client, names, "test", 60)
     for to in PATH[:3]:
         lc.transition(rid, to, owner=Owner("w", 1) if to == State.SCHEDULED else None)
-    before = redis_client.xlen(names.lifecycle_feed)
+    before = redis_client.xlen(names.lifecycle_feed(0))
     with pytest.raises(InvalidTransition):
         lc.transition(rid, State.DECODING)  # not allowed from SCHEDULED
     assert lc.transition(rid, State.PREFILLING, fence=2).fenced  # a stale owner's attempt
@@ -62,14 +61,14 @@ def test_refused_transitions_append_no_feed_record(redis_client, names):
     assert not lc.transition("no-such-request", State.QUEUED).applied
     assert lc.transition(rid, State.CANCELLED).applied
     assert not lc.transition(rid, State.FAILED).applied  # settled already
-    assert redis_client.xlen(names.lifecycle_feed) == before + 1
+    assert redis_client.xlen(names.lifecycle_feed(0)) == before + 1
     assert _feed(redis_client, names)[-1].to == "CANCELLED"
 
 
 def test_refused_creation_appends_no_feed_record(redis_client, names):
     assert _create(redis_client, names, bounds=WaitingBounds(total=0)) == "overloaded"
     assert _create(redis_client, names, owner="k", bounds=WaitingBounds(per_owner=0)) == "key_overloaded"
-    assert redis_client.xlen(names.lifecycle_feed) == 0
+    assert redis_client.xlen(names.lifecycle_feed(0)) == 0
 
 
 def test_feed_is_capped(redis_client, names):
@@ -77,8 +76,8 @@ def test_feed_is_capped(redis_client, names):
     pipe = redis_client.pipeline(transaction=False)
     for _ in range(LIFECYCLE_FEED_MAXLEN + 1000):
         ev = request_received()
-        keys, argv = store.create_args(ev.request_id, {}, {}, names.received_stream, ev)
+        keys, argv = store.create_args(ev.request_id, {}, {}, ev)
         store._create(keys=keys, args=argv, client=pipe)
     pipe.execute()
     # MAXLEN ~ trims whole listpack nodes (100 entries by default): never more than one node over the cap.
-    assert LIFECYCLE_FEED_MAXLEN <= redis_client.xlen(names.lifecycle_feed) <= LIFECYCLE_FEED_MAXLEN + 100
+    assert LIFECYCLE_FEED_MAXLEN <= redis_client.xlen(names.lifecycle_feed(0)) <= LIFECYCLE_FEED_MAXLEN + 100

@@ -27,11 +27,11 @@ def test_redelivered_preprocessed_leaves_a_placed_request_where_it_is(redis_serv
     s = scheduler(redis_server, names)
     ev = placed(redis_server, names, s)
     assert state(redis_client, names, ev.request_id) == "SCHEDULED"
-    deliver(s, names.preprocessed_stream, ev)  # the same event again
+    deliver(s, names.preprocessed_stream(0), ev)  # the same event again
     s.place()
     assert state(redis_client, names, ev.request_id) == "SCHEDULED"
     assert len(scheduled_on(redis_client, names)) == 1
-    assert not redis_client.hexists(names.queue, ev.request_id)
+    assert not redis_client.hexists(names.queue(0), ev.request_id)
 
 
 def test_redelivered_hand_back_does_not_move_a_request_placed_again(redis_server, redis_client, names):
@@ -55,9 +55,9 @@ def test_restarted_scheduler_queues_adaptive_requests_before_hearing_from_worker
     s = scheduler(redis_server, names)  # a restart: w1 is known only from the stored placement
     s.sync()
     ev = preprocessed_request(redis_server, names, adaptive=True)
-    deliver(s, names.preprocessed_stream, ev)
+    deliver(s, names.preprocessed_stream(0), ev)
     assert state(redis_client, names, ev.request_id) == "QUEUED"
-    assert redis_client.hexists(names.queue, ev.request_id)  # acknowledged only after this was stored
+    assert redis_client.hexists(names.queue(0), ev.request_id)  # acknowledged only after this was stored
 
 
 def test_redis_outage_longer_than_the_liveness_ttl_loses_no_worker(redis_server, redis_client, names):
@@ -105,7 +105,7 @@ def test_request_of_a_dead_gateway_is_cancelled_and_its_reply_stream_told(redis_
     s = scheduler(redis_server, names, liveness_ttl_s=0.2)
     s.on_heartbeat(heartbeat(max_num_seqs=0))  # no room: the request stays queued
     ev = preprocessed_request(redis_server, names, reply_to=names.reply_stream("gone"))
-    deliver(s, names.preprocessed_stream, ev)
+    deliver(s, names.preprocessed_stream(0), ev)
     wait_for(lambda: (s.recover_lost(), state(redis_client, names, ev.request_id) == "CANCELLED")[1], 10,
              what="the orphan is cancelled")
     told = [decode(f[b"e"]) for _, f in redis_client.xrange(names.reply_stream("gone"))]
@@ -116,7 +116,7 @@ def test_cancel_reaching_a_replica_with_a_stale_copy_still_stops_the_worker(redi
     a, b = scheduler(redis_server, names), scheduler(redis_server, names)
     a.on_heartbeat(heartbeat())
     ev = preprocessed_request(redis_server, names)
-    deliver(a, names.preprocessed_stream, ev)
+    deliver(a, names.preprocessed_stream(0), ev)
     b.sync()  # b adopts the queued request
     a.place()  # a places it; b's copy is stale until its next sync
     deliver(b, names.control_stream, CancelRequested(request_id=ev.request_id, reason="client_cancel"))
@@ -129,7 +129,7 @@ def test_a_replica_placing_a_request_already_running_elsewhere_carries_on(redis_
     for s in (a, b):
         s.on_heartbeat(heartbeat())
     ev = preprocessed_request(redis_server, names)
-    deliver(a, names.preprocessed_stream, ev)
+    deliver(a, names.preprocessed_stream(0), ev)
     b.sync()
     a.place()
     Lifecycle(redis_client, names, "worker", 60).transition(ev.request_id, State.PREFILLING)

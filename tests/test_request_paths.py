@@ -154,7 +154,7 @@ def test_cancel_before_tokenizer_wins_and_request_never_starts(single):
     assert b.join()["finish_reason"] == "cancelled"
     # The tokenizer now reads the request and is refused: it never moves on.
     r = redis.Redis.from_url(single.redis.url)
-    wait_for(lambda: r.xpending(f"{single.ns}:stream:received", "tokenizer")["pending"] == 0, 30, what="acked")
+    wait_for(lambda: r.xpending(Names(single.ns).received_stream(0), "tokenizer")["pending"] == 0, 30, what="acked")
     assert states(single, b.rid) == ["RECEIVED", "CANCELLED"]
 
 

@@ -52,7 +52,7 @@ def submit(redis_server, names, n: int) -> list[str]:
 def test_the_tokenizer_preprocesses_a_burst_in_a_few_round_trips(redis_server, redis_client, names, model_dir,
                                                                   monkeypatch):
     svc = TokenizerService(TokenizerSettings(redis_url=redis_server.url, namespace=names.ns, cache_dir=CACHE_DIR))
-    svc.bus.ensure_group(names.received_stream, GROUP_TOKENIZER)
+    svc.bus.ensure_group(names.received_stream(0), GROUP_TOKENIZER)
     svc.tick()  # nothing to read yet: its liveness refresh and sweep are done
     mark_live(redis_client, names)  # now: loading the tokenizer may take longer than a liveness TTL
     rids = submit(redis_server, names, BURST)
@@ -60,7 +60,7 @@ def test_the_tokenizer_preprocesses_a_burst_in_a_few_round_trips(redis_server, r
         svc.tick()
     states = {redis_client.hget(names.layer(rid, "meta"), "state") for rid in rids}
     assert states == {b"PREPROCESSED"}
-    assert redis_client.xpending(names.received_stream, GROUP_TOKENIZER)["pending"] == 0
+    assert redis_client.xpending(names.received_stream(0), GROUP_TOKENIZER)["pending"] == 0
     assert trips.n <= FEW, f"{trips.n} round trips for {BURST} requests"
 
 
@@ -71,11 +71,11 @@ def test_the_scheduler_queues_and_places_a_burst_in_a_few_round_trips(redis_serv
     s.tick()  # nothing to read yet: its periodic work (sync, sweeps, janitor) is done
     events = [preprocessed_request(redis_server, names) for _ in range(BURST)]
     for ev in events:
-        redis_client.xadd(names.preprocessed_stream, {EVENT_FIELD: encode(ev)})
+        redis_client.xadd(names.preprocessed_stream(0), {EVENT_FIELD: encode(ev)})
     with RoundTrips(monkeypatch) as trips:
         s.tick()
     assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
     assert [e.request_id for e in scheduled_on(redis_client, names)] == [ev.request_id for ev in events]
-    assert redis_client.xpending(names.preprocessed_stream, GROUP_SCHEDULER)["pending"] == 0
-    assert redis_client.hlen(names.queue) == 0 and redis_client.hlen(names.assigned) == BURST
+    assert redis_client.xpending(names.preprocessed_stream(0), GROUP_SCHEDULER)["pending"] == 0
+    assert redis_client.hlen(names.queue(0)) == 0 and redis_client.hlen(names.assigned) == BURST
     assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from shared.constants import Names
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.waiting import wait_for
@@ -36,7 +37,7 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
     c = Cluster(tmp_path, CACHE_DIR).start()
     try:
         victim = c.procs["tokenizer"]
-        stream = f"{c.ns}:stream:received"
+        stream = Names(c.ns).received_stream(0)
         result: dict = {}
         for _attempt in range(20):
             os.kill(victim.pid, signal.SIGSTOP)  # frozen inside XREADGROUP BLOCK: Redis still hands it the entry
@@ -68,7 +69,7 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
         import redis
 
         rc = redis.Redis.from_url(c.redis.url)
-        assert rc.xlen(f"{c.ns}:stream:preprocessed") >= 1
+        assert rc.xlen(Names(c.ns).preprocessed_stream(0)) >= 1
         assert rc.xpending(stream, "tokenizer")["pending"] == 0
     finally:
         c.stop()

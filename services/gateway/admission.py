@@ -52,7 +52,7 @@ class Admission:
     def _retry(self) -> dict:
         return {"Retry-After": str(self.core.s.retry_after_s)}
 
-    async def create(self, request_id: str, meta: dict, input_: dict, stream: str, event: Event) -> None:
+    async def create(self, request_id: str, meta: dict, input_: dict, event: Event) -> None:
         """Create the request (state RECEIVED, event published), or raise Overloaded / Unavailable."""
         core = self.core
         bounds = WaitingBounds(core.s.max_waiting_requests, core.s.max_waiting_requests_per_key)
@@ -60,7 +60,7 @@ class Admission:
             await self._check_ready()
             # The bounds are checked by the creating script itself: one round trip, and admissions never wait for
             # each other (a lock held across the check's and the creation's awaits made them one at a time).
-            await core.store.acreate(request_id, meta, input_, stream, event, bounds)
+            await core.store.acreate(request_id, meta, input_, event, bounds)
         except WaitingFull as e:
             raise self._overloaded(e) from None
         except (redis.ConnectionError, redis.TimeoutError) as e:

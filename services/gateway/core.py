@@ -15,6 +15,7 @@ import uuid
 import redis
 from prometheus_client import Gauge
 
+from services.gateway import reconcile
 from services.gateway.admission import Admission
 from services.gateway.errors import Unavailable
 from services.gateway.feed_hub import FeedHub
@@ -24,7 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import GenerateRequest
 from services.gateway.stop_strings import TextStream
 from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
-from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S, Names
+from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
@@ -62,7 +63,7 @@ class GatewayCore:
         # connection, the liveness refresh fell behind the liveness TTL and the scheduler cancelled every request
         # of this (live) gateway as orphaned, and tokens waited in Redis while their clients waited for them.
         self.loop_r = async_client(settings, LOOP_CONNECTIONS, settings.redis_pool_timeout_s)
-        self.names = Names(settings.namespace)
+        self.names = settings.names()
         self.id = instance_id(settings, "gateway")
         self.reply_to = self.names.reply_stream(self.id)
         self.tokenizer = tokenizer
@@ -142,12 +143,12 @@ class GatewayCore:
         input_ = {"prompt": req.prompt, "messages": [m.model_dump() for m in req.messages] if req.messages else None,
                   "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}, "stop": stops}
         try:
-            await self.admission.create(rid, meta, input_, self.names.received_stream, ev)
+            await self.admission.create(rid, meta, input_, ev)
         except BaseException as e:
             self.handles.pop(rid, None)
             refused(rt, e)
             raise
-        published(rt, rid, self.names.received_stream)
+        published(rt, rid, self.names.received_stream(self.names.partition(rid)))
         return handle
 
     def release(self, handle: RequestHandle) -> None:
@@ -261,9 +262,19 @@ class GatewayCore:
             for item in ev.items:
                 if (h := self.handles.get(item.request_id)) is not None:
                     h.deliver(item)
+                    self._fill_if_held(h)
         elif (h := self.handles.get(getattr(ev, "request_id", ""))) is not None:
             reply_processed(h, ev, self.reply_to, GROUP_GATEWAY, self.id, entry_id)
             h.deliver(ev)
+            self._fill_if_held(h)
+
+    def _fill_if_held(self, h: RequestHandle) -> None:
+        """Tokens came after a gap (possible on a Redis Cluster only): read the missing ones from the list."""
+        if h.held and not h.filling:
+            h.filling = True
+            task = asyncio.get_running_loop().create_task(reconcile.fill_gap(self, h))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _keep_alive(self) -> None:
         """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever."""
@@ -273,6 +284,8 @@ class GatewayCore:
                 await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
                 if await self.epoch.acheck(self.loop_r):
                     await self._on_data_loss()
+                if self.names.cluster:  # on a single Redis an ending is published with its transition
+                    await reconcile.repair_silent(self)
                 self._loop_ok["liveness"] = time.monotonic()
             except redis.RedisError as e:
                 logger.warning("liveness refresh failed: %r", e)

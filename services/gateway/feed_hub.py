@@ -97,7 +97,7 @@ class FeedHub:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def _run(self, client, last: str) -> None:
+    async def _run(self, client, last: dict[str, str]) -> None:
         try:
             next_workers = 0.0
             while True:
@@ -112,17 +112,28 @@ class FeedHub:
         finally:
             await client.aclose()
 
-    async def _tail_id(self, client) -> str:
-        """The newest record's id: what came before is in the snapshot each connection gets."""
-        newest = await client.xrevrange(self.names.lifecycle_feed, count=1)
-        return newest[0][0].decode() if newest else "0-0"
+    async def _tail_id(self, client) -> dict[str, str]:
+        """Each partition's feed's newest record id: what came before is in the snapshot each connection gets."""
+        pipe = client.pipeline(transaction=False)
+        feeds = [self.names.lifecycle_feed(p) for p in self.names.all_partitions]
+        for feed in feeds:
+            pipe.xrevrange(feed, count=1)
+        return {feed: newest[0][0].decode() if newest else "0-0" for feed, newest in zip(feeds, await pipe.execute())}
 
-    async def _read_once(self, client, last: str) -> str:
-        reply = await client.xread({self.names.lifecycle_feed: last}, count=READ_COUNT, block=self.block_ms)
+    async def _read_once(self, client, last: dict[str, str]) -> dict[str, str]:
+        if len(groups := self.names.slot_groups(list(last))) == 1:  # a single Redis: one blocking XREAD of all
+            replies = [await client.xread(last, count=READ_COUNT, block=self.block_ms)]
+        else:  # a cluster's partitions are on several slots: one read each, polled (a dashboard needs no less)
+            pipe = client.pipeline(transaction=False)
+            for group in groups:
+                pipe.xread({f: last[f] for f in group}, count=READ_COUNT)
+            replies = await pipe.execute()
+            if not any(replies):
+                await asyncio.sleep(self.block_ms / 1000)
         records: list[FeedRecord] = []
-        for _stream, entries in reply or []:
+        for stream, entries in (x for reply in replies for x in reply or []):
             for entry_id, fields in entries:
-                last = entry_id.decode()
+                last[stream.decode() if isinstance(stream, bytes) else stream] = entry_id.decode()
                 try:
                     records.append(decode_record(entry_id, fields))
                 except (KeyError, ValueError) as e:

@@ -51,9 +51,30 @@ class RequestHandle:
     epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
     client_gone: bool = False  # its client closed the connection (set by the handler's disconnect watcher)
     _backlog: deque = field(default_factory=deque)  # taken from the queue, not yet returned as a chunk
+    # Order of delivery (a Redis Cluster can skip tokens: services.gateway.reconcile): the output index the next
+    # delta should start at; what arrived after a gap, held until the gap is filled; whether a fill runs.
+    expected: int = 0
+    held: list = field(default_factory=list)
+    filling: bool = False
+    last_event_at: float = field(default_factory=time.perf_counter)  # perf_counter of the latest delivery
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
+        self.last_event_at = time.perf_counter()
+        if self.held or (isinstance(item, TokenDelta) and item.index > self.expected):
+            self.held.append(item)  # after a gap: waits until the tokens before it are read (fill_gap)
+            return
+        if isinstance(item, TokenDelta):
+            self.expected = max(self.expected, item.index + len(item.token_ids))
         self.queue.put_nowait(item)
+
+    def hold(self, item: TokenDelta) -> None:
+        self.held.append(item)
+
+    def release(self, fill: TokenDelta) -> None:
+        """Deliver the tokens that filled the first gap, then what was held, up to the next gap if any."""
+        held, self.held = self.held, []
+        for item in (fill, *held):
+            self.deliver(item)
 
     def wake(self) -> None:
         """Make a reader waiting in next_chunk return None now (something besides output needs its attention)."""

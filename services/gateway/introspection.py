@@ -16,16 +16,17 @@ router = APIRouter()
 async def ids_in_states(core: GatewayCore, owner: str | None, states: list[State]) -> list[tuple[float, str]]:
     """(time it entered its state, request id) of the requests in `states` that `owner` may see (None: all),
     oldest first, from the state-set and per-owner indexes (no SCAN)."""
-    pipe = core.r.pipeline(transaction=False)
-    for s in states:
-        if owner:
-            # The caller's requests in state s: ZINTER of its owner index (weight 0) and the state set (weight 1),
-            # so each keeps its time of entering s, as without keys. Redis walks the smaller of the two sets, so
-            # another key's requests cost nothing here; no temporary key is left behind (ZINTERSTORE would need
-            # one, and its expiry).
-            pipe.zinter({core.names.owner_index(owner): 0, core.names.state_set(s.value): 1}, withscores=True)
-        else:
-            pipe.zrange(core.names.state_set(s.value), 0, -1, withscores=True)
+    pipe, names = core.r.pipeline(transaction=False), core.names
+    for p in names.all_partitions:  # each partition's sets are on a slot of their own: one read each
+        for s in states:
+            if owner:
+                # The caller's requests in state s: ZINTER of its owner index (weight 0) and the state set (weight
+                # 1), so each keeps its time of entering s, as without keys. Redis walks the smaller of the two
+                # sets, so another key's requests cost nothing here; no temporary key is left behind
+                # (ZINTERSTORE would need one, and its expiry).
+                pipe.zinter({names.owner_index(p, owner): 0, names.state_set(p, s.value): 1}, withscores=True)
+            else:
+                pipe.zrange(names.state_set(p, s.value), 0, -1, withscores=True)
     return sorted((score, rid.decode()) for members in await pipe.execute() for rid, score in members)
 
 

@@ -120,10 +120,12 @@ async def cluster_figures(r, names: Names) -> dict:
     """Cluster-wide figures: live workers' last heartbeats (their liveness entries) and the state sets."""
     workers = list((await liveness.aread_live(r, names, "worker")).values())
     pipe = r.pipeline(transaction=False)
-    pipe.zcard(names.waiting)
-    for s in LIVE_STATES:
-        pipe.zcard(names.state_set(s.value))
-    counts = await pipe.execute()
+    for p in names.all_partitions:  # one set per partition: the figure is their sum
+        pipe.zcard(names.waiting(p))
+        for s in LIVE_STATES:
+            pipe.zcard(names.state_set(p, s.value))
+    per = len(LIVE_STATES) + 1
+    counts = [sum(c) for c in zip(*_chunks(await pipe.execute(), per))]
     total = sum(w.get("total_blocks", 0) for w in workers)
     return {
         "waiting": counts[0], "states": dict(zip((s.value for s in LIVE_STATES), counts[1:])),
@@ -154,3 +156,7 @@ class _Snapshot:
         yield CounterMetricFamily("conveyor:num_preemptions", "preemptions on live workers", f["preemptions"])
         yield CounterMetricFamily("conveyor:prefix_cache_queries", "prompt tokens looked up", f["prefix_queries"])
         yield CounterMetricFamily("conveyor:prefix_cache_hits", "prompt tokens found cached", f["prefix_hits"])
+
+
+def _chunks(xs: list, n: int) -> list[list]:
+    return [xs[i:i + n] for i in range(0, len(xs), n)]

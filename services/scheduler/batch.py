@@ -55,17 +55,17 @@ def intake(svc, deliveries: list) -> None:
 def send_all(svc, picks: list) -> None:
     """Send chosen placements (queued request, worker, blocks reserved, routing decision): their SCHEDULED transitions with the scheduled
     events in one pipeline, then the queue records dropped and the assignments recorded in a second."""
-    pipe, outs = svc.r.pipeline(transaction=False), []
+    pipe, outs, laters = svc.r.pipeline(transaction=False), [], []
     for q, worker, _need, _decision in picks:
         out = scheduled_event(q, worker.worker_id, q.event.traceparent)
         # exec (worker, attempt: the fencing token) is written by the same atomic step
-        svc.lifecycle.queue(pipe, q.request_id, State.SCHEDULED, "",
-                            [Publish(svc.names.worker_stream(worker.worker_id), out)],
-                            only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
+        laters.append(svc.lifecycle.queue(pipe, q.request_id, State.SCHEDULED, "",
+                                          [Publish(svc.names.worker_stream(worker.worker_id), out)],
+                                          only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt)))
         outs.append(out)
     replies = pipe.execute(raise_on_error=False)
-    writes = svc.r.pipeline(transaction=False)
-    for (q, worker, need, decision), out, raw in zip(picks, outs, replies):
+    sent = []  # (pick, event, result, events still to publish) of each placement that reached Redis
+    for (q, worker, need, decision), out, raw, later in zip(picks, outs, replies, laters):
         worker.drop_inflight(q.request_id)  # the reservation made while choosing
         if isinstance(raw, Exception):  # its queue record stays: sync() queues it again
             logger.error("placing %s failed: %r", q.request_id, raw)
@@ -75,6 +75,11 @@ def send_all(svc, picks: list) -> None:
         except InvalidTransition as e:  # another replica placed it already
             logger.info("not placing %s: %s", q.request_id, e)
             res = TransitionResult(False, None)
+        sent.append(((q, worker, need, decision), out, res, later))
+    # On a cluster the scheduled events go to the inboxes now (their entry ids are what after_send records).
+    results = svc.lifecycle.complete(svc.r, [(res, later) for _pick, _out, res, later in sent])
+    writes = svc.r.pipeline(transaction=False)
+    for ((q, worker, need, decision), out, _res, _later), res in zip(sent, results):
         after_send(svc, q, worker, need, res, out, writes, decision)
     writes.execute()
 
@@ -102,7 +107,7 @@ def send_one(svc, q, worker, need: int, decision) -> TransitionResult:
 def after_send(svc, q, worker, need: int, res: TransitionResult, out: Scheduled, pipe, decision) -> None:
     """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker (need:
     the blocks it must allocate there) and record the assignment and the routing decision (on pipe)."""
-    pipe.hdel(svc.names.queue, q.request_id)
+    pipe.hdel(svc.queue_key(q.request_id), q.request_id)
     if res.applied:
         worker.add_inflight(q.request_id, res.entry_ids[0], need)
         svc.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), pipe)

@@ -76,12 +76,15 @@ class Assignments:
     def of_worker(self, worker_id: str) -> list[Assignment]:
         return [a for a in self.by_request.values() if a.worker_id == worker_id]
 
-    def settle_with_heartbeat(self, worker_id: str, held: tuple[str, ...], last_read_id: str) -> None:
-        """Assignments the worker has read and no longer holds are over (finished, failed, cancelled)."""
+    def settle_with_heartbeat(self, worker_id: str, held: tuple[str, ...], last_read_id: str) -> list[Assignment]:
+        """Assignments the worker has read and no longer holds are over (finished, failed, cancelled): dropped,
+        and returned."""
         read = entry_key(last_read_id) if last_read_id else (0, 0)
         held_set = set(held)
-        self.drop([a.scheduled.request_id for a in self.of_worker(worker_id)
-                   if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set])
+        over = [a for a in self.of_worker(worker_id)
+                if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set]
+        self.drop([a.scheduled.request_id for a in over])
+        return over
 
 
 class GatewayWatch:
@@ -101,7 +104,8 @@ class GatewayWatch:
 
 
 def gateway_of(reply_to: str) -> str:
-    return reply_to.rsplit(":", 1)[-1]
+    """The gateway id of a reply stream (shared.constants.Names.reply_stream: its last part, in a hash tag)."""
+    return reply_to.rsplit(":", 1)[-1].strip("{}")
 
 
 def zombie_cancels(lost: list[Assignment]) -> list[tuple[str, CancelRequested]]:

@@ -23,7 +23,7 @@ from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
-from shared.constants import GROUP_SCHEDULER, Names
+from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextJanitor, ContextStore
 from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
@@ -43,7 +43,7 @@ ON_A_WORKER = (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTE
 class SchedulerService:
     def __init__(self, settings: SchedulerSettings):
         self.s = settings
-        self.names = Names(settings.namespace)
+        self.names = settings.names()
         self.r = sync_client(settings)
         self.id = instance_id(settings, "scheduler")
         self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
@@ -58,7 +58,8 @@ class SchedulerService:
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
                              settings.liveness_ttl_s)
         # Heartbeats are read by every replica (plain XREAD), the other streams shared through the group.
-        self.streams = [self.names.preprocessed_stream, self.names.control_stream]
+        self.streams = [*(self.names.preprocessed_stream(p) for p in self.names.all_partitions),
+                        self.names.control_stream]
         # Start with the heartbeats of the last TTL, so a restarted scheduler knows the workers at once.
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
         self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
@@ -79,8 +80,10 @@ class SchedulerService:
         self.live.clear(self.r)
 
     def ensure_groups(self) -> None:
-        for stream in self.streams:
-            self.bus.ensure_group(stream, GROUP_SCHEDULER)
+        self.bus.ensure_groups(self.streams, GROUP_SCHEDULER)
+
+    def queue_key(self, request_id: str) -> str:  # the hash of QUEUED records holding this request's
+        return self.names.queue(self.names.partition(request_id))
 
     def tick(self) -> None:
         """Read, dispatch, then act on time (deadlines, lost workers) and place what fits."""
@@ -90,7 +93,7 @@ class SchedulerService:
         if self.live.due():
             if self.epoch.check(self.r):
                 self.forget_dataset()
-            deliveries += [d for s in self.streams for d in self.bus.sweep(s, GROUP_SCHEDULER)]
+            deliveries += self.bus.sweep_all(self.streams, GROUP_SCHEDULER)
             self.live.refresh(self.r, {"queued": len(self.queue)})
             self.sync()
             self.recover_lost()
@@ -136,7 +139,10 @@ class SchedulerService:
         self.assignments.load()
         for a in self.assignments.by_request.values():
             self.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
-        stored = {rid.decode(): payload for rid, payload in self.r.hgetall(self.names.queue).items()}
+        pipe = self.r.pipeline(transaction=False)
+        for p in self.names.all_partitions:
+            pipe.hgetall(self.names.queue(p))
+        stored = {rid.decode(): payload for part in pipe.execute() for rid, payload in part.items()}
         for rid in [q.request_id for q in self.queue.items() if q.request_id not in stored]:
             self.queue.remove(rid)  # placed or cancelled by another replica
         missing = [rid for rid in stored if rid not in self.queue]
@@ -148,7 +154,7 @@ class SchedulerService:
                 rec = decode_queued(stored[rid])
                 self.push_record(rec)
             else:  # placed, ended or expired meanwhile
-                self.r.hdel(self.names.queue, rid)
+                self.r.hdel(self.queue_key(rid), rid)
 
     def on_preprocessed(self, ev: Preprocessed) -> None:
         try:  # only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing
@@ -165,7 +171,7 @@ class SchedulerService:
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item, client)
             if item is not None:
-                client.hset(self.names.queue, ev.request_id, encode_queued(item))
+                client.hset(self.queue_key(ev.request_id), ev.request_id, encode_queued(item))
         elif res.previous == State.QUEUED:
             self.adopt_queued(ev)
 
@@ -173,14 +179,14 @@ class SchedulerService:
         """A redelivered event of a QUEUED request: either a scheduler died between the transition and storing
         the queue record (finish its work, or the request would sit QUEUED for ever), or the request was
         requeued since (its stored record, with its attempt and tokens, is the truth: never this event)."""
-        stored = self.r.hget(self.names.queue, ev.request_id)
+        stored = self.r.hget(self.queue_key(ev.request_id), ev.request_id)
         if stored is not None:
             rec = decode_queued(stored)
             self.push_record(rec)
             return
         item = self.queue.push(ev)
         if item is not None:
-            self.r.hsetnx(self.names.queue, ev.request_id, encode_queued(item))
+            self.r.hsetnx(self.queue_key(ev.request_id), ev.request_id, encode_queued(item))
 
     def push_record(self, rec) -> None:
         ahead = Work(*rec.ahead) if rec.ahead is not None else None
@@ -217,12 +223,13 @@ class SchedulerService:
         self.judge_deadline(item, since=now)
         return item.deadline > now
 
-    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str) -> bool:
+    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str,
+                only_from: tuple[State, ...] = ON_A_WORKER) -> bool:
         """Put a request that left its worker back in the queue; the next worker resumes after
         output_token_ids. Each move counts as an attempt; past max_attempts the request fails. Fenced by the
         placement's attempt: a redelivered hand-back, or a loss noticed twice, finds the request moved on
         (another attempt, or QUEUED already) and changes nothing. True when this call moved it."""
-        fence = {"fence": sch.attempt, "only_from": ON_A_WORKER}
+        fence = {"fence": sch.attempt, "only_from": only_from}
         if sch.attempt >= self.s.max_attempts:
             fail = Failed(request_id=sch.request_id, reason="worker_lost", service="scheduler",
                           message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
@@ -239,7 +246,7 @@ class SchedulerService:
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
         if item is not None:
-            self.r.hset(self.names.queue, sch.request_id, encode_queued(item))
+            self.r.hset(self.queue_key(sch.request_id), sch.request_id, encode_queued(item))
         logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
                     len(output_token_ids), sch.attempt + 1)
         return True
@@ -255,7 +262,7 @@ class SchedulerService:
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
-            self.r.hdel(self.names.queue, ev.request_id)
+            self.r.hdel(self.queue_key(ev.request_id), ev.request_id)
         # Always ask Redis where it runs: this replica's copy may be stale (another replica placed it).
         worker = self.r.hget(self.names.layer(ev.request_id, "exec"), "worker_id")
         if worker:
@@ -267,9 +274,10 @@ class SchedulerService:
         """Heartbeats and the workers' KV events, in one XREAD; then ask any worker the KV index lost track of to
         announce its cache."""
         kv_stream, caught_up = self.names.kv_events_stream.encode(), True
-        reply = self.r.xread({self.names.heartbeat_stream: self.hb_cursor, kv_stream: self.router.cursor},
-                             count=READ_COUNT)
-        for stream, entries in reply or []:
+        pipe = self.r.pipeline(transaction=False)  # two reads, not one XREAD: the streams' slots may differ
+        pipe.xread({self.names.heartbeat_stream: self.hb_cursor}, count=READ_COUNT)
+        pipe.xread({kv_stream: self.router.cursor}, count=READ_COUNT)
+        for stream, entries in (x for reply in pipe.execute() for x in reply or []):
             if stream == kv_stream:
                 self.router.on_entries(entries)
                 caught_up = len(entries) < READ_COUNT
@@ -283,12 +291,27 @@ class SchedulerService:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         view = self.workers.get(hb.worker_id)
-        self.assignments.settle_with_heartbeat(hb.worker_id, hb.request_ids, hb.last_read_id)
+        over = self.assignments.settle_with_heartbeat(hb.worker_id, hb.request_ids, hb.last_read_id)
+        if over and self.names.cluster:  # on a single Redis a placement and its event are one atomic step
+            self.requeue_undelivered(over)
         if view is None or view.hb is None:
             logger.info("worker %s joined (%d blocks, %d seqs)", hb.worker_id, hb.total_blocks, hb.max_num_seqs)
             self.workers[hb.worker_id] = WorkerView(hb.worker_id, hb, time.monotonic())
         else:
             view.observe(hb)
+
+    def requeue_undelivered(self, over: list) -> None:
+        """Placements a worker read past and does not hold are normally over. One still SCHEDULED never reached
+        the worker: on a Redis Cluster its event goes to the inbox after the transition, and a failover can lose
+        a write Redis had acknowledged. It is queued again (fenced: only from SCHEDULED, at its attempt)."""
+        pipe = self.r.pipeline(transaction=False)
+        for a in over:
+            pipe.hget(self.names.layer(a.scheduled.request_id, "meta"), "state")
+        for a, state in zip(over, pipe.execute()):
+            if state == State.SCHEDULED.value.encode():
+                logger.warning("%s never reached worker %s: queueing it again", a.scheduled.request_id, a.worker_id)
+                self.requeue(a.scheduled, a.scheduled.output_token_ids, "lost_in_transit",
+                             only_from=(State.SCHEDULED,))
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         """A poison entry: fail its request (if it names one) so its client gets an answer."""
@@ -308,7 +331,7 @@ class SchedulerService:
         if now - self._swept_at >= self.s.janitor_interval_s:
             self._swept_at = now
             self.janitor.sweep(now)
-            for stream in (self.names.received_stream, *self.streams):
+            for stream in (*(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams):
                 self.bus.trim_consumed(stream)
         expired = self.queue.expired(now)
         ahead = self.queue.work_ahead() if any(q.ahead is not None for q in expired) else {}
@@ -316,7 +339,7 @@ class SchedulerService:
             if q.ahead is not None and self.extend_if_progressing(q, ahead[q.request_id], now):
                 continue
             self.queue.remove(q.request_id)
-            self.r.hdel(self.names.queue, q.request_id)
+            self.r.hdel(self.queue_key(q.request_id), q.request_id)
             out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
                            traceparent=q.event.traceparent)
             self._try(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)],

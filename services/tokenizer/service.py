@@ -16,7 +16,7 @@ from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
-from shared.constants import GROUP_TOKENIZER, Names
+from shared.constants import GROUP_TOKENIZER
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.events import Failed, Preprocessed, RequestReceived
@@ -77,7 +77,7 @@ class Preprocessor:
 class TokenizerService:
     def __init__(self, settings: TokenizerSettings):
         self.s = settings
-        self.names = Names(settings.namespace)
+        self.names = settings.names()
         self.r = sync_client(settings)
         self.id = instance_id(settings, "tokenizer")
         self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
@@ -87,20 +87,19 @@ class TokenizerService:
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         self.pre = Preprocessor(load_tokenizer(info.model_dir), info.max_len)
         self.live = Liveness(self.names, "tokenizer", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.streams = [self.names.received_stream(p) for p in self.names.all_partitions]
 
     def run(self) -> None:
         stop = StopFlag()
-        stream = self.names.received_stream
-        self.bus.ensure_group(stream, GROUP_TOKENIZER)
-        logger.info("tokenizer %s reading %s", self.id, stream)
-        run_loop(stop, self.tick, "tokenizer", on_nogroup=lambda: self.bus.ensure_group(stream, GROUP_TOKENIZER))
+        self.bus.ensure_groups(self.streams, GROUP_TOKENIZER)
+        logger.info("tokenizer %s reading %s", self.id, ", ".join(self.streams))
+        run_loop(stop, self.tick, "tokenizer", on_nogroup=lambda: self.bus.ensure_groups(self.streams, GROUP_TOKENIZER))
         self.live.clear(self.r)
 
     def tick(self) -> None:
-        stream = self.names.received_stream
-        deliveries = self.bus.read([stream], GROUP_TOKENIZER)
+        deliveries = self.bus.read(self.streams, GROUP_TOKENIZER)
         if self.live.due():
-            deliveries += self.bus.sweep(stream, GROUP_TOKENIZER)
+            deliveries += self.bus.sweep_all(self.streams, GROUP_TOKENIZER)
             self.live.refresh(self.r)
         if telemetry.enabled():  # each request in its own spans, its writes timed inside them
             self.bus.process_all(deliveries, self.handle)
@@ -126,10 +125,10 @@ class TokenizerService:
             self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
         else:
             self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-            with telemetry.publish_span(self.names.preprocessed_stream, ev.request_id) as pub:
+            stream = self.names.preprocessed_stream(self.names.partition(ev.request_id))
+            with telemetry.publish_span(stream, ev.request_id) as pub:
                 out = self._preprocessed(ev, ids, telemetry.traceparent_of(pub, ev.traceparent))
-                res = self._settle(ev.request_id, State.PREPROCESSED, "",
-                                   [Publish(self.names.preprocessed_stream, out)])
+                res = self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
                 telemetry.published(pub, res.entry_ids if res else ())
 
     def handle_batch(self, deliveries: list[Delivery]) -> None:
@@ -138,20 +137,24 @@ class TokenizerService:
         pipe = self.r.pipeline(transaction=False)
         planned = [(d, self._queue(pipe, d)) for d in deliveries]
         replies = pipe.execute(raise_on_error=False)
-        done = []
+        done, applied = [], []
         for d, plan in planned:
             if plan is None:
                 done.append(d)  # not a request: logged, nothing to retry
             elif isinstance(replies[plan[1]], Exception):  # left pending: retried, then dead-lettered
                 logger.error("preprocessing %s failed: %r", d.event.request_id, replies[plan[1]])
             else:
-                rid, (to, at) = d.event.request_id, plan
-                self._outcome(rid, to, lambda: self.lifecycle.interpret(rid, to, replies[at]))
+                rid, (to, at, later) = d.event.request_id, plan
+                res = self._outcome(rid, to, lambda: self.lifecycle.interpret(rid, to, replies[at]))
+                if res is not None:
+                    applied.append((res, later))
                 done.append(d)
+        self.lifecycle.complete(self.r, applied)  # before the acknowledgement: a failure leaves them pending
         self.bus.ack_all(done)
 
-    def _queue(self, pipe, d: Delivery) -> tuple[State, int] | None:
-        """Queue the request's writes on pipe: (the transition, the index of its reply), or None if no request."""
+    def _queue(self, pipe, d: Delivery) -> tuple[State, int, tuple[Publish, ...]] | None:
+        """Queue the request's writes on pipe: (the transition, the index of its reply, the events to publish
+        after it), or None if no request."""
         ev = d.event
         if not isinstance(ev, RequestReceived):
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
@@ -159,14 +162,14 @@ class TokenizerService:
         try:
             ids = self.pre.token_ids(ev)
         except PromptError as e:
-            self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
-                                 [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
-            return State.FAILED, len(pipe) - 1
+            later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
+                                         [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
+            return State.FAILED, len(pipe) - 1, later
         self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
         out = self._preprocessed(ev, ids, ev.traceparent)
-        self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
-                             [Publish(self.names.preprocessed_stream, out)])
-        return State.PREPROCESSED, len(pipe) - 1
+        later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
+                                     [Publish(self.names.preprocessed_stream(self.names.partition(ev.request_id)), out)])
+        return State.PREPROCESSED, len(pipe) - 1, later
 
     def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
         # The prompt's block hashes, computed once here: the scheduler matches them against its KV index.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import redis
 
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
@@ -26,6 +27,20 @@ logger = logging.getLogger(__name__)
 
 # KEYS: exec layers. The attempt each was placed with (nil: the context is gone).
 _ATTEMPTS_LUA = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'attempt') end return out"
+
+# KEYS: a request's tokens list. ARGV: index of the first token in the output, the tokens..., ttl.
+# Appends the tokens the list does not have yet, so a step published twice (its first try failed after some of
+# its transactions committed: a Redis Cluster failover in the middle) appends nothing twice. Returns -1, or the
+# list's length when it is shorter than the index (it lost its tail in a failover): the caller sends the
+# missing tokens with its next step.
+_APPEND_LUA = """
+local n = redis.call('LLEN', KEYS[1])
+local at = tonumber(ARGV[1])
+if n < at then return n end
+for i = 2 + n - at, #ARGV - 1 do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], ARGV[#ARGV])
+return -1
+"""
 
 
 @dataclass
@@ -53,6 +68,8 @@ class StepPublisher:
         self.worker_id = worker_id
         self.lifecycle = lifecycle
         self.store = store
+        self._append = client.register_script(_APPEND_LUA)
+        self._behind: dict[str, int] = {}  # request id -> length of its tokens list, when short (see _APPEND_LUA)
 
     def publish(self, step: int, result, active: dict[str, Active], kv_info) -> set[str]:
         """One MULTI/EXEC: tokens reach the client and the request's token list together or not at all, so a
@@ -62,17 +79,20 @@ class StepPublisher:
         Retried while Redis is away (the engine does not step meanwhile: nothing is lost, generation pauses)."""
         new = {o.request_id: o.new_token_ids for o in result.outputs if o.new_token_ids and o.request_id in active}
         lost: set[str] = set()
+        done: set[int] = set()  # partitions whose transaction committed (a retry does not redo them)
         for attempt in itertools.count():
             try:
-                lost |= self._publish_once(step, result, active, kv_info, new)
+                lost |= self._publish_once(step, result, active, kv_info, new, done)
                 break
             except redis.WatchError:
                 continue  # an exec layer changed between the check and the write: check again
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except TRANSIENT_ERRORS as e:
                 delay = min(2.0, 0.05 * 2 ** attempt)
                 logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
                 time.sleep(delay)
         self._deferred = []
+        for rid in [rid for rid in self._behind if rid not in active or rid in lost]:
+            del self._behind[rid]
         for rid, tokens in new.items():
             if rid not in lost:
                 active[rid].output_token_ids.extend(tokens)
@@ -83,12 +103,22 @@ class StepPublisher:
         return self.not_owned(pipe, rids, active)
 
     def not_owned(self, client, rids: list[str], active: dict[str, Active]) -> set[str]:
-        """Of rids, those this worker no longer owns (exec.attempt moved on, or the context is gone)."""
-        if not rids:
-            return set()
-        keys = [self.names.layer(rid, "exec") for rid in rids]
-        found = client.eval(_ATTEMPTS_LUA, len(keys), *keys)
-        return {rid for rid, at in zip(rids, found) if at is None or int(at) != active[rid].attempt}
+        """Of rids, those this worker no longer owns (exec.attempt moved on, or the context is gone). One script
+        per hash slot (one on a single Redis)."""
+        found: dict[str, object] = {}
+        for group in self._by_slot(rids):
+            keys = [self.names.layer(rid, "exec") for rid in group]
+            found.update(zip(group, client.eval(_ATTEMPTS_LUA, len(keys), *keys)))
+        return {rid for rid, at in found.items() if at is None or int(at) != active[rid].attempt}
+
+    def _by_slot(self, rids: list[str]) -> list[list[str]]:
+        """rids grouped by their partition's hash slot: all together on a single Redis."""
+        if not self.names.cluster:
+            return [rids] if rids else []
+        groups: dict[int, list[str]] = defaultdict(list)
+        for rid in rids:
+            groups[self.names.partition(rid)].append(rid)
+        return list(groups.values())
 
     def publish_scheduled(self, transitions: list[tuple[str, str]], active: dict[str, Active]) -> None:
         """Stamp the step's scheduling decisions (PREFILLING, PREEMPTED) before its forward pass runs, so
@@ -101,7 +131,7 @@ class StepPublisher:
         if not queued:
             return
         try:
-            self._check(pipe.execute(), queued)
+            self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued])
         except (redis.ConnectionError, redis.TimeoutError) as e:  # the step's own publish retries them
             logger.warning("stamping scheduling decisions failed (%s); they go with the step's results", e)
             self._deferred.extend(transitions)
@@ -114,71 +144,121 @@ class StepPublisher:
                 queued.append((rid, State(status)))
         return queued
 
-    def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> set[str]:
+    def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
+                      done: set[int]) -> set[str]:
+        """One MULTI/EXEC per hash slot of the step's requests: on a single Redis one for all, reply events
+        included. On a cluster a transaction cannot span slots: each partition's writes are one transaction, and
+        the reply streams' events follow them (at least once: a worker dying in between leaves its tokens in the
+        tokens lists, where the gateway finds what its stream missed)."""
         touched = sorted({rid for rid, _ in [*self._deferred, *result.transitions] if rid in active} | set(new) |
                          {o.request_id for o in result.outputs if o.finished and o.request_id in active})
-        with self.r.pipeline(transaction=True) as pipe:
-            lost = self._stale(pipe, touched, active) if touched else set()
-            pipe.multi()
-            by_reply: dict[str, list[TokenDelta]] = defaultdict(list)
-            for out in result.outputs:
-                if out.request_id in new and out.request_id not in lost:
-                    by_reply[active[out.request_id].reply_to].append(
-                        TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids),
-                                   pack_logprobs(out.logprobs) if out.logprobs else None))
-            for rid, tokens in new.items():
-                if rid not in lost:
-                    pipe.rpush(self.names.tokens(rid), *tokens)
-                    pipe.expire(self.names.tokens(rid), self.token_ttl_s)
-            for reply_to, items in by_reply.items():
-                ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
-                pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=STREAM_MAXLEN, approximate=True)
-                pipe.expire(reply_to, private_stream_ttl(self.names, reply_to))
-            queued = self._queue_transitions(pipe, self._deferred, active, lost)
-            for rid, status in result.transitions:
-                if rid in active and rid not in lost:
-                    if status == "DECODING":
-                        self._queue_kv(pipe, rid, kv_info(rid))
-                    self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
-                    queued.append((rid, State(status)))
-            for out in result.outputs:
-                a = active.get(out.request_id)
-                if a is not None and out.finished and a.request_id not in lost:
-                    tokens = a.output_token_ids + list(new.get(a.request_id, ()))
-                    queued.append((a.request_id, self._queue_end(pipe, a, out, tokens, kv_info(a.request_id))))
-            self._check(pipe.execute(), queued)
+        lost: set[str] = set()
+        later: list = []  # (result, events) of the transitions whose events go after them (a cluster)
+        first = {o.request_id: o.first_index for o in result.outputs}
+        for rids in self._by_slot(touched):
+            if (part := self.names.partition(rids[0])) in done:
+                continue
+            with self.r.pipeline(transaction=True) as pipe:
+                lost |= self._stale(pipe, rids, active)
+                pipe.multi()
+                mine = [rid for rid in rids if rid not in lost]
+                appended = [rid for rid in mine if rid in new]
+                for rid in appended:
+                    self._queue_append(pipe, rid, first[rid], new[rid], active[rid])
+                if not self.names.cluster:
+                    self._queue_tokens(pipe, step, result, active, new, lost)
+                queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
+                replies = pipe.execute()
+            done.add(part)
+            self._note_behind(appended, replies[:len(appended)])
+            later += self._check(replies, queued)
+        if self.names.cluster:
+            pipe = self.r.pipeline(transaction=False)
+            self._queue_tokens(pipe, step, result, active, new, lost)
+            pipe.execute()
+            self.lifecycle.complete(self.r, later)
         return lost
+
+    def _queue_append(self, pipe, rid: str, at: int, tokens, a: Active) -> None:
+        """Append the step's tokens to the request's list (first in the transaction: its reply comes first);
+        from where the list stopped when it is known to be short."""
+        if (n := self._behind.get(rid)) is not None and n < at:
+            tokens, at = [*a.output_token_ids[n:], *tokens], n
+        self._append(keys=[self.names.tokens(rid)], args=[at, *tokens, self.token_ttl_s], client=pipe)
+
+    def _note_behind(self, rids: list[str], replies: list) -> None:
+        for rid, n in zip(rids, replies):
+            if n >= 0:
+                logger.error("request %s: its tokens list has %d tokens, fewer than sent before (lost in a "
+                             "failover): sending them again", rid, n)
+                self._behind[rid] = n
+            else:
+                self._behind.pop(rid, None)
+
+    def _queue_tokens(self, pipe, step: int, result, active: dict[str, Active], new: dict, lost: set[str]) -> None:
+        """One token_generated per reply stream for the step's new tokens, in output order."""
+        by_reply: dict[str, list[TokenDelta]] = defaultdict(list)
+        for out in result.outputs:
+            if out.request_id in new and out.request_id not in lost:
+                by_reply[active[out.request_id].reply_to].append(
+                    TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids),
+                               pack_logprobs(out.logprobs) if out.logprobs else None))
+        for reply_to, items in by_reply.items():
+            ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
+            pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.expire(reply_to, private_stream_ttl(self.names, reply_to))
+
+    def _queue_step(self, pipe, result, active: dict[str, Active], new: dict, kv_info, mine: set[str]) -> list:
+        """The step's transitions of the requests in `mine` (deferred scheduling decisions, the step's own, then
+        the endings): [(request id, target state, events to publish after it)]."""
+        queued = [(rid, to, ()) for rid, to in self._queue_transitions(
+            pipe, [(rid, st) for rid, st in self._deferred if rid in mine], active)]
+        for rid, status in result.transitions:
+            if rid in active and rid in mine:
+                if status == "DECODING":
+                    self._queue_kv(pipe, rid, kv_info(rid))
+                self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
+                queued.append((rid, State(status), ()))
+        for out in result.outputs:
+            a = active.get(out.request_id)
+            if a is not None and out.finished and a.request_id in mine:
+                tokens = a.output_token_ids + list(new.get(a.request_id, ()))
+                queued.append((a.request_id, *self._queue_end(pipe, a, out, tokens, kv_info(a.request_id))))
+        return queued
 
     def _queue_kv(self, pipe, rid: str, info) -> None:
         if info is not None:
             self.store.update(pipe, rid, "kv", {"blocks": info[0], "cached_tokens": info[1]})
 
-    def _queue_end(self, pipe, a: Active, out, tokens: list[int], info) -> State:
+    def _queue_end(self, pipe, a: Active, out, tokens: list[int], info) -> tuple[State, tuple[Publish, ...]]:
         cached = info[1] if info else 0
         if out.error_reason:
             ev = Failed(request_id=a.request_id, reason=out.error_reason, message=out.error or out.error_reason,
                         service="worker", traceparent=a.traceparent)
-            self.lifecycle.queue(pipe, a.request_id, State.FAILED, out.error_reason, [Publish(a.reply_to, ev)],
-                                 fence=a.attempt)
-            return State.FAILED
+            return State.FAILED, self.lifecycle.queue(pipe, a.request_id, State.FAILED, out.error_reason,
+                                                      [Publish(a.reply_to, ev)], fence=a.attempt)
         self.store.update(pipe, a.request_id, "output", {
             "token_ids": tokens, "finish_reason": out.finish_reason,
             "output_tokens": len(tokens), "num_preemptions": a.num_preemptions})
         ev = Completed(request_id=a.request_id, worker_id=self.worker_id, finish_reason=out.finish_reason or "stop",
                        prompt_tokens=a.prompt_len, output_tokens=len(tokens), cached_tokens=cached,
                        num_preemptions=a.num_preemptions, traceparent=a.traceparent)
-        self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
-                             [Publish(a.reply_to, ev)], fence=a.attempt)
-        return State.FINISHED
+        return State.FINISHED, self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
+                                                    [Publish(a.reply_to, ev)], fence=a.attempt)
 
-    def _check(self, replies: list, queued: list[tuple[str, State]]) -> None:
-        """Pipeline replies of the transitions (HSETs interleave; keep only script replies)."""
+    def _check(self, replies: list, queued: list) -> list:
+        """Pipeline replies of the transitions (HSETs interleave; keep only script replies). queued: (request id,
+        target state, events to publish after it). Returns (result, those events) of the applied ones."""
         scripts = [r for r in replies if isinstance(r, list)]
-        for (rid, to), raw in zip(queued, scripts):
+        done = []
+        for (rid, to, later), raw in zip(queued, scripts):
             try:
                 res = self.lifecycle.interpret(rid, to, raw)
             except InvalidTransition as e:
                 logger.warning("%s", e)
                 continue
-            if not res.applied and to in (State.FINISHED, State.FAILED):
+            if res.applied:
+                done.append((res, later))
+            elif to in (State.FINISHED, State.FAILED):
                 logger.info("request %s already settled as %s", rid, res.previous)
+        return done

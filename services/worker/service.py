@@ -21,7 +21,7 @@ from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
 from shared import telemetry
 from shared.bus import Bus, Delivery
-from shared.constants import GROUP_WORKER, Names
+from shared.constants import GROUP_WORKER
 from shared.context_store import ContextStore
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Sampling, Scheduled,
@@ -67,7 +67,7 @@ def sampling_options(s: Sampling) -> SamplingOptions:
 class WorkerService:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
-        self.names = Names(settings.namespace)
+        self.names = settings.names()
         self.r = sync_client(settings)
         self.id = instance_id(settings, "worker")
         self.stream = self.names.worker_stream(self.id)

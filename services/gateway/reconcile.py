@@ -1,0 +1,95 @@
+"""Repairs what a Redis Cluster can leave undelivered to this gateway (nothing to do on a single Redis).
+
+On a cluster a transition and the events that follow it for the gateway are on different hash slots: the events
+are published right after the transition (shared.lifecycle), and the tokens reach the request's tokens list in
+one transaction and the reply stream after it (services.worker.publisher). A process dying between the two, or a
+failover losing a write Redis had acknowledged (replication is asynchronous), can leave tokens in the list that
+never reached the reply stream, or a request settled whose ending never comes. The context store is the truth:
+- a token delta that skips ahead (the tokens before it never arrived) is held, and the missing tokens are read
+  from the list first (fill_gap);
+- every heartbeat, requests silent for SILENT_S are looked at (repair_silent): tokens the list has and the
+  handle does not are delivered, and a request whose state is terminal gets its ending built from its context.
+Anything delivered twice is harmless: deltas carry their index, and an ending after the first is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shared.events import Cancelled, Completed, Failed, TimedOut, TokenDelta
+from shared.lifecycle import State
+
+logger = logging.getLogger(__name__)
+
+SILENT_S = 5.0  # a request without any event this long is checked against the context store
+MAX_PER_PASS = 256  # requests checked a heartbeat at most (the longest silent first)
+
+
+async def fill_gap(core, h) -> None:
+    """Deliver the tokens before h's first held delta from its tokens list, then what was held."""
+    try:
+        while h.held:
+            start, end = h.expected, h.held[0].index
+            raw = await core.r.lrange(core.names.tokens(h.request_id), start, end - 1) if end > start else []
+            if len(raw) < end - start:  # not there (yet): a later pass of repair_silent tries again
+                logger.warning("request %s: tokens %d..%d missing from its list", h.request_id, start, end)
+                return
+            logger.warning("request %s: %d tokens read from its list (their events never came)", h.request_id,
+                           len(raw))
+            h.release(TokenDelta(h.request_id, start, tuple(int(t) for t in raw)))
+    finally:
+        h.filling = False
+
+
+async def repair_silent(core) -> None:
+    now = time.perf_counter()
+    silent = sorted((h for h in core.handles.values() if h.ended is None and not h.filling
+                     and now - h.last_event_at > SILENT_S), key=lambda h: h.last_event_at)[:MAX_PER_PASS]
+    if not silent:
+        return
+    pipe = core.r.pipeline(transaction=False)
+    for h in silent:
+        pipe.hget(core.names.layer(h.request_id, "meta"), "state")
+        pipe.llen(core.names.tokens(h.request_id))
+    replies = await pipe.execute()
+    for h, state, length in zip(silent, replies[::2], replies[1::2]):
+        h.last_event_at = now  # checked: not again before another SILENT_S
+        if length > h.expected or h.held:
+            h.filling = True
+            h.hold(TokenDelta(h.request_id, length, ()))  # a marker delta at the list's end: fills up to it
+            await fill_gap(core, h)
+        if state is None:
+            h.deliver(Failed(request_id=h.request_id, reason="state_lost", service="gateway",
+                             message="the request's state is gone from Redis (lost in a failover, or expired); "
+                                     "send it again"))
+        elif State(state.decode()) in (State.FINISHED, State.FAILED, State.CANCELLED, State.TIMED_OUT):
+            if (end := await _ending(core, h.request_id)) is not None:
+                logger.warning("request %s: settled as %s without its ending reaching this gateway; built from "
+                               "its context", h.request_id, state.decode())
+                h.deliver(end)
+
+
+async def _ending(core, rid: str):
+    snap = await core.store.aread(core.r, rid)
+    if snap is None or snap.state is None:
+        return None
+    meta, out = snap.layers.get("meta", {}), snap.layers.get("output", {})
+    reason = str(meta.get("reason") or "")
+    if snap.state == State.FINISHED:
+        kv, inp, ex = snap.layers.get("kv", {}), snap.layers.get("input", {}), snap.layers.get("exec", {})
+        return Completed(request_id=rid, worker_id=str(ex.get("worker_id") or ""),
+                         finish_reason=str(out.get("finish_reason") or reason or "stop"),
+                         prompt_tokens=int(inp.get("prompt_tokens") or 0),
+                         output_tokens=int(out.get("output_tokens") or 0),
+                         cached_tokens=int(kv.get("cached_tokens") or 0),
+                         num_preemptions=int(out.get("num_preemptions") or 0))
+    if snap.state == State.FAILED:
+        return Failed(request_id=rid, reason=reason or "internal", service="gateway",
+                      message=str(meta.get("message") or f"the request failed ({reason or 'internal'})"))
+    if snap.state == State.CANCELLED:
+        return Cancelled(request_id=rid, reason=reason or "client_cancel", service="gateway")
+    history = snap.history
+    where = history[-1].get("from", "") if history else ""
+    return TimedOut(request_id=rid, where=where, service="gateway")
+
