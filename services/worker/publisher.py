@@ -108,7 +108,8 @@ class StepPublisher:
         found: dict[str, object] = {}
         for group in self._by_slot(rids):
             keys = [self.names.layer(rid, "exec") for rid in group]
-            found.update(zip(group, client.eval(_ATTEMPTS_LUA, len(keys), *keys)))
+            # execute_command, not eval(): a cluster pipeline refuses eval(), but runs a command while WATCHing
+            found.update(zip(group, client.execute_command("EVAL", _ATTEMPTS_LUA, len(keys), *keys)))
         return {rid for rid, at in found.items() if at is None or int(at) != active[rid].attempt}
 
     def _by_slot(self, rids: list[str]) -> list[list[str]]:
