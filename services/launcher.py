@@ -55,6 +55,10 @@ class Launcher:
         url = self.args.redis_url or self._start_redis()
         resolve_model_dir(self.settings.model, self.settings.cache_dir)  # convert once, before the children start
         base = child_environment(CONVEYOR_REDIS_URL=url)
+        if getattr(self.args, "redis_cluster", False):
+            base["CONVEYOR_REDIS_CLUSTER"] = "true"
+        elif self.redis is not None:  # the Redis started here is a single one, whatever the environment says
+            base["CONVEYOR_REDIS_CLUSTER"] = "false"
         names = ["tokenizer", "scheduler"] + [f"worker#{i}" for i in range(self.args.workers)] + ["gateway"]
         for name in names:
             env = dict(base)

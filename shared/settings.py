@@ -26,6 +26,11 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the streams and contexts")
+    redis_cluster: bool = Field(False, description="the Redis at redis_url is one node of a Redis Cluster; every "
+                                "service uses redis-py's cluster clients, which discover the other nodes from it")
+    redis_partitions: int = Field(0, ge=0, le=1024, description="streams and indexes are split into this many "
+                                  "partitions, each on its own hash slot; 0 = auto: 1 on a single Redis, 16 on a "
+                                  "cluster")
     namespace: str = Field("conveyor", description="prefix of every stream and key; tests use a fresh one")
     model: str = Field("", description="local HF model folder or .gguf file; empty = bundled SmolLM2-135M GGUF")
     model_name: str = Field("", description="name reported to clients; empty = derived from the model path")
@@ -63,6 +68,11 @@ class CommonSettings(BaseSettings):
 
         partitions = self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
         return Names(self.namespace, partitions, self.redis_cluster)
+
+    @property
+    def partitions(self) -> int:
+        """redis_partitions, with 0 (auto) resolved: 1 on a single Redis, 16 on a cluster."""
+        return self.redis_partitions or (16 if self.redis_cluster else 1)
 
 
 class GatewaySettings(CommonSettings):

@@ -30,6 +30,22 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture
+def redis_cluster(tmp_path):
+    """A Redis Cluster of this test's own: 3 masters with a replica each (tests/redis_cluster.py; ~2 s to create).
+    Skipped, saying why, where no redis-server or redis-cli can be found."""
+    from shared.errors import FatalError
+    from tests.redis_cluster import LocalRedisCluster
+
+    try:
+        LocalRedisCluster.binaries()
+    except FatalError as e:
+        pytest.skip(f"no Redis Cluster for this test: {e}")
+    cluster = LocalRedisCluster(tmp_path / "redis-cluster").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
 def redis_client(redis_server):
     import redis
 
