@@ -56,23 +56,19 @@ class CommonSettings(BaseSettings):
     # Common: the worker's KV blocks, and the tokenizer's block hashes the scheduler matches against them.
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block (workers) and per "
                             "block hash attached to a request (tokenizer): the same value everywhere")
-    redis_cluster: bool = Field(False, description="the Redis at redis_url is one node of a Redis Cluster: every "
-                                "service uses redis-py's cluster clients, which discover the other nodes from it")
-    redis_partitions: int = Field(0, ge=0, le=1024, description="streams and indexes are split into this many "
-                                  "partitions, each on a hash slot of its own; 0 = 1 on a single Redis, 16 on a "
-                                  "cluster. Every service of a deployment must use the same value")
 
     def names(self):
         """The deployment's stream and key names (shared.constants.Names)."""
-        from shared.constants import CLUSTER_PARTITIONS, Names
+        from shared.constants import Names
 
-        partitions = self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
-        return Names(self.namespace, partitions, self.redis_cluster)
+        return Names(self.namespace, self.partitions, self.redis_cluster)
 
     @property
     def partitions(self) -> int:
         """redis_partitions, with 0 (auto) resolved: 1 on a single Redis, 16 on a cluster."""
-        return self.redis_partitions or (16 if self.redis_cluster else 1)
+        from shared.constants import CLUSTER_PARTITIONS
+
+        return self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
 
 
 class GatewaySettings(CommonSettings):
