@@ -145,7 +145,7 @@ def test_killing_a_master_mid_stream_loses_no_request_and_no_token(tmp_path_fact
         plain = RedisCluster.from_url(rc.url)
         gateway = next(iter(read_live(plain, names, "gateway")))
         victim = rc.master_for_key(names.reply_stream(gateway))
-        bodies = [{**b, "max_tokens": 64, "temperature": 0, "ignore_eos": True} for b in PROMPTS]
+        bodies = [{**b, "max_tokens": 64, "temperature": 0} for b in PROMPTS]
         started = [threading.Event() for _ in bodies]
         box: dict = {}
 
@@ -163,7 +163,7 @@ def test_killing_a_master_mid_stream_loses_no_request_and_no_token(tmp_path_fact
         for body, out in zip(bodies, box["out"]):
             assert not isinstance(out, BaseException), out
             assert out["token_ids"] == _expected(hf_reference, body, 64), body
-            assert out["last"].get("finish_reason") == "length", out["last"]
+            assert out["last"].get("finish_reason") in ("stop", "length"), out["last"]
             snap = httpx.get(f"{c.url}/v1/requests/{out['request_id']}", timeout=30).json()
             assert snap["state"] == "FINISHED", snap["history"]
     finally:
