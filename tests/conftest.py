@@ -101,6 +101,15 @@ def cluster(tmp_path_factory, model_dir):
     Tests that kill or stop processes start a cluster of their own."""
     from tests.cluster import Cluster
 
+    if os.environ.get("CONVEYOR_TEST_REDIS_CLUSTER") == "1":  # the same tests on a Redis Cluster (issue 16)
+        from tests.redis_cluster import LocalRedisCluster
+
+        rc = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+        c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR, redis_url=rc.url, redis_cluster=True).start()
+        yield c
+        c.stop()
+        rc.stop()
+        return
     c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR).start()
     yield c
     c.stop()

@@ -136,36 +136,33 @@ def test_listing_metrics_and_cancel_read_every_partition(on_cluster):
     assert gauges == ["conveyor:num_requests_waiting 0.0"]  # the sum of every partition's waiting set
 
 
-def test_killing_a_master_mid_stream_loses_no_request_and_no_token(tmp_path_factory, model_dir, hf_reference):
+def test_killing_a_master_mid_stream_loses_no_request_and_no_token(on_cluster, hf_reference):
     """SIGKILL of the master holding the gateway's reply stream while six greedy streams run: its replica is
-    promoted, and every stream completes with exactly transformers' tokens (none missing, none repeated)."""
-    rc, c = _start(tmp_path_factory, "failover")
-    try:
-        names = _names(c)
-        plain = RedisCluster.from_url(rc.url)
-        gateway = next(iter(read_live(plain, names, "gateway")))
-        victim = rc.master_for_key(names.reply_stream(gateway))
-        bodies = [{**b, "max_tokens": 64, "temperature": 0} for b in PROMPTS]
-        started = [threading.Event() for _ in bodies]
-        box: dict = {}
+    promoted, and every stream completes with exactly transformers' tokens (none missing, none repeated).
+    Last in this module: the cluster it leaves has one master less on the spare replica, healthy again."""
+    rc, c = on_cluster
+    names = _names(c)
+    plain = RedisCluster.from_url(rc.url)
+    gateway = next(iter(read_live(plain, names, "gateway")))
+    victim = rc.master_for_key(names.reply_stream(gateway))
+    bodies = [{**b, "max_tokens": 64, "temperature": 0} for b in PROMPTS]
+    started = [threading.Event() for _ in bodies]
+    box: dict = {}
 
-        async def run():
-            async with httpx.AsyncClient(base_url=c.url, timeout=240) as client:
-                box["out"] = await asyncio.gather(*[_stream(client, b, e) for b, e in zip(bodies, started)],
-                                                  return_exceptions=True)
-        t = threading.Thread(target=lambda: asyncio.run(run()))
-        t.start()
-        wait_for(lambda: all(e.is_set() for e in started), 180, what="every stream's first token")
-        rc.kill(victim)
-        rc.wait_promoted(victim, timeout=60)
-        t.join(timeout=240)
-        assert not t.is_alive(), "a stream never ended"
-        for body, out in zip(bodies, box["out"]):
-            assert not isinstance(out, BaseException), out
-            assert out["token_ids"] == _expected(hf_reference, body, 64), body
-            assert out["last"].get("finish_reason") in ("stop", "length"), out["last"]
-            snap = httpx.get(f"{c.url}/v1/requests/{out['request_id']}", timeout=30).json()
-            assert snap["state"] == "FINISHED", snap["history"]
-    finally:
-        c.stop()
-        rc.stop()
+    async def run():
+        async with httpx.AsyncClient(base_url=c.url, timeout=240) as client:
+            box["out"] = await asyncio.gather(*[_stream(client, b, e) for b, e in zip(bodies, started)],
+                                              return_exceptions=True)
+    t = threading.Thread(target=lambda: asyncio.run(run()))
+    t.start()
+    wait_for(lambda: all(e.is_set() for e in started), 180, what="every stream's first token")
+    rc.kill(victim)
+    rc.wait_promoted(victim, timeout=60)
+    t.join(timeout=240)
+    assert not t.is_alive(), "a stream never ended"
+    for body, out in zip(bodies, box["out"]):
+        assert not isinstance(out, BaseException), out
+        assert out["token_ids"] == _expected(hf_reference, body, 64), body
+        assert out["last"].get("finish_reason") in ("stop", "length"), out["last"]
+        snap = httpx.get(f"{c.url}/v1/requests/{out['request_id']}", timeout=30).json()
+        assert snap["state"] == "FINISHED", snap["history"]
