@@ -11,8 +11,11 @@ import uuid
 from pathlib import Path
 
 import httpx
+import redis
 
+from shared.constants import Names
 from shared.redis_server import RedisServer, die_with_parent, free_port
+from shared.settings import CommonSettings
 
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
@@ -47,6 +50,20 @@ class Cluster:
                     **(env or {})}
         self.workers = workers
         self.procs: dict[str, subprocess.Popen] = {}
+        self.redis_cluster = redis_cluster
+
+    @property
+    def names(self) -> Names:
+        """The services' names (their partitions, on a Redis Cluster)."""
+        return CommonSettings(namespace=self.ns, redis_cluster=self.redis_cluster).names()
+
+    def client(self):
+        """A client of the cluster's Redis for a test's own checks (redis-py's cluster client on a Redis Cluster)."""
+        if self.redis_cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(self.redis.url)
+        return redis.Redis.from_url(self.redis.url)
 
     @property
     def url(self) -> str:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import httpx
-import redis
 
-from shared.constants import Names
 from shared.liveness import read_live
 from shared.model_files import DEFAULT_MODEL_NAME
 
@@ -39,7 +37,6 @@ def snapshot(url: str, rid: str, headers: dict | None = None) -> dict:
 def worker_idle(cluster) -> bool:
     """Every worker holds no request and no KV block is referenced by one (the engine counts evictable
     cached blocks as free)."""
-    r = redis.Redis.from_url(cluster.redis.url)
-    infos = list(read_live(r, Names(cluster.ns), "worker").values())
+    infos = list(read_live(cluster.client(), cluster.names, "worker").values())
     return bool(infos) and all(i["held"] == 0 and i["running"] == 0 and i["free_blocks"] == i["total_blocks"]
                                for i in infos)
