@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 
 import httpx
@@ -15,7 +17,9 @@ import pytest
 from redis.cluster import RedisCluster
 
 from shared.constants import CLUSTER_PARTITIONS, Names
+from shared.context_store import ContextStore
 from shared.errors import FatalError
+from shared.lifecycle import Lifecycle, State
 from shared.liveness import read_live
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
@@ -134,6 +138,42 @@ def test_listing_metrics_and_cancel_read_every_partition(on_cluster):
     gauges = [line for line in httpx.get(f"{c.url}/metrics", timeout=30).text.splitlines()
               if line.startswith("conveyor:num_requests_waiting ")]
     assert gauges == ["conveyor:num_requests_waiting 0.0"]  # the sum of every partition's waiting set
+
+
+def test_tokens_and_ending_a_dead_worker_never_published_reach_the_client_from_the_context(on_cluster):
+    """On a cluster a worker commits a partition's tokens and transitions, then publishes to the reply stream.
+    Dying in between (acted here: the worker frozen, its last step written by the test, then killed) leaves the
+    client's stream silent: the gateway reads the tokens from the list and builds the ending from the context."""
+    _rc, c = on_cluster
+    r, names = c.client(), _names(c)
+    started, box = threading.Event(), {}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=c.url, timeout=120) as client:
+            box["out"] = await _stream(client, {"prompt": "Tell a long story.", "max_tokens": 500,
+                                                "ignore_eos": True}, started)
+    t = threading.Thread(target=lambda: asyncio.run(run()))
+    t.start()
+    wait_for(started.is_set, 120, what="the first token")
+    worker = c.procs["worker0"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        rid = httpx.get(f"{c.url}/v1/requests", params={"state": "DECODING"}, timeout=30).json()["data"][0]["request_id"]
+        attempt = int(json.loads(r.hget(names.layer(rid, "exec"), "attempt")))
+        r.rpush(names.tokens(rid), 7, 8, 9)  # the step the worker committed before it died
+        tokens = [int(x) for x in r.lrange(names.tokens(rid), 0, -1)]
+        ContextStore(r, names, 60).update(r, rid, "output", {"token_ids": tokens, "finish_reason": "length",
+                                                             "output_tokens": len(tokens)})
+        assert Lifecycle(r, names, "worker", 60).transition(rid, State.FINISHED, "length", fence=attempt).applied
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+    t.join(timeout=60)
+    c.start_service("worker0")  # the next tests' worker
+    assert not t.is_alive(), "the stream never ended"
+    assert box["out"]["token_ids"] == tokens
+    assert box["out"]["last"].get("finish_reason") == "length", box["out"]["last"]
+    wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 200, 120, what="a worker again")
 
 
 def test_killing_a_master_mid_stream_loses_no_request_and_no_token(on_cluster, hf_reference):
