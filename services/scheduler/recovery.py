@@ -19,6 +19,7 @@ import msgspec
 
 from shared.bus import entry_key
 from shared.events import CancelRequested, Preprocessed, Scheduled
+from shared.lifecycle import State
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +113,16 @@ def zombie_cancels(lost: list[Assignment]) -> list[tuple[str, CancelRequested]]:
     """Cancels to leave on a lost worker's stream, should it wake up."""
     return [(a.worker_id, CancelRequested(request_id=a.scheduled.request_id, reason="worker_lost",
                                           worker_id=a.worker_id)) for a in lost]
+
+
+def requeue_undelivered(svc, over: list[Assignment]) -> None:
+    """Placements a worker read past and does not hold are normally over. One still SCHEDULED never reached the
+    worker: on a Redis Cluster its event goes to the inbox after the transition, and a failover can lose a write
+    Redis had acknowledged. It is queued again (fenced: only from SCHEDULED, at its attempt)."""
+    pipe = svc.r.pipeline(transaction=False)
+    for a in over:
+        pipe.hget(svc.names.layer(a.scheduled.request_id, "meta"), "state")
+    for a, state in zip(over, pipe.execute()):
+        if state == State.SCHEDULED.value.encode():
+            logger.warning("%s never reached worker %s: queueing it again", a.scheduled.request_id, a.worker_id)
+            svc.requeue(a.scheduled, a.scheduled.output_token_ids, "lost_in_transit", only_from=(State.SCHEDULED,))

@@ -14,7 +14,7 @@ import time
 import msgspec
 
 from services.scheduler.recovery import (Assignments, GatewayWatch, decode_queued, encode_queued,
-                                         gateway_of, zombie_cancels)
+                                         gateway_of, requeue_undelivered, zombie_cancels)
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch
 from services.scheduler.routing import READ_COUNT, Router
@@ -293,25 +293,12 @@ class SchedulerService:
         view = self.workers.get(hb.worker_id)
         over = self.assignments.settle_with_heartbeat(hb.worker_id, hb.request_ids, hb.last_read_id)
         if over and self.names.cluster:  # on a single Redis a placement and its event are one atomic step
-            self.requeue_undelivered(over)
+            requeue_undelivered(self, over)
         if view is None or view.hb is None:
             logger.info("worker %s joined (%d blocks, %d seqs)", hb.worker_id, hb.total_blocks, hb.max_num_seqs)
             self.workers[hb.worker_id] = WorkerView(hb.worker_id, hb, time.monotonic())
         else:
             view.observe(hb)
-
-    def requeue_undelivered(self, over: list) -> None:
-        """Placements a worker read past and does not hold are normally over. One still SCHEDULED never reached
-        the worker: on a Redis Cluster its event goes to the inbox after the transition, and a failover can lose
-        a write Redis had acknowledged. It is queued again (fenced: only from SCHEDULED, at its attempt)."""
-        pipe = self.r.pipeline(transaction=False)
-        for a in over:
-            pipe.hget(self.names.layer(a.scheduled.request_id, "meta"), "state")
-        for a, state in zip(over, pipe.execute()):
-            if state == State.SCHEDULED.value.encode():
-                logger.warning("%s never reached worker %s: queueing it again", a.scheduled.request_id, a.worker_id)
-                self.requeue(a.scheduled, a.scheduled.output_token_ids, "lost_in_transit",
-                             only_from=(State.SCHEDULED,))
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         """A poison entry: fail its request (if it names one) so its client gets an answer."""
