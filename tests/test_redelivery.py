@@ -158,6 +158,20 @@ def test_a_worker_that_lost_its_request_writes_no_token_for_it(redis_server, red
     assert state(redis_client, names, ev.request_id) == "SCHEDULED"
 
 
+def test_a_step_published_again_appends_its_tokens_once(redis_server, redis_client, names):
+    """A step's publish retried after part of it committed (a Redis Cluster failover in its middle) finds its
+    tokens in the list already: they are appended at their index, never twice."""
+    s = scheduler(redis_server, names)
+    ev = placed(redis_server, names, s)
+    pub = StepPublisher(redis_client, names, WORKER, Lifecycle(redis_client, names, "worker", 60),
+                        ContextStore(redis_client, names, 60), 60)
+    step = StepResult(outputs=[RequestOutput(ev.request_id, [42, 43], 0)], transitions=[(ev.request_id, "PREFILLING")])
+    for _ in range(2):  # the same step, as a retry sends it (the worker's record is extended only after success)
+        active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
+        assert pub.publish(1, step, active, lambda rid: None) == set()
+    assert redis_client.lrange(names.tokens(ev.request_id), 0, -1) == [b"42", b"43"]
+
+
 @pytest.mark.parametrize("to", [State.TIMED_OUT, State.PREFILLING])
 def test_a_stale_attempt_cannot_move_the_request(redis_server, redis_client, names, to):
     s = scheduler(redis_server, names)
