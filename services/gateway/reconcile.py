@@ -14,8 +14,11 @@ Anything delivered twice is harmless: deltas carry their index, and an ending af
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+
+import redis
 
 from shared.events import Cancelled, Completed, Failed, TimedOut, TokenDelta
 from shared.lifecycle import State
@@ -24,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SILENT_S = 5.0  # a request without any event this long is checked against the context store
 MAX_PER_PASS = 256  # requests checked a heartbeat at most (the longest silent first)
+FILL_TRIES = 10  # reads of a gap's tokens while Redis fails, before going on without them (~10 s)
 
 
 async def fill_gap(core, h) -> None:
@@ -31,15 +35,28 @@ async def fill_gap(core, h) -> None:
     try:
         while h.held:
             start, end = h.expected, h.held[0].index
-            raw = await core.r.lrange(core.names.tokens(h.request_id), start, end - 1) if end > start else []
-            if len(raw) < end - start:  # not there (yet): a later pass of repair_silent tries again
-                logger.warning("request %s: tokens %d..%d missing from its list", h.request_id, start, end)
-                return
-            logger.warning("request %s: %d tokens read from its list (their events never came)", h.request_id,
-                           len(raw))
+            raw = await _read_tokens(core, h.request_id, start, end)
+            if len(raw) < end - start:  # lost from the list too (a failover): go on without them, never hang
+                logger.error("request %s: tokens %d..%d missing from its list too", h.request_id, start, end)
+                h.expected = end
+            else:
+                logger.warning("request %s: %d tokens read from its list (their events never came)",
+                               h.request_id, len(raw))
             h.release(TokenDelta(h.request_id, start, tuple(int(t) for t in raw)))
     finally:
         h.filling = False
+
+
+async def _read_tokens(core, rid: str, start: int, end: int) -> list:
+    """Tokens start..end-1 of the request's list; what could be read after FILL_TRIES tries while Redis fails (an
+    empty list: the caller goes on without them rather than hold the request's output for ever)."""
+    for attempt in range(FILL_TRIES):
+        try:
+            return await core.r.lrange(core.names.tokens(rid), start, end - 1) if end > start else []
+        except redis.RedisError as e:
+            logger.warning("request %s: reading its tokens failed (%r); retrying", rid, e)
+            await asyncio.sleep(0.1 * 2 ** min(attempt, 4))
+    return []
 
 
 async def repair_silent(core) -> None:
