@@ -110,3 +110,28 @@ def test_replies_reach_their_requests_while_requests_hold_every_pooled_connectio
             await core.stop()
 
     asyncio.run(run())
+
+
+def test_tokens_after_a_gap_wait_for_the_missing_ones_read_from_the_tokens_list(redis_server, redis_client, names):
+    """A delta whose tokens before it never came (on a Redis Cluster, a worker that died between its transaction
+    and its reply events) is held; the missing tokens are read from the request's list, then it goes on."""
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        await core.start()
+        handle = RequestHandle("r1", core.reply_to, None, time.time() + 60, time.perf_counter())
+        core.handles["r1"] = handle
+        redis_client.rpush(names.tokens("r1"), 40, 41, 42, 43)
+        try:
+            for delta in (TokenDelta("r1", 0, (40,)), TokenDelta("r1", 3, (43,))):  # 41 and 42 never sent
+                ev = TokenGenerated(worker_id="w", step=1, items=(delta,))
+                redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})
+            got = []
+            async with asyncio.timeout(10):
+                while len(got) < 4:
+                    delta = await handle.queue.get()
+                    got += list(delta.token_ids)
+            assert got == [40, 41, 42, 43]
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
