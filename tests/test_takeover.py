@@ -12,6 +12,7 @@ import pytest
 
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 
@@ -33,7 +34,7 @@ def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
 def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir, replica):
-    c = Cluster(tmp_path, CACHE_DIR).start()
+    c = Cluster(tmp_path, CACHE_DIR, env=SIM).start()  # the takeover is the subject: simulated workers
     try:
         victim = c.procs["tokenizer"]
         stream = f"{c.ns}:stream:received"
