@@ -1,9 +1,9 @@
 """The control plane over simulated workers: every process is the real one (gateway, tokenizer,
-scheduler, Redis) except that the workers run CONVEYOR_ENGINE=sim. Existing lifecycle, cancel and timeout
-tests that do not depend on the model's numbers are collected here again, against the simulator (their
+scheduler, Redis) except that the workers run CONVEYOR_ENGINE=sim. Existing pipeline and cancel tests
+that do not depend on the model's numbers are collected here again, against the simulator (their
 fixtures are this module's); what they compare tokens with is what the simulator emits for the prompt
-(`hf_reference` below). The fault, shutdown and takeover tests run on simulated workers in their own
-modules (tests/test_faults.py, test_shutdown.py, test_takeover.py)."""
+(`hf_reference` below). The request-path, fault, shutdown and takeover tests run on simulated workers in
+their own modules (tests/test_request_paths.py, test_faults.py, test_shutdown.py, test_takeover.py)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,6 @@ from tests.test_cancel import (  # noqa: F401
 from tests.test_pipeline import (  # noqa: F401
     test_request_status_shows_state_history_and_all_layers, test_response_carries_usage_and_metrics,
     test_sixteen_concurrent_streams_finish_and_match_non_stream_text)
-from tests.test_request_paths import (  # noqa: F401
-    single, test_adaptive_deadline_counts_the_work_queued_ahead,
-    test_cancel_before_tokenizer_wins_and_request_never_starts, test_cancel_while_prefilling_frees_blocks,
-    test_cancel_while_queued_never_starts, test_request_without_timeout_gets_an_adaptive_deadline,
-    test_timeout_in_queue, test_timeout_while_decoding_returns_partial_and_frees_blocks,
-    test_two_cancels_at_once_settle_once)
 
 
 @pytest.fixture(scope="module", autouse=True)
