@@ -60,7 +60,7 @@ def test_conveyor_up_serves_then_stops_every_child_on_sigterm(tmp_path):
 
 
 def test_conveyor_up_restarts_a_killed_worker_and_tokenizer_and_serves_again(tmp_path):
-    with conveyor_up(tmp_path) as (proc, url):
+    with conveyor_up(tmp_path, "--engine", "sim") as (proc, url):  # the launcher is the subject: no model to load
         killed = {name: service_pid(proc, name) for name in ("worker", "tokenizer")}
         assert all(killed.values()), killed
         for pid in killed.values():

@@ -2,7 +2,9 @@
 
 Each test runs real processes on a Redis of its own and asserts that every client got exactly one
 final answer, that greedy outputs equal a run with no fault, and that surviving workers hold no
-KV block at the end.
+KV block at the end. The faults are the control plane's business: the workers run the simulated engine
+(CONVEYOR_ENGINE=sim, deterministic tokens per prompt) except in the worker-killed test, which checks that a
+moved request's greedy output with the real model equals transformers' uninterrupted run.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from shared.liveness import read_live
 from shared.redis_server import RedisServer
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.sim_reference import SIM, sim_greedy
 from tests.waiting import wait_for
 
 FAST = {"CONVEYOR_LIVENESS_TTL_S": "3", "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5", "CONVEYOR_CLAIM_IDLE_MS": "1000"}
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(12)]
 MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def sim_reference(model_dir):
+    return sim_greedy(model_dir)
 
 
 def _live_workers(c: Cluster) -> dict[str, dict]:
@@ -137,16 +145,16 @@ def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_r
         assert snap["exec"]["attempt"] == 2
 
 
-def test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost(tmp_path, model_dir, hf_reference):
-    with _two_workers_fault_on_worker0(tmp_path, hf_reference, lambda p: p.send_signal(signal.SIGTERM),
-                                       {**FAST, "CONVEYOR_DRAIN_TIMEOUT_S": "0.5"}) as (c, victim, rids):
+def test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost(tmp_path, sim_reference):
+    with _two_workers_fault_on_worker0(tmp_path, sim_reference, lambda p: p.send_signal(signal.SIGTERM),
+                                       {**FAST, **SIM, "CONVEYOR_DRAIN_TIMEOUT_S": "0.5"}) as (c, victim, rids):
         assert victim.wait(30) == 0, c.logs("worker0")
         assert _moved(c, rids, "shutdown"), "no request was handed back by the stopping worker"
 
 
-def test_hung_worker_is_treated_as_dead(tmp_path, model_dir, hf_reference):
-    expected = _expected(hf_reference)
-    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=FAST).start()
+def test_hung_worker_is_treated_as_dead(tmp_path, sim_reference):
+    expected = _expected(sim_reference)
+    c = Cluster(tmp_path, CACHE_DIR, workers=2, env={**FAST, **SIM}).start()
     try:
         wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
         victim = c.procs["worker0"]
@@ -160,7 +168,8 @@ def test_hung_worker_is_treated_as_dead(tmp_path, model_dir, hf_reference):
 
 @pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
 def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, replica):
-    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"}).start()
+    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"}
+                ).start()
     try:
         if replica:
             c.start_service("scheduler2")
@@ -180,7 +189,7 @@ def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, r
 
 
 def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_path, model_dir):
-    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"})
+    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"})
     c.redis = RedisServer(tmp_path / "redis", appendonly=True)
     c.start()
     try:
@@ -202,7 +211,7 @@ def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_pat
 
 
 def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed(tmp_path, model_dir):
-    c = Cluster(tmp_path, CACHE_DIR, env=FAST).start()
+    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM}).start()
     try:
         other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
         c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})

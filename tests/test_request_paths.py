@@ -1,7 +1,8 @@
 """Every path of a request's life, on a cluster with one single-slot worker (so requests queue).
 
 Each test asserts the final state, the client's answer, the history, and that the worker holds
-no KV block afterwards.
+no KV block afterwards. The paths are the control plane's: the worker runs the simulated engine
+(CONVEYOR_ENGINE=sim), whose steps report modelled costs as the real engine's report measured ones.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from shared.constants import Names
 from shared.liveness import read_live
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
@@ -27,7 +29,7 @@ LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 3000, "temperat
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, model_dir):
-    c = Cluster(tmp_path_factory.mktemp("single"), CACHE_DIR, env={
+    c = Cluster(tmp_path_factory.mktemp("single"), CACHE_DIR, env={**SIM,
         "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0", "CONVEYOR_MAX_NUM_BATCHED_TOKENS": "32"}).start()
     yield c
     c.stop()

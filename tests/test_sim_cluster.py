@@ -1,8 +1,9 @@
 """The control plane over simulated workers: every process is the real one (gateway, tokenizer,
-scheduler, Redis) except that the workers run CONVEYOR_ENGINE=sim. Existing lifecycle, cancel, timeout
-and fault tests that do not depend on the model's numbers are collected here again, against the
-simulator (their fixtures are this module's); what they compare tokens with is what the simulator
-emits for the prompt (`hf_reference` below)."""
+scheduler, Redis) except that the workers run CONVEYOR_ENGINE=sim. Existing pipeline and cancel tests
+that do not depend on the model's numbers are collected here again, against the simulator (their
+fixtures are this module's); what they compare tokens with is what the simulator emits for the prompt
+(`hf_reference` below). The request-path, fault, shutdown and takeover tests run on simulated workers in
+their own modules (tests/test_request_paths.py, test_faults.py, test_shutdown.py, test_takeover.py)."""
 
 from __future__ import annotations
 
@@ -13,33 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.worker.engine.sim_model import load_vocab, sequence_key
-from shared.tokenization import load_tokenizer
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.openai_fixtures import MODEL
+from tests.sim_reference import sim_greedy
 
 # The existing tests collected again here, against simulated workers (noqa: imported to be collected).
 from tests.test_cancel import (  # noqa: F401
     test_client_disconnect_mid_stream_cancels_request, test_client_disconnect_mid_stream_releases_the_gateway_handle,
     test_delete_while_decoding_cancels_and_frees_blocks)
-from tests.test_faults import (  # noqa: F401
-    test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed,
-    test_hung_worker_is_treated_as_dead,
-    test_redis_restart_with_append_only_file_finishes_queued_and_running,
-    test_scheduler_killed_with_queued_requests_loses_none, test_worker_killed_mid_generation_loses_no_request,
-    test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost)
 from tests.test_pipeline import (  # noqa: F401
     test_request_status_shows_state_history_and_all_layers, test_response_carries_usage_and_metrics,
     test_sixteen_concurrent_streams_finish_and_match_non_stream_text)
-from tests.test_request_paths import (  # noqa: F401
-    single, test_adaptive_deadline_counts_the_work_queued_ahead,
-    test_cancel_before_tokenizer_wins_and_request_never_starts, test_cancel_while_prefilling_frees_blocks,
-    test_cancel_while_queued_never_starts, test_request_without_timeout_gets_an_adaptive_deadline,
-    test_timeout_in_queue, test_timeout_while_decoding_returns_partial_and_frees_blocks,
-    test_two_cancels_at_once_settle_once)
-from tests.test_shutdown import test_gateway_sigterm_with_requests_in_flight  # noqa: F401
-from tests.test_takeover import test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once  # noqa: F401
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,15 +48,7 @@ def cluster(tmp_path_factory, sim_workers):
 @pytest.fixture(scope="module")
 def hf_reference(model_dir: Path):
     """Stands in for the model's greedy reference: the tokens the simulator emits for a prompt (greedy, no EOS)."""
-    vocab, tok = load_vocab(model_dir), load_tokenizer(model_dir)
-
-    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
-        key = sequence_key(ids, 0)
-        return [vocab.next_token(key, i, vocab.eos_token_ids, True, 0.0) for i in range(max_new_tokens)]
-
-    generate.prompt_ids = lambda prompt: tok.encode(prompt)
-    generate.tokenizer = tok
-    return generate
+    return sim_greedy(model_dir)
 
 
 def test_sim_worker_loads_neither_torch_nor_the_weights(cluster):

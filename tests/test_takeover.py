@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from shared.constants import Names
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 
@@ -34,7 +34,7 @@ def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
 def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp_path, model_dir, replica):
-    c = Cluster(tmp_path, CACHE_DIR).start()
+    c = Cluster(tmp_path, CACHE_DIR, env=SIM).start()  # the takeover is the subject: simulated workers
     try:
         victim = c.procs["tokenizer"]
         stream = Names(c.ns).received_stream(0)
@@ -45,9 +45,12 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(tmp
                 r=httpx.post(f"{c.url}/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
                              timeout=120)))
             t.start()
-            time.sleep(0.5)
-            if any(n > 0 for name, n in _pending_for(c, stream, "tokenizer").items() if f"-{victim.pid}-" in name):
+            try:  # the entry is delivered to the frozen reader as soon as the gateway adds it
+                wait_for(lambda: any(n > 0 for name, n in _pending_for(c, stream, "tokenizer").items()
+                                     if f"-{victim.pid}-" in name), 1.0, what="the entry pending for the victim")
                 break
+            except TimeoutError:
+                pass
             os.kill(victim.pid, signal.SIGCONT)  # it was between two reads; try again
             t.join()
         else:
