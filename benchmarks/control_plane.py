@@ -123,28 +123,32 @@ def level_figures(n: int, recs, t0: float, t1: float, before: dict, after: dict,
             "cpu_s": cpu, "cpu_s_per_1k_tokens": {k: v / tokens * 1000 for k, v in cpu.items()},
             "redis_commands": sum(cmds.values()), "redis_commands_per_token": sum(cmds.values()) / tokens,
             "redis_top_commands": sorted(cmds.items(), key=lambda kv: -kv[1])[:10],
+            "redis_nodes": m.node_figures(before, after, tokens),
             "redis_after": after["redis"], "rss_after": after["rss"], "peak": sampler.peak(t0, t1),
             "health": {"probes": len(health), "failed": len(health) - len(lat), "p50": percentile(lat, 50),
                        "p99": percentile(lat, 99), "max": max(lat, default=None)}}
 
 
-def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str], out: Path, run_id: str) -> list:
-    redis_url = cluster.find_redis_url()
-    sampler = m.Sampler(cluster, redis_url)
+def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str], out: Path, run_id: str,
+               target: m.RedisTarget | None = None) -> list:
+    """Every level of args.levels on this cluster, one after the other; target: the Redis it runs on (default:
+    the one redis-server `conveyor up` started or was given)."""
+    target = target or m.RedisTarget.single(cluster.find_redis_url())
+    sampler = m.Sampler(cluster, target)
     probe = m.HealthProbe("127.0.0.1", cluster.port, out / f"control_plane-{run_id}-health.jsonl", args.probe_s)
     results = []
     try:
         for n in args.levels:
-            before = m.snapshot(cluster, redis_url)
+            before = m.snapshot(cluster, target)
             recs, t0, t1 = asyncio.run(run_clients(n, cluster.port, args, texts))
             time.sleep(args.settle)  # let the services finish the level's last writes before the CPU snapshot
-            after = m.snapshot(cluster, redis_url)
+            after = m.snapshot(cluster, target)
             fig = level_figures(n, recs, t0, t1, before, after, (sampler, probe, args.steps_dir), args, expected)
             results.append(fig)
             print_level(fig)
         time.sleep(args.idle)
         results.append({"idle_after_s": args.idle, "rss": m.rss_by_service(cluster),
-                        "redis": m.redis_memory(redis_url)})
+                        "redis": target.memory()})
     finally:
         probe.stop()
         sampler.stop()
@@ -164,6 +168,10 @@ def print_level(f: dict) -> None:
     print(f"  CPU s per 1k tokens: {cpu}")
     print(f"  Redis: {f['redis_commands_per_token']:.2f} commands/token (top {f['redis_top_commands'][:5]}), "
           f"used_memory {f['redis_after']['used_memory'] / 2**20:.1f} MiB, keys {f['redis_after']['keys']}")
+    for label, n in f["redis_nodes"].items():
+        share = "" if n["share"] is None else f" ({n['share']:.0%} of the masters')"
+        print(f"    {label} ({n['role']}): {n['commands_per_token']:.2f} commands/token{share}, CPU "
+              f"{n['cpu_s_per_1k_tokens']:.3f} s per 1k tokens ({n['cpu_core_share']:.0%} of a core)")
     rss = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(f["rss_after"].items()))
     print(f"  RSS MiB after: {rss}")
     print(f"  most requests in each state at once: {f['peak']['max_in_state']}")

@@ -1,7 +1,7 @@
 """What benchmarks/control_plane.py measures around each level, outside the client: CPU time and RSS of every
-service's process tree (psutil), Redis INFO commandstats and memory, the simulated engine's own step times (the
-workers' step logs), and /health latency from a separate process (so the client's busy event loop is not
-measured with it)."""
+service's process tree (psutil), Redis INFO commandstats, cpu and memory (of every node, on a Redis Cluster), the
+simulated engine's own step times (the workers' step logs), and /health latency from a separate process (so the
+client's busy event loop is not measured with it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from benchmarks.common import ConveyorUp, redis_memory
+from benchmarks.common import ConveyorUp
 from services.worker.engine.sim_runner import STEP_LOG_COLUMNS
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
@@ -85,9 +85,102 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
 
-def snapshot(cluster: ConveyorUp, redis_url: str) -> dict:
-    return {"t": time.time(), "cpu": cpu_by_service(cluster), "rss": rss_by_service(cluster),
-            "commands": commandstats(redis_url), "redis": redis_memory(redis_url)}
+def node_cpu(r: redis.Redis) -> dict[str, float]:
+    """CPU seconds a redis-server used since it started (INFO cpu): its own process, and its forked children
+    (AOF rewrites, full syncs of a replica)."""
+    info = r.info("cpu")
+    return {"cpu_s": info["used_cpu_sys"] + info["used_cpu_user"],
+            "children_cpu_s": info.get("used_cpu_sys_children", 0.0) + info.get("used_cpu_user_children", 0.0)}
+
+
+def node_role(r: redis.Redis) -> str:
+    role = r.execute_command("ROLE")[0]
+    return role.decode() if isinstance(role, bytes) else role
+
+
+class RedisTarget:
+    """The Redis a run measures: one redis-server, or every node of a Redis Cluster (labels m0.. for its masters,
+    r0.. for its replicas). Commands and memory of the whole are the masters' sums (a replica replays its master's
+    writes: counted apart, as its CPU is); names.partitions partitions hold the lifecycle's state sets."""
+
+    def __init__(self, nodes: dict[str, str], names: Names | None = None, cluster: bool = False):
+        self.nodes, self.names, self.cluster = dict(nodes), names or Names(), cluster
+        # one plain client per node, kept: the measuring adds no connection set-up commands to what it counts
+        self.clients = {label: redis.Redis.from_url(url, socket_timeout=10) for label, url in self.nodes.items()}
+        self.roles = self.current_roles()
+        self._client: redis.Redis | None = None
+
+    def current_roles(self) -> dict[str, str]:
+        return {label: node_role(c) for label, c in self.clients.items()}
+
+    def _memory(self, label: str) -> dict:
+        r = self.clients[label]
+        info = r.info("memory")
+        return {"used_memory": info["used_memory"], "used_memory_rss": info["used_memory_rss"], "keys": r.dbsize()}
+
+    @classmethod
+    def single(cls, url: str) -> "RedisTarget":
+        return cls({"redis": url})
+
+    @property
+    def masters(self) -> list[str]:
+        return [label for label in self.nodes if self.roles[label] == "master"]
+
+    def node_snapshot(self, label: str) -> dict:
+        r = self.clients[label]
+        commands = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+        return {"role": node_role(r), "commands": commands, **node_cpu(r), **self._memory(label)}
+
+    def snapshot(self) -> dict:
+        nodes = {label: self.node_snapshot(label) for label in self.nodes}
+        commands: dict[str, int] = {}
+        for label in self.masters:
+            for k, v in nodes[label]["commands"].items():
+                commands[k] = commands.get(k, 0) + v
+        return {"commands": commands, "redis": self.memory(nodes), "nodes": nodes}
+
+    def memory(self, nodes: dict | None = None) -> dict:
+        """used_memory, used_memory_rss and keys summed over the masters."""
+        per = [nodes[label] if nodes else self._memory(label) for label in self.masters]
+        return {k: sum(m[k] for m in per) for k in ("used_memory", "used_memory_rss", "keys")}
+
+    def states(self) -> dict[str, int]:
+        """Live requests per state (the lifecycle's state sets, summed over the partitions): where requests wait.
+        One client kept for the caller's thread (a cluster client learns the topology once)."""
+        if self._client is None:
+            url = next(iter(self.nodes.values()))
+            self._client = (redis.RedisCluster.from_url(url, socket_timeout=10) if self.cluster
+                            else redis.Redis.from_url(url, socket_timeout=10))
+        pipe = self._client.pipeline(transaction=False)
+        for s in LIVE_STATES:
+            for p in self.names.all_partitions:
+                pipe.zcard(self.names.state_set(p, s))
+        counts, n = pipe.execute(), self.names.partitions
+        return {s: sum(counts[i * n:(i + 1) * n]) for i, s in enumerate(LIVE_STATES)}
+
+
+def snapshot(cluster: ConveyorUp, target: RedisTarget) -> dict:
+    return {"t": time.time(), "cpu": cpu_by_service(cluster), "rss": rss_by_service(cluster), **target.snapshot()}
+
+
+def node_figures(before: dict, after: dict, tokens: int) -> dict:
+    """Per Redis node over a window: commands (and per token, and the share of the masters' total), CPU seconds
+    (per 1,000 tokens, and as a share of one core over the window), the top commands, memory after."""
+    secs = max(1e-9, after["t"] - before["t"])
+    cmds = {label: delta(after["nodes"][label]["commands"], before["nodes"][label]["commands"])
+            for label in after["nodes"]}
+    total = sum(sum(c.values()) for label, c in cmds.items() if after["nodes"][label]["role"] == "master") or 1
+    out = {}
+    for label, a in after["nodes"].items():
+        b, n = before["nodes"][label], sum(cmds[label].values())
+        cpu = a["cpu_s"] - b["cpu_s"]
+        out[label] = {"role": a["role"], "role_before": b["role"], "commands": n, "commands_per_token": n / tokens,
+                      "share": n / total if a["role"] == "master" else None, "commands_per_s": n / secs,
+                      "cpu_s": cpu, "cpu_s_per_1k_tokens": cpu / tokens * 1000, "cpu_core_share": cpu / secs,
+                      "children_cpu_s": a["children_cpu_s"] - b["children_cpu_s"],
+                      "top_commands": sorted(cmds[label].items(), key=lambda kv: -kv[1])[:10],
+                      "used_memory": a["used_memory"], "keys": a["keys"]}
+    return out
 
 
 def read_steps(folder: Path, t0: float, t1: float) -> list[dict]:
@@ -151,8 +244,8 @@ class HealthProbe:
 class Sampler:
     """RSS of every service and Redis memory every interval, in a thread (the peak within a level)."""
 
-    def __init__(self, cluster: ConveyorUp, redis_url: str, interval_s: float = 1.0):
-        self.cluster, self.redis_url, self.interval_s = cluster, redis_url, interval_s
+    def __init__(self, cluster: ConveyorUp, target: RedisTarget, interval_s: float = 1.0):
+        self.cluster, self.target, self.interval_s = cluster, target, interval_s
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
@@ -162,20 +255,9 @@ class Sampler:
         while not self._stop.wait(self.interval_s):
             try:
                 self.samples.append({"t": time.time(), "rss": rss_by_service(self.cluster),
-                                     "redis": redis_memory(self.redis_url), "states": self._states()})
+                                     "redis": self.target.memory(), "states": self.target.states()})
             except (psutil.Error, redis.RedisError):
                 continue
-
-    def _states(self) -> dict[str, int]:
-        """Live requests per state (the lifecycle's state sets): where requests wait."""
-        names, r = Names(), redis.Redis.from_url(self.redis_url, socket_timeout=10)
-        try:
-            pipe = r.pipeline(transaction=False)
-            for s in LIVE_STATES:
-                pipe.zcard(names.state_set(0, s))
-            return dict(zip(LIVE_STATES, pipe.execute()))
-        finally:
-            r.close()
 
     def stop(self) -> None:
         self._stop.set()
