@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisClusterException, WatchError
 
 import shared.redis_client as rc
+import shared.redis_cluster_client
 from shared.redis_client import async_client, is_cluster, key_slot, sync_client
 from shared.settings import CommonSettings
 
@@ -339,7 +340,7 @@ def test_registered_script_in_a_pipeline_is_loaded_again_on_a_master_that_lost_i
 
 
 def test_command_on_slots_with_no_master_left_raises_after_the_retry_deadline(redis_cluster, monkeypatch):
-    monkeypatch.setattr(rc, "CLUSTER_RETRY_S", 1.5)
+    monkeypatch.setattr(shared.redis_cluster_client, "CLUSTER_RETRY_S", 1.5)  # where the retries read it
     r = sync_client(_settings(redis_cluster))
     r.set("{d}x", 1)
     master = redis_cluster.master_for_key("{d}x")
