@@ -178,7 +178,7 @@ def node_figures(before: dict, after: dict, tokens: int) -> dict:
                       "share": n / total if a["role"] == "master" else None, "commands_per_s": n / secs,
                       "cpu_s": cpu, "cpu_s_per_1k_tokens": cpu / tokens * 1000, "cpu_core_share": cpu / secs,
                       "children_cpu_s": a["children_cpu_s"] - b["children_cpu_s"],
-                      "top_commands": sorted(cmds[label].items(), key=lambda kv: -kv[1])[:10],
+                      "top_commands": sorted(cmds[label].items(), key=lambda kv: -kv[1]),  # all, most first
                       "used_memory": a["used_memory"], "keys": a["keys"]}
     return out
 
