@@ -15,8 +15,9 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.openai_fixtures import MODEL
+from tests.sim_reference import SIM
 
-# Examples per mode, spread over every operation; valid ones that reach a worker run the model.
+# Examples per mode, spread over every operation; valid ones that reach a worker run (on the simulated engine).
 EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 50}
 SHORT_TIMEOUT_S = 10.0  # a fuzzed timeout below this may really expire on a busy test machine
 MAX_TOKENS = 2  # generated requests that pass validation are really run: keep each one short
@@ -38,7 +39,7 @@ CHECKS = [no_server_error, status_code_conformance, content_type_conformance, re
 
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory, model_dir):
-    env = {"CONVEYOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS), "CONVEYOR_DEFAULT_MAX_TOKENS": str(MAX_TOKENS)}
+    env = {**SIM, "CONVEYOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS), "CONVEYOR_DEFAULT_MAX_TOKENS": str(MAX_TOKENS)}
     c = Cluster(tmp_path_factory.mktemp("fuzz"), CACHE_DIR, env=env)
     try:
         yield c.start()

@@ -9,6 +9,7 @@ import pytest
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.openai_fixtures import MODEL, openai_client, request_id
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 KEY_A, KEY_B = "key-alpha-0123456789", "key-beta-9876543210"
@@ -34,7 +35,7 @@ class KeyedCluster(Cluster):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory, model_dir):
-    c = KeyedCluster(tmp_path_factory.mktemp("auth"), CACHE_DIR, env={"CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}"})
+    c = KeyedCluster(tmp_path_factory.mktemp("auth"), CACHE_DIR, env={**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}"})
     try:
         yield c.start()
     finally:

@@ -17,6 +17,7 @@ from shared.liveness import read_live
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.openai_fixtures import MODEL, async_openai_client
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 BOUND = 4
@@ -26,7 +27,8 @@ BLOCKER_TOKENS = 64  # keeps the only sequence slot busy while the others arrive
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, model_dir):
     """One worker that runs one sequence at a time and takes no more: everything else waits in the queue."""
-    env = {"CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0", "CONVEYOR_MAX_WAITING_REQUESTS": str(BOUND)}
+    env = {**SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0",
+           "CONVEYOR_MAX_WAITING_REQUESTS": str(BOUND)}
     c = Cluster(tmp_path_factory.mktemp("slow"), CACHE_DIR, env=env)
     try:
         yield c.start()

@@ -15,6 +15,7 @@ import redis
 from shared.redis_server import RedisServer
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
+from tests.sim_reference import SIM
 from tests.waiting import wait_for
 
 FAST = {"CONVEYOR_LIVENESS_TTL_S": "3", "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5", "CONVEYOR_CLAIM_IDLE_MS": "1000"}
@@ -23,7 +24,7 @@ RECOVERY_S = 10.0  # the issue's promise: new requests succeed within 10 s of Re
 
 @pytest.fixture(scope="module")
 def lossy(tmp_path_factory, model_dir):
-    c = Cluster(tmp_path_factory.mktemp("lossy"), CACHE_DIR, env=FAST)
+    c = Cluster(tmp_path_factory.mktemp("lossy"), CACHE_DIR, env={**FAST, **SIM})  # the data loss is the subject
     try:
         yield c.start()
     finally:
