@@ -223,6 +223,17 @@ def _write_then_wait_for_replica(pipe, node, key: str):
     pipe.execute_command("WAIT", 1, 1000, target_nodes=node)  # on the same connection as the write
 
 
+def _replicate_everything(r):
+    """Wait until each master's replica has every write made so far: replication is one ordered stream per master,
+    so a marker write acknowledged by WAIT carries all the writes before it (Redis acknowledges a write before its
+    replica has it; a test that kills a master right after writing would otherwise race the replication)."""
+    for node in r.get_primaries():
+        tag = next(t for t in (f"{{w{i}}}" for i in range(100_000)) if r.get_node_from_key(t).name == node.name)
+        pipe = r.pipeline(transaction=False)
+        _write_then_wait_for_replica(pipe, node, f"{tag}marker")
+        pipe.execute()
+
+
 def test_sync_write_after_sigkill_of_the_keys_master_succeeds_once_its_replica_is_promoted(redis_cluster):
     r, key = sync_client(_settings(redis_cluster)), "{f}events"
     pipe = r.pipeline(transaction=False)
@@ -268,6 +279,7 @@ def test_pipelines_and_scripts_sent_during_a_failover_run_each_command_once(redi
     r = sync_client(_settings(redis_cluster))
     append = r.register_script(APPEND_LUA)
     append(keys=["{a}list"], args=["loaded"])  # loaded on every master, before the kill
+    _replicate_everything(r)
     old = redis_cluster.master_for_key("{a}list")
     redis_cluster.kill(old)
     pipe = r.pipeline(transaction=False)
@@ -278,6 +290,7 @@ def test_pipelines_and_scripts_sent_during_a_failover_run_each_command_once(redi
         append(keys=["{a}list"], args=["sync"], client=pipe)
         pipe.incr("{a}n")
         assert pipe.execute() == [2, 1]
+    _replicate_everything(r)  # the second kill below must not lose these increments
 
     async def run():
         a = async_client(_settings(redis_cluster))
