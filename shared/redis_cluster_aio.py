@@ -9,10 +9,20 @@ import contextvars
 from typing import Callable
 
 import redis
+from redis._parsers import AsyncCommandsParser
 from redis.asyncio import cluster as _async_cluster
 from redis.exceptions import NoScriptError
 
-from shared.redis_cluster_client import NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, _str
+from shared.redis_cluster_client import (NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, _str,
+                                         stream_keys)
+
+class _CommandsParser(AsyncCommandsParser):
+    """Finds the keys of the bus's stream reads itself (shared.redis_cluster_client.stream_keys says why)."""
+
+    async def get_keys(self, *args):
+        keys = stream_keys(args)
+        return await super().get_keys(*args) if keys is None else keys
+
 
 _IN_FLIGHT = contextvars.ContextVar("conveyor_redis_in_flight", default=None)  # the client whose turn this task holds
 
@@ -23,6 +33,7 @@ class AsyncClusterClient(_async_cluster.RedisCluster):
 
     def __init__(self, *args, max_in_flight: int = 64, pool_timeout_s: float = 30.0, **kwargs):
         super().__init__(*args, **kwargs)
+        self.commands_parser = _CommandsParser()  # initialized by initialize(), as redis-py's own
         self._turns = asyncio.Semaphore(max_in_flight)
         self._pool_timeout_s = pool_timeout_s
         self._scripts = _Scripts()

@@ -169,6 +169,22 @@ class _Scripts:
         return [sha for sha in shas if sha in self.source and any((p, sha) not in self.loaded for p in primaries)]
 
 
+_STREAM_READS = {"XREAD": 1, "XREADGROUP": 4}  # where each one's options start (after GROUP group consumer)
+
+
+def stream_keys(args: tuple) -> list | None:
+    """The keys of an XREAD or XREADGROUP (the first half of what follows STREAMS), else None. redis-py asks a node
+    for them (COMMAND GETKEYS, a round trip) before every one: these are the bus's reads, on every loop."""
+    start = _STREAM_READS.get(_str(args[0]).upper()) if args else None
+    if start is None:
+        return None
+    for i in range(start, len(args)):
+        if _str(args[i]).upper() == "STREAMS":
+            rest = args[i + 1:]
+            return list(rest[:len(rest) // 2])
+    return None
+
+
 def _str(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
@@ -200,6 +216,10 @@ class SyncClusterClient(_sync_cluster.RedisCluster):
                 self._scripts.loaded.clear()  # a node may have restarted without them
                 time.sleep(deadline.pause(e))
 
+    def _get_command_keys(self, *args):
+        keys = stream_keys(args)
+        return _sync_cluster.RedisCluster._get_command_keys(self, *args) if keys is None else keys  # the pipeline too
+
     def register_script(self, script):
         s = super().register_script(script)
         self._scripts.source[s.sha] = s.script
@@ -230,6 +250,8 @@ class SyncClusterPipeline(_sync_cluster.ClusterPipeline):
         # redis-py re-sends a command that failed inside a pipeline on its own through this: make it retry too.
         plain = self.parent_execute_command
         self.parent_execute_command = lambda *args, **kwargs: client._retrying(plain, args, kwargs)
+
+    _get_command_keys = SyncClusterClient._get_command_keys
 
     def execute_command(self, *args, **kwargs):
         if args and _str(args[0]).upper() == "WATCH":

@@ -196,6 +196,45 @@ def test_xreadgroup_of_streams_in_two_slots_is_refused_before_sending(redis_clus
     r.close()
 
 
+def _command_calls(cluster) -> int:
+    """COMMAND calls (COMMAND GETKEYS included) served by all the cluster's nodes so far."""
+    return sum(int(n.info("commandstats").get(s, {}).get("calls", 0)) for n in cluster.nodes if n.alive
+               for s in ("cmdstat_command", "cmdstat_command|getkeys"))
+
+
+def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(redis_cluster):
+    """redis-py asks a node (COMMAND GETKEYS, a round trip) for the keys of XREAD and XREADGROUP before each one;
+    the cluster clients find them after STREAMS themselves: the bus's reads cost one round trip, not two."""
+    r, streams = sync_client(_settings(redis_cluster)), {"{x}a": ">", "{x}b": ">"}
+    for s in streams:
+        r.xgroup_create(s, "g", id="0", mkstream=True)
+    r.xadd("{x}b", {"f": "v"})
+    before = _command_calls(redis_cluster)
+    got = r.xreadgroup("g", "c", streams, count=5, block=5)
+    assert [name for name, _ in got] == [b"{x}b"]
+    pipe = r.pipeline(transaction=False)
+    pipe.xreadgroup("g", "c", streams, count=5)
+    pipe.xread({"{x}a": "0"}, count=1)
+    assert pipe.execute() == [[], []]
+    assert _command_calls(redis_cluster) - before == 0
+
+    async def run():
+        a = async_client(_settings(redis_cluster))
+        await a.initialize()  # asks COMMAND once, for the other commands' keys
+        before_async = _command_calls(redis_cluster)
+        assert await a.xreadgroup("g", "c", streams, count=5, block=5) == []
+        assert await a.xread({"{x}b": "0"}, count=1) != []
+        apipe = a.pipeline(transaction=False)
+        apipe.xreadgroup("g", "c", streams, count=5)
+        assert await apipe.execute() == [[]]
+        await a.aclose()
+        return before_async
+
+    before_async = asyncio.run(run())
+    assert _command_calls(redis_cluster) - before_async == 0
+    r.close()
+
+
 def test_plain_pipeline_spans_slots_on_every_master_on_both_cluster_clients(redis_cluster):
     keys = [f"p{i}" for i in range(30)]
     assert len({redis_cluster.master_for_key(k) for k in keys}) == 3
