@@ -229,15 +229,18 @@ class Lifecycle:
             if ttl := private_stream_ttl(self.names, p.stream):
                 pipe.expire(p.stream, ttl)
 
-    def complete(self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]]) -> list[TransitionResult]:
+    def complete(self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]],
+                 pipe=None) -> list[TransitionResult]:
         """After a pipeline of queue()d transitions, interpreted: publish the events of the applied ones that could
-        not go with them, all in one round trip (none on a single Redis: no round trip). Returns the results with
-        those events' entry ids."""
+        not go with them, all in one round trip (none on a single Redis: no round trip), after what `pipe` (a
+        plain pipeline of the client's) holds already. Returns the results with those events' entry ids."""
         out = [res for res, _ in done]
         todo = [(i, later) for i, (res, later) in enumerate(done) if res.applied and later]
         if not todo:
+            if pipe is not None and len(pipe):
+                pipe.execute()
             return out
-        pipe, spans = client.pipeline(transaction=False), []
+        pipe, spans = pipe if pipe is not None else client.pipeline(transaction=False), []
         for i, later in todo:
             start = len(pipe)
             self.publish_after(pipe, later)

@@ -12,7 +12,11 @@ from services.gateway.core import GatewayCore, cancel_until_done
 from services.gateway.errors import Unavailable
 from services.gateway.handle import RequestHandle
 from shared.constants import EVENT_FIELD
-from shared.events import TokenDelta, TokenGenerated, encode
+from services.gateway import reconcile
+from shared.context_store import ContextStore
+from shared.events import Completed, TokenDelta, TokenGenerated, encode
+from shared.lifecycle import Lifecycle, Owner, State
+from tests.factories import request_received
 from shared.liveness import read_live
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
@@ -107,6 +111,64 @@ def test_replies_reach_their_requests_while_requests_hold_every_pooled_connectio
         finally:
             for c in held:
                 await core.r.connection_pool.release(c)
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def _finished(redis_client, names) -> str:
+    """A request created as the gateway does and driven to FINISHED as the pipeline does (its output written)."""
+    ev = request_received()
+    store = ContextStore(redis_client, names, 60)
+    keys, argv = store.create_args(ev.request_id, {"priority": 0}, {"prompt": ev.prompt}, ev)
+    assert store._create(keys=keys, args=argv)[0] == b"ok"
+    lc = Lifecycle(redis_client, names, "worker", 60)
+    for to in (State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING, State.DECODING):
+        assert lc.transition(ev.request_id, to, owner=Owner("w1", 1) if to == State.SCHEDULED else None).applied
+    store.update(redis_client, ev.request_id, "output", {"output_tokens": 0, "finish_reason": "length"})
+    assert lc.transition(ev.request_id, State.FINISHED, "length").applied
+    return ev.request_id
+
+
+def _silent_handle(core, rid: str) -> RequestHandle:
+    h = RequestHandle(rid, core.reply_to, None, time.time() + 60, time.perf_counter())
+    h.last_event_at -= 60  # its last event a minute ago
+    core.handles[rid] = h
+    return h
+
+
+def test_an_ending_still_unread_in_the_reply_stream_is_not_rebuilt_from_the_context(redis_server, redis_client,
+                                                                                       names):
+    """The silent-request repair (a Redis Cluster's) must not mistake a reply reader that lags behind its stream
+    (1,000 streams on a busy gateway) for a lost ending: silence counts only what the reader has read."""
+    async def run():
+        core = gateway_core(redis_server.url, names)  # not started: its reader has read nothing yet
+        rid = _finished(redis_client, names)
+        h = _silent_handle(core, rid)
+        redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(Completed(
+            request_id=rid, worker_id="w1", finish_reason="length", prompt_tokens=1, output_tokens=0, cached_tokens=0,
+            num_preemptions=0))})
+        await reconcile.repair_silent(core)
+        assert h.queue.empty() and not h.filling
+        await core.r.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_silent_request_settled_without_its_ending_gets_it_built_from_the_context(redis_server, redis_client,
+                                                                                   names):
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        await core.start()  # its reader reads the (empty) reply stream: it is not behind
+        try:
+            h = _silent_handle(core, _finished(redis_client, names))
+            async with asyncio.timeout(10):
+                while h.queue.empty():
+                    await reconcile.repair_silent(core)
+                    await asyncio.sleep(0.1)
+            end = h.queue.get_nowait()
+            assert isinstance(end, Completed) and end.finish_reason == "length"
+        finally:
             await core.stop()
 
     asyncio.run(run())

@@ -40,6 +40,7 @@ from shared.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
+REPLY_READ = 256  # reply stream entries read at a time
 LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
 
 
@@ -79,6 +80,9 @@ class GatewayCore:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # cancels of abandoned requests (kept referenced)
         self._loop_ok: dict[str, float] = {}  # loop name -> monotonic time of its last good round
+        # Wall time up to which the reply stream has been read: every event published before it has been routed.
+        # Behind the clock when the reader lags; what services.gateway.reconcile measures silence against.
+        self.replies_read_to = 0.0
         Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
               registry=self.metrics.registry).set_function(lambda: len(self.handles))
         # The dashboards' one reader of the lifecycle feed, with a connection of its own (its XREAD blocks).
@@ -210,8 +214,10 @@ class GatewayCore:
         """Drain this gateway's reply stream for ever: no Redis error ends it (a lost group is made again)."""
         while True:
             try:
-                reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=256,
+                started = time.time()
+                reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
                                                 block=self.s.read_block_ms)
+                self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         self._route(fields, entry_id)
@@ -308,3 +314,13 @@ class GatewayCore:
         for service in ("tokenizer", "scheduler", "worker"):
             found[service] = len(await liveness.aread_live(self.r, self.names, service))  # one HGETALL, no SCAN
         return found
+
+
+def _read_to(reply, started: float, count: int) -> float:
+    """The time a read of the reply stream has read it up to: the read's start when it took all there was (fewer
+    than `count` entries), else the time of the last entry it took (a stream id begins with it, in ms)."""
+    entries = reply[0][1] if reply else []
+    if len(entries) < count:
+        return started
+    last = entries[-1][0]
+    return int((last.decode() if isinstance(last, bytes) else last).split("-")[0]) / 1000

@@ -56,10 +56,11 @@ class RequestHandle:
     expected: int = 0
     held: list = field(default_factory=list)
     filling: bool = False
-    last_event_at: float = field(default_factory=time.perf_counter)  # perf_counter of the latest delivery
+    # Wall time of the latest delivery, compared with how far the reply stream has been read (reconcile).
+    last_event_at: float = field(default_factory=time.time)
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
-        self.last_event_at = time.perf_counter()
+        self.last_event_at = time.time()
         if self.held or (isinstance(item, TokenDelta) and item.index > self.expected):
             self.held.append(item)  # after a gap: waits until the tokens before it are read (fill_gap)
             return

@@ -9,6 +9,9 @@ never reached the reply stream, or a request settled whose ending never comes. T
   from the list first (fill_gap);
 - every heartbeat, requests silent for SILENT_S are looked at (repair_silent): tokens the list has and the
   handle does not are delivered, and a request whose state is terminal gets its ending built from its context.
+  Silence is counted in what the reply stream has been read up to (core.replies_read_to), not by the clock: a
+  reader behind its stream under load has not missed what it has not read yet. An ending is built only when
+  the reader has read ENDING_GRACE_S past the settlement without finding it.
 Anything delivered twice is harmless: deltas carry their index, and an ending after the first is ignored.
 """
 
@@ -16,16 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import redis
 
 from shared.events import Cancelled, Completed, Failed, TimedOut, TokenDelta
-from shared.lifecycle import State
+from shared.lifecycle import TERMINAL, State
 
 logger = logging.getLogger(__name__)
 
 SILENT_S = 5.0  # a request without any event this long is checked against the context store
+ENDING_GRACE_S = 1.0  # an ending is published right after its settlement: later than this, it is not coming
 MAX_PER_PASS = 256  # requests checked a heartbeat at most (the longest silent first)
 FILL_TRIES = 10  # reads of a gap's tokens while Redis fails, before going on without them (~10 s)
 
@@ -60,18 +63,21 @@ async def _read_tokens(core, rid: str, start: int, end: int) -> list:
 
 
 async def repair_silent(core) -> None:
-    now = time.perf_counter()
+    read_to = core.replies_read_to
     silent = sorted((h for h in core.handles.values() if h.ended is None and not h.filling
-                     and now - h.last_event_at > SILENT_S), key=lambda h: h.last_event_at)[:MAX_PER_PASS]
+                     and read_to - h.last_event_at > SILENT_S), key=lambda h: h.last_event_at)[:MAX_PER_PASS]
     if not silent:
         return
     pipe = core.r.pipeline(transaction=False)
     for h in silent:
-        pipe.hget(core.names.layer(h.request_id, "meta"), "state")
+        pipe.hmget(core.names.layer(h.request_id, "meta"), "state", "state_since")
         pipe.llen(core.names.tokens(h.request_id))
     replies = await pipe.execute()
-    for h, state, length in zip(silent, replies[::2], replies[1::2]):
-        h.last_event_at = now  # checked: not again before another SILENT_S
+    for h, (state, since), length in zip(silent, replies[::2], replies[1::2]):
+        ended = state is not None and State(state.decode()) in TERMINAL
+        if ended and not float(since or 0) < read_to - ENDING_GRACE_S:
+            continue  # settled just now: its ending may not be read yet (look again next time)
+        h.last_event_at = read_to  # checked: not again before another SILENT_S
         if length > h.expected or h.held:
             h.filling = True
             h.hold(TokenDelta(h.request_id, length, ()))  # a marker delta at the list's end: fills up to it
@@ -80,7 +86,7 @@ async def repair_silent(core) -> None:
             h.deliver(Failed(request_id=h.request_id, reason="state_lost", service="gateway",
                              message="the request's state is gone from Redis (lost in a failover, or expired); "
                                      "send it again"))
-        elif State(state.decode()) in (State.FINISHED, State.FAILED, State.CANCELLED, State.TIMED_OUT):
+        elif ended:
             if (end := await _ending(core, h.request_id)) is not None:
                 logger.warning("request %s: settled as %s without its ending reaching this gateway; built from "
                                "its context", h.request_id, state.decode())

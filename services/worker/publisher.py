@@ -1,8 +1,9 @@
-"""Turns one engine step's results into events and lifecycle transitions, in one round trip.
+"""Turns one engine step's results into events and lifecycle transitions.
 
 Per step: one token_generated per reply destination (never one message per token), then the
 state changes, then each ended request's settlement (FINISHED + completed, or FAILED +
-failed), all in one pipeline so their order on every reply stream is the order they happened.
+failed), in that order on every reply stream. On a single Redis all of it is one MULTI/EXEC;
+on a Redis Cluster one pipeline of fenced writes, then the reply events (_publish_fenced).
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ logger = logging.getLogger(__name__)
 # KEYS: exec layers. The attempt each was placed with (nil: the context is gone).
 _ATTEMPTS_LUA = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'attempt') end return out"
 
-# KEYS: a request's tokens list. ARGV: index of the first token in the output, the tokens..., ttl.
+# KEYS: a request's tokens list, its exec layer. ARGV: the attempt the worker holds it with, index of the first
+# token in the output, the tokens..., ttl.
 # Appends the tokens the list does not have yet, so a step published twice (its first try failed after some of
-# its transactions committed: a Redis Cluster failover in the middle) appends nothing twice. Returns -1, or the
-# list's length when it is shorter than the index (it lost its tail in a failover): the caller sends the
-# missing tokens with its next step.
+# its writes were made: a Redis Cluster failover in the middle) appends nothing twice. Returns -1; or the list's
+# length when it is shorter than the index (it lost its tail in a failover): the caller sends the missing tokens
+# with its next step; or FENCED when exec.attempt moved on (the request was placed elsewhere): nothing written.
+FENCED = -2
 _APPEND_LUA = """
+if redis.call('HGET', KEYS[2], 'attempt') ~= ARGV[1] then return -2 end
 local n = redis.call('LLEN', KEYS[1])
-local at = tonumber(ARGV[1])
+local at = tonumber(ARGV[2])
 if n < at then return n end
-for i = 2 + n - at, #ARGV - 1 do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+for i = 3 + n - at, #ARGV - 1 do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 redis.call('EXPIRE', KEYS[1], ARGV[#ARGV])
 return -1
 """
@@ -72,17 +76,15 @@ class StepPublisher:
         self._behind: dict[str, int] = {}  # request id -> length of its tokens list, when short (see _APPEND_LUA)
 
     def publish(self, step: int, result, active: dict[str, Active], kv_info) -> set[str]:
-        """One MULTI/EXEC: tokens reach the client and the request's token list together or not at all, so a
-        request moved to another worker resumes exactly after what its client has. Fenced: the exec layers of
-        the step's requests are WATCHed and their attempts checked first, so nothing is written for a request
-        that was placed elsewhere since (this worker hung and woke up); those are returned, to be dropped.
-        Retried while Redis is away (the engine does not step meanwhile: nothing is lost, generation pauses)."""
+        """Publish the step. On a single Redis one MULTI/EXEC: tokens reach the client and the request's token list
+        together or not at all, so a request moved to another worker resumes exactly after what its client has.
+        Fenced: nothing is written for a request that was placed elsewhere since (this worker hung and woke up);
+        those are returned, to be dropped. Retried while Redis is away (the engine does not step meanwhile:
+        nothing is lost, generation pauses)."""
         new = {o.request_id: o.new_token_ids for o in result.outputs if o.new_token_ids and o.request_id in active}
-        lost: set[str] = set()
-        done: set[int] = set()  # partitions whose transaction committed (a retry does not redo them)
         for attempt in itertools.count():
             try:
-                lost |= self._publish_once(step, result, active, kv_info, new, done)
+                lost = self._publish_once(step, result, active, kv_info, new)
                 break
             except redis.WatchError:
                 continue  # an exec layer changed between the check and the write: check again
@@ -145,50 +147,72 @@ class StepPublisher:
                 queued.append((rid, State(status)))
         return queued
 
-    def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
-                      done: set[int]) -> set[str]:
-        """One MULTI/EXEC per hash slot of the step's requests: on a single Redis one for all, reply events
-        included. On a cluster a transaction cannot span slots: each partition's writes are one transaction, and
-        the reply streams' events follow them (at least once: a worker dying in between leaves its tokens in the
-        tokens lists, where the gateway finds what its stream missed)."""
+    def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> set[str]:
         touched = sorted({rid for rid, _ in [*self._deferred, *result.transitions] if rid in active} | set(new) |
                          {o.request_id for o in result.outputs if o.finished and o.request_id in active})
-        lost: set[str] = set()
-        later: list = []  # (result, events) of the transitions whose events go after them (a cluster)
-        first = {o.request_id: o.first_index for o in result.outputs}
-        for rids in self._by_slot(touched):
-            if (part := self.names.partition(rids[0])) in done:
-                continue
-            with self.r.pipeline(transaction=True) as pipe:
-                lost |= self._stale(pipe, rids, active)
-                pipe.multi()
-                mine = [rid for rid in rids if rid not in lost]
-                appended = [rid for rid in mine if rid in new]
-                for rid in appended:
-                    self._queue_append(pipe, rid, first[rid], new[rid], active[rid])
-                if not self.names.cluster:
-                    self._queue_tokens(pipe, step, result, active, new, lost)
-                queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
-                replies = pipe.execute()
-            done.add(part)
-            self._note_behind(appended, replies[:len(appended)])
-            later += self._check(replies, queued)
+        if not touched:
+            return set()
         if self.names.cluster:
-            pipe = self.r.pipeline(transaction=False)
+            return self._publish_fenced(step, result, active, kv_info, new, touched)
+        return self._publish_transaction(step, result, active, kv_info, new, touched)
+
+    def _publish_transaction(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
+                             touched: list[str]) -> set[str]:
+        """A single Redis: one MULTI/EXEC for the whole step, reply events included, WATCHing the exec layers."""
+        with self.r.pipeline(transaction=True) as pipe:
+            lost = self._stale(pipe, touched, active)
+            pipe.multi()
+            mine = [rid for rid in touched if rid not in lost]
+            appended = self._queue_appends(pipe, result, active, new, mine)
             self._queue_tokens(pipe, step, result, active, new, lost)
-            pipe.execute()
-            self.lifecycle.complete(self.r, later)
+            queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
+            replies = pipe.execute()
+        self._note_behind(appended, replies[:len(appended)])
+        self._check(replies, queued)
         return lost
+
+    def _publish_fenced(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
+                        touched: list[str]) -> set[str]:
+        """A Redis Cluster: a transaction cannot span hash slots, and one per partition would cost three round trips
+        each (WATCH, the attempts, MULTI/EXEC), one after the other. Instead every write carries the attempt it is
+        made with and is refused inside its script when exec.attempt moved on (the tokens append, the layer
+        writes, the transitions): one pipeline for all partitions, one round trip per master. The reply events
+        follow, for the requests still held (at least once: a worker dying in between leaves its tokens in the
+        tokens lists, where the gateway finds what its stream missed). Each write checks the attempt on its own:
+        a placement landing between two writes of this pipeline (the scheduler gave up on this worker within
+        that millisecond) leaves the earlier ones made; the request is returned as lost all the same."""
+        pipe = self.r.pipeline(transaction=False)
+        appended = self._queue_appends(pipe, result, active, new, touched)
+        queued = self._queue_step(pipe, result, active, new, kv_info, set(touched))
+        replies = pipe.execute()
+        lost = {rid for rid, n in zip(appended, replies) if n == FENCED}
+        self._note_behind(appended, replies[:len(appended)])
+        later = self._check(replies[len(appended):], queued, lost)
+        pipe = self.r.pipeline(transaction=False)
+        self._queue_tokens(pipe, step, result, active, new, lost)
+        self.lifecycle.complete(self.r, later, pipe)
+        return lost
+
+    def _queue_appends(self, pipe, result, active: dict[str, Active], new: dict, rids) -> list[str]:
+        """Queue the tokens appends of these requests (first in the pipeline: their replies come first)."""
+        first = {o.request_id: o.first_index for o in result.outputs}
+        appended = [rid for rid in rids if rid in new]
+        for rid in appended:
+            self._queue_append(pipe, rid, first[rid], new[rid], active[rid])
+        return appended
 
     def _queue_append(self, pipe, rid: str, at: int, tokens, a: Active) -> None:
         """Append the step's tokens to the request's list (first in the transaction: its reply comes first);
         from where the list stopped when it is known to be short."""
         if (n := self._behind.get(rid)) is not None and n < at:
             tokens, at = [*a.output_token_ids[n:], *tokens], n
-        self._append(keys=[self.names.tokens(rid)], args=[at, *tokens, self.token_ttl_s], client=pipe)
+        self._append(keys=[self.names.tokens(rid), self.names.layer(rid, "exec")],
+                     args=[a.attempt, at, *tokens, self.token_ttl_s], client=pipe)
 
     def _note_behind(self, rids: list[str], replies: list) -> None:
         for rid, n in zip(rids, replies):
+            if n == FENCED:
+                continue
             if n >= 0:
                 logger.error("request %s: its tokens list has %d tokens, fewer than sent before (lost in a "
                              "failover): sending them again", rid, n)
@@ -217,7 +241,7 @@ class StepPublisher:
         for rid, status in result.transitions:
             if rid in active and rid in mine:
                 if status == "DECODING":
-                    self._queue_kv(pipe, rid, kv_info(rid))
+                    self._queue_kv(pipe, rid, kv_info(rid), active[rid].attempt)
                 self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
                 queued.append((rid, State(status), ()))
         for out in result.outputs:
@@ -227,9 +251,9 @@ class StepPublisher:
                 queued.append((a.request_id, *self._queue_end(pipe, a, out, tokens, kv_info(a.request_id))))
         return queued
 
-    def _queue_kv(self, pipe, rid: str, info) -> None:
+    def _queue_kv(self, pipe, rid: str, info, attempt: int) -> None:
         if info is not None:
-            self.store.update(pipe, rid, "kv", {"blocks": info[0], "cached_tokens": info[1]})
+            self.store.update(pipe, rid, "kv", {"blocks": info[0], "cached_tokens": info[1]}, fence=attempt)
 
     def _queue_end(self, pipe, a: Active, out, tokens: list[int], info) -> tuple[State, tuple[Publish, ...]]:
         cached = info[1] if info else 0
@@ -240,16 +264,17 @@ class StepPublisher:
                                                       [Publish(a.reply_to, ev)], fence=a.attempt)
         self.store.update(pipe, a.request_id, "output", {
             "token_ids": tokens, "finish_reason": out.finish_reason,
-            "output_tokens": len(tokens), "num_preemptions": a.num_preemptions})
+            "output_tokens": len(tokens), "num_preemptions": a.num_preemptions}, fence=a.attempt)
         ev = Completed(request_id=a.request_id, worker_id=self.worker_id, finish_reason=out.finish_reason or "stop",
                        prompt_tokens=a.prompt_len, output_tokens=len(tokens), cached_tokens=cached,
                        num_preemptions=a.num_preemptions, traceparent=a.traceparent)
         return State.FINISHED, self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
                                                     [Publish(a.reply_to, ev)], fence=a.attempt)
 
-    def _check(self, replies: list, queued: list) -> list:
-        """Pipeline replies of the transitions (HSETs interleave; keep only script replies). queued: (request id,
-        target state, events to publish after it). Returns (result, those events) of the applied ones."""
+    def _check(self, replies: list, queued: list, fenced: set[str] | None = None) -> list:
+        """Pipeline replies of the transitions (layer writes interleave; keep only the transitions' replies, the
+        lists). queued: (request id, target state, events to publish after it). Returns (result, those events) of
+        the applied ones; adds the requests whose transition was fenced to `fenced`."""
         scripts = [r for r in replies if isinstance(r, list)]
         done = []
         for (rid, to, later), raw in zip(queued, scripts):
@@ -258,6 +283,8 @@ class StepPublisher:
             except InvalidTransition as e:
                 logger.warning("%s", e)
                 continue
+            if res.fenced and fenced is not None:
+                fenced.add(rid)
             if res.applied:
                 done.append((res, later))
             elif to in (State.FINISHED, State.FAILED):
