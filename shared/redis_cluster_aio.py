@@ -14,13 +14,13 @@ from redis.asyncio import cluster as _async_cluster
 from redis.exceptions import NoScriptError
 
 from shared.redis_cluster_client import (NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, _str,
-                                         stream_keys)
+                                         known_keys)
 
 class _CommandsParser(AsyncCommandsParser):
-    """Finds the keys of the bus's stream reads itself (shared.redis_cluster_client.stream_keys says why)."""
+    """Finds the keys of stream reads and scripts itself (shared.redis_cluster_client.known_keys says why)."""
 
     async def get_keys(self, *args):
-        keys = stream_keys(args)
+        keys = known_keys(args)
         return await super().get_keys(*args) if keys is None else keys
 
 

@@ -172,10 +172,14 @@ class _Scripts:
 _STREAM_READS = {"XREAD": 1, "XREADGROUP": 4}  # where each one's options start (after GROUP group consumer)
 
 
-def stream_keys(args: tuple) -> list | None:
-    """The keys of an XREAD or XREADGROUP (the first half of what follows STREAMS), else None. redis-py asks a node
-    for them (COMMAND GETKEYS, a round trip) before every one: these are the bus's reads, on every loop."""
-    start = _STREAM_READS.get(_str(args[0]).upper()) if args else None
+def known_keys(args: tuple) -> list | None:
+    """The keys of an XREAD or XREADGROUP (the first half of what follows STREAMS) or of an EVAL or EVALSHA (numkeys
+    after the script), else None. redis-py asks a node for them (COMMAND GETKEYS, a round trip) before each one
+    sent alone (the stream reads) or in a plain pipeline (both): the bus's reads and the lifecycle's scripts."""
+    name = _str(args[0]).upper() if args else ""
+    if name in ("EVAL", "EVALSHA"):
+        return list(args[3:3 + int(args[2])]) if len(args) > 2 else None
+    start = _STREAM_READS.get(name)
     if start is None:
         return None
     for i in range(start, len(args)):
@@ -217,7 +221,7 @@ class SyncClusterClient(_sync_cluster.RedisCluster):
                 time.sleep(deadline.pause(e))
 
     def _get_command_keys(self, *args):
-        keys = stream_keys(args)
+        keys = known_keys(args)
         return _sync_cluster.RedisCluster._get_command_keys(self, *args) if keys is None else keys  # the pipeline too
 
     def register_script(self, script):

@@ -202,10 +202,12 @@ def _command_calls(cluster) -> int:
                for s in ("cmdstat_command", "cmdstat_command|getkeys"))
 
 
-def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(redis_cluster):
-    """redis-py asks a node (COMMAND GETKEYS, a round trip) for the keys of XREAD and XREADGROUP before each one;
-    the cluster clients find them after STREAMS themselves: the bus's reads cost one round trip, not two."""
+def test_stream_reads_and_scripts_are_routed_without_asking_a_node_for_their_keys(redis_cluster):
+    """redis-py asks a node (COMMAND GETKEYS, a round trip) for the keys of XREAD and XREADGROUP before each one,
+    and of a script in a plain pipeline; the cluster clients find them themselves: the bus's reads cost one round
+    trip, not two, and a pipeline of scripts one per node, not one more per script."""
     r, streams = sync_client(_settings(redis_cluster)), {"{x}a": ">", "{x}b": ">"}
+    append = r.register_script(APPEND_LUA)
     for s in streams:
         r.xgroup_create(s, "g", id="0", mkstream=True)
     r.xadd("{x}b", {"f": "v"})
@@ -215,7 +217,8 @@ def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(redis_clus
     pipe = r.pipeline(transaction=False)
     pipe.xreadgroup("g", "c", streams, count=5)
     pipe.xread({"{x}a": "0"}, count=1)
-    assert pipe.execute() == [[], []]
+    append(keys=["{x}list"], args=["v"], client=pipe)
+    assert pipe.execute() == [[], [], 1]
     assert _command_calls(redis_cluster) - before == 0
 
     async def run():
@@ -224,9 +227,11 @@ def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(redis_clus
         before_async = _command_calls(redis_cluster)
         assert await a.xreadgroup("g", "c", streams, count=5, block=5) == []
         assert await a.xread({"{x}b": "0"}, count=1) != []
+        aappend = a.register_script(APPEND_LUA)
         apipe = a.pipeline(transaction=False)
         apipe.xreadgroup("g", "c", streams, count=5)
-        assert await apipe.execute() == [[]]
+        await aappend(keys=["{x}list"], args=["w"], client=apipe)
+        assert await apipe.execute() == [[], 2]
         await a.aclose()
         return before_async
 
