@@ -152,6 +152,7 @@ class GatewayCore:
             self.handles.pop(rid, None)
             refused(rt, e)
             raise
+        handle.created()
         published(rt, rid, self.names.received_stream(self.names.partition(rid)))
         return handle
 

@@ -56,8 +56,14 @@ class RequestHandle:
     expected: int = 0
     held: list = field(default_factory=list)
     filling: bool = False
-    # Wall time of the latest delivery, compared with how far the reply stream has been read (reconcile).
+    # Wall time of the latest delivery (or of the creation), compared with how far the reply stream has been read
+    # (reconcile); whether the request exists in Redis yet (the handle is registered before its creation).
     last_event_at: float = field(default_factory=time.time)
+    exists: bool = False
+
+    def created(self) -> None:
+        """The request was created in Redis: from now on its silence means something."""
+        self.exists, self.last_event_at = True, time.time()
 
     def deliver(self, item: TokenDelta | AnyEvent) -> None:
         self.last_event_at = time.time()

@@ -64,7 +64,7 @@ async def _read_tokens(core, rid: str, start: int, end: int) -> list:
 
 async def repair_silent(core) -> None:
     read_to = core.replies_read_to
-    silent = sorted((h for h in core.handles.values() if h.ended is None and not h.filling
+    silent = sorted((h for h in core.handles.values() if h.exists and h.ended is None and not h.filling
                      and read_to - h.last_event_at > SILENT_S), key=lambda h: h.last_event_at)[:MAX_PER_PASS]
     if not silent:
         return
