@@ -38,3 +38,28 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(make_engine, chat, hf
     for rid, p in short.items():
         assert runs[rid].tokens == hf_greedy(p, N + 8), rid
     engine.check_no_leak()
+
+
+def test_a_step_with_a_new_prompt_and_another_prompts_next_chunk_gives_both_their_greedy_tokens(
+        make_engine, chat, hf_greedy):
+    """The chunks of one step attend apart by kind: those starting at position 0 within themselves, those with
+    cached context over the pool; the rows of both kinds must land back on their own requests."""
+    budget = 128
+    # No prefix cache: b's first chunk must start at position 0 (the chat template's first block would be shared).
+    engine = make_engine(max_num_batched_tokens=budget, enable_prefix_caching=False)
+    prompts = {"a": chat("Summarize in one line:\n" + PASSAGE), "b": chat("Give this a title:\n" + PASSAGE)}
+    assert all(budget < len(p) < 2 * budget - 8 for p in prompts.values())
+    for rid, p in prompts.items():
+        engine.add_request(EngineRequest(rid, p, SamplingOptions(temperature=0, max_tokens=N)))
+    runs = {}
+    first = engine.step()  # a's first chunk, the whole budget
+    assert first.num_prefill_tokens == budget and not any(o.new_token_ids for o in first.outputs)
+    second = engine.step()  # a's last chunk (cached context) and b's first (none), together
+    assert second.num_prefill_tokens == budget
+    assert [o.request_id for o in second.outputs if o.new_token_ids] == ["a"]
+    collect(second, runs)
+    while engine.has_unfinished():
+        collect(engine.step(), runs)
+    for rid, p in prompts.items():
+        assert runs[rid].tokens == hf_greedy(p, N), rid
+    engine.check_no_leak()

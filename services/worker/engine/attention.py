@@ -38,6 +38,7 @@ class AttnGroup:
     out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
     context_lens: torch.Tensor | None = None  # [S] long: set = decode through the CPU kernel (no mask)
     causal: bool = False  # prefill chunks that all start at position 0: each attends to itself only
+    num_rows: int = 0  # packed tokens of the group (prefill only)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -57,7 +58,10 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each packed token's K/V is written
     num_decode_tokens: int  # packed rows [0, num_decode_tokens) are one-query sequences
     decode: AttnGroup | None
-    prefill: AttnGroup | None
+    # Then each prefill group's rows in turn: the chunks starting at position 0 (attending within themselves,
+    # no gather), then those with cached context (gather + mask); apart, so that one chunk with context does not
+    # send every chunk of the step through the slow path, padded to the longest.
+    prefills: tuple[AttnGroup, ...] = ()
 
 
 def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
@@ -108,14 +112,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pag
             parts.append(_decode_kernel(q[:nd], d, meta.kv_cache, layer, scaling, window))
         else:
             parts.append(_attend(q[:nd].unsqueeze(1), d, meta.kv_cache, layer, scaling, window).squeeze(1))
-    if meta.prefill is not None:
-        p = meta.prefill
-        rows = q[nd:][p.q_index]  # [S, Q, H, D]
+    start = nd
+    for p in meta.prefills:
+        end = start + p.num_rows
+        rows = q[start:end][p.q_index]  # [S, Q, H, D]
         if p.causal and not window:
-            out = _attend_causal(rows, k[nd:][p.q_index], v[nd:][p.q_index], scaling)
+            out = _attend_causal(rows, k[start:end][p.q_index], v[start:end][p.q_index], scaling)
         else:
             out = _attend(rows, p, meta.kv_cache, layer, scaling, window)
         parts.append(out.reshape(-1, *out.shape[2:])[p.out_index])
+        start = end
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -148,15 +148,18 @@ class ModelRunner:
         mask = (self._iota(bt.shape[1] * bs)[None, None, :] <= rows_pos[:, :, None]).unsqueeze(1)
         out_index = valid.reshape(-1).nonzero().squeeze(1)
         causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
-        return AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal), tokens, positions, slots
+        return (AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal, num_rows=len(tokens)), tokens,
+                positions, slots)
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
         """items: (sequence, number of tokens to compute from its num_computed_tokens)."""
         decode = [it for it in items if it[1] == 1]
-        prefill = [it for it in items if it[1] > 1]
+        fresh = [it for it in items if it[1] > 1 and it[0].num_computed_tokens == 0]  # no cached context
+        resumed = [it for it in items if it[1] > 1 and it[0].num_computed_tokens > 0]
         tokens, positions, slots = [], [], []
         groups: list[AttnGroup | None] = []
-        for part, build in ((decode, self._decode_group), (prefill, self._prefill_group)):
+        for part, build in ((decode, self._decode_group), (fresh, self._prefill_group),
+                            (resumed, self._prefill_group)):
             if not part:
                 groups.append(None)
                 continue
@@ -166,14 +169,14 @@ class ModelRunner:
             positions += p
             slots += s
         rows, sample_seqs, row = [], [], 0
-        for seq, n in decode + prefill:
+        for seq, n in decode + fresh + resumed:  # the packing order of the groups above
             row += n
             if seq.num_computed_tokens + n == seq.num_tokens:  # computes the last token: sample
                 rows.append(row - 1)
                 sample_seqs.append(seq)
         dev = self.device
         meta = PagedAttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev),
-                                      len(decode), groups[0], groups[1])
+                                      len(decode), groups[0], tuple(g for g in groups[1:] if g is not None))
         return PreparedStep(torch.tensor([tokens], dtype=torch.long, device=dev),
                             torch.tensor([positions], dtype=torch.long, device=dev),
                             torch.tensor(rows, dtype=torch.long, device=dev), sample_seqs, meta)
