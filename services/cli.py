@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     for name in SERVICE_NAMES:
         sub.add_parser(name, help=f"run one {name} (settings from CONVEYOR_* environment variables)")
+    health = sub.add_parser("health", help="exit 0 if this host's SERVICE is healthy (a container healthcheck)")
+    health.add_argument("service", choices=SERVICE_NAMES)
     return p
 
 
@@ -77,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import Launcher
 
         return Launcher(args).run()
+    if args.command == "health":
+        from services.health import check
+
+        ok, why = check(args.service)
+        sys.stdout.write(why + "\n")  # what `docker inspect` shows as the probe's output
+        return 0 if ok else 1
     return run_service(args.command)
 
 

@@ -36,15 +36,21 @@ def is_cluster(client) -> bool:
     return isinstance(client, (_sync_cluster.RedisCluster, _async_cluster.RedisCluster, _async_cluster.ClusterPipeline))
 
 
+def _auth(settings: CommonSettings) -> dict:
+    """redis_password as the clients' password; a password inside redis_url still wins (redis-py's from_url)."""
+    password = settings.redis_password.get_secret_value()
+    return {"password": password} if password else {}
+
+
 def sync_client(settings: CommonSettings) -> redis.Redis | _sync_cluster.RedisCluster:
     # socket_timeout must exceed the XREADGROUP BLOCK, or a quiet stream looks like a dead server.
     if settings.redis_cluster:
         return SyncClusterClient.from_url(settings.redis_url, socket_timeout=settings.socket_timeout_s,
-                                          socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
+                                          socket_connect_timeout=5, retry=Retry(NoBackoff(), 0), **_auth(settings))
     return redis.Redis.from_url(
         settings.redis_url, socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5,
         health_check_interval=30, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 3),
-        retry_on_error=list(_RETRY_ERRORS),
+        retry_on_error=list(_RETRY_ERRORS), **_auth(settings),
     )
 
 
@@ -61,9 +67,10 @@ def async_client(settings: CommonSettings, max_connections: int = 64,
         return AsyncClusterClient.from_url(
             settings.redis_url, max_connections=max_connections, socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=5, health_check_interval=30, retry=ARetry(NoBackoff(), 0),
-            max_in_flight=max_connections, pool_timeout_s=pool_timeout_s)
+            max_in_flight=max_connections, pool_timeout_s=pool_timeout_s, **_auth(settings))
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=pool_timeout_s,
         socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5, health_check_interval=30,
-        retry=ARetry(ExponentialBackoff(cap=2.0, base=0.05), 3), retry_on_error=list(_RETRY_ERRORS))
+        retry=ARetry(ExponentialBackoff(cap=2.0, base=0.05), 3), retry_on_error=list(_RETRY_ERRORS),
+        **_auth(settings))
     return aioredis.Redis(connection_pool=pool)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Iterator, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -26,6 +26,8 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the streams and contexts")
+    redis_password: SecretStr = Field(SecretStr(""), description="Redis AUTH password when redis_url has none (keeps "
+                                      "it out of URLs, which end up in logs and process listings); empty = none")
     redis_cluster: bool = Field(False, description="the Redis at redis_url is one node of a Redis Cluster; every "
                                 "service uses redis-py's cluster clients, which discover the other nodes from it")
     redis_partitions: int = Field(0, ge=0, le=1024, description="streams and indexes are split into this many "
