@@ -25,6 +25,7 @@ from shared.settings import CommonSettings, child_environment
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 35.0  # a worker drains held requests on SIGTERM
+STABLE_S = 60.0  # a child that ran this long before it died was not crash-looping: its backoff starts over
 
 
 @dataclass
@@ -34,11 +35,13 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = field(default=0.0)
+    started_at: float = field(default=0.0)
 
     def start(self) -> None:
         # Children log to stderr: stdout carries only the launcher's one "ready" line.
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env,
                                      stdout=sys.stderr.fileno(), preexec_fn=die_with_parent)
+        self.started_at = time.monotonic()
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
 
@@ -108,6 +111,8 @@ class Launcher:
         now = time.monotonic()
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
+                if now - c.started_at >= STABLE_S:
+                    c.restarts = 0
                 delay = min(30.0, 2.0 ** c.restarts)
                 logger.error("%s exited with %s; restarting in %.0f s", c.name, c.proc.returncode, delay)
                 c.proc, c.restarts, c.next_start = None, c.restarts + 1, now + delay
