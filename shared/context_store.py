@@ -38,7 +38,9 @@ _json = msgspec.json.Encoder()
 # partitions' counts are read just before (ARGV 8 and 9): gateways creating at once may overshoot by a few.
 _CREATE_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'exists', redis.call('HGET', KEYS[1], 'created_at') or '', redis.call('HGET', KEYS[1], 'gateway') or ''}
+end
 if ARGV[4] ~= '' then
   local waiting = redis.call('ZCARD', KEYS[10]) + tonumber(ARGV[8])
   if waiting >= tonumber(ARGV[4]) then return {'overloaded', tostring(waiting)} end
@@ -184,6 +186,10 @@ class ContextStore:
         status = _s(res[0])
         if status in ("overloaded", "key_overloaded"):
             raise WaitingFull(status, int(_s(res[1])))
+        if status == "exists" and meta.get("gateway") and _s(res[2]) == _json.encode(meta["gateway"]).decode():
+            # Request ids are fresh random ones: our own id, created by our own gateway, is this very creation,
+            # re-sent by the client's retry after its first reply was lost. Done once, as the first run did it.
+            return float(_s(res[1]))
         if status != "ok":
             raise ValueError(f"request id {request_id} exists already")
         return float(_s(res[1]))

@@ -81,6 +81,8 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
+    sse_write_timeout_s: float = Field(30.0, gt=0, description="longest one write to a streaming client may wait "
+                                       "(it stopped reading); then it is dropped and its request cancelled")
     listen_backlog: int = Field(8192, ge=1, description="connections the kernel queues for the gateway to accept "
                                 "(capped by net.core.somaxconn); beyond it a connecting client's SYN is dropped "
                                 "and retried after 1 s, then 3 s")
@@ -93,6 +95,9 @@ class GatewaySettings(CommonSettings):
                                                                      "beyond which its new ones get 429")
     max_open_requests_per_key: int = Field(1024, ge=1, description="HTTP requests of one API key this gateway "
                                                                    "serves at once; more get 429")
+    priority_floor: int = Field(0, ge=-1000, le=1000, description="with API keys: the most urgent priority (lowest "
+                                "value) a key that is not an admin key may ask for; more urgent ones are clamped to "
+                                "it. Admin keys, and every caller of a gateway without keys, may use -1000..1000")
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
     redis_pool_size: int = Field(64, ge=2, le=10_000, description="Redis connections of the gateway's pool; "
                                  "under a burst requests wait for one instead of failing")

@@ -86,3 +86,34 @@ def test_a_burst_of_requests_shares_one_readiness_check(redis_server, redis_clie
         return await submit_all([slow_core(redis_server.url, names)], 20)
     assert all(isinstance(rid, str) for rid in asyncio.run(run()))
     assert calls(redis_client, "hgetall") == 3  # one check: the tokenizer, scheduler and worker liveness hashes
+
+
+class LostFirstReply(aioredis.Redis):
+    """The first EVALSHA runs on the server and its reply is lost: redis-py's retry sends it again, and that
+    second run's answer is the one the caller gets."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.resent = False
+
+    async def execute_command(self, *args, **options):
+        if args[0] == "EVALSHA" and not self.resent:
+            await super().execute_command(*args, **options)  # NOSCRIPT (not loaded yet) raises: no re-send then
+            self.resent = True
+        return await super().execute_command(*args, **options)
+
+
+def test_a_creation_resent_after_its_reply_was_lost_is_the_same_request_not_an_error(redis_server, redis_client,
+                                                                                     names):
+    mark_live(redis_client, names)
+
+    async def run():
+        s = GatewaySettings(redis_url=redis_server.url, namespace=names.ns)
+        core = GatewayCore(s, LostFirstReply.from_url(redis_server.url), None, "test-model")
+        try:
+            return (await core.submit(small(), 2)).request_id, core.r.resent
+        finally:
+            await core.r.aclose()
+    rid, resent = asyncio.run(run())
+    assert resent and redis_client.zscore(names.waiting(0), rid) is not None
+    assert redis_client.zcard(names.waiting(0)) == 1 and redis_client.xlen(names.received_stream(0)) == 1

@@ -20,7 +20,9 @@ from tests.factories import request_received
 from shared.liveness import read_live
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
-from tests.inproc import gateway_core, mark_live
+from services.gateway.tracing import start_trace
+from shared.events import Sampling
+from tests.inproc import gateway_core, mark_live, small
 
 
 async def _wait(check, timeout: float = 10.0) -> None:
@@ -219,3 +221,111 @@ def test_tokens_after_a_gap_wait_for_the_missing_ones_read_from_the_tokens_list(
             await core.stop()
 
     asyncio.run(run())
+
+
+def test_reply_reader_outlives_a_failure_while_it_repairs_its_lost_group(redis_server, redis_client, names):
+    """Redis lost the reply group and is still failing when the reader makes it again: the repair's own error
+    must not end the reader (/ready would 503 for ever while /health says 200)."""
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        await core.start()
+        real, failures = core._ensure_group, [redis.ConnectionError("Redis is restarting")]
+
+        async def flaky():
+            if failures:
+                raise failures.pop()
+            await real()
+
+        core._ensure_group = flaky
+        try:
+            await core.r.delete(core.reply_to)
+            await _wait(lambda: _has_group(core))
+            assert not failures and not core.stalled_loops()
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def test_reply_reader_outlives_an_unexpected_error_and_routes_later_replies(redis_server, redis_client, names):
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        await core.start()
+        real, failures = core._route, [RuntimeError("a bug in routing one entry")]
+
+        def flaky(fields, entry_id=""):
+            if failures:
+                raise failures.pop()
+            real(fields, entry_id)
+
+        core._route = flaky
+        handle = RequestHandle("r1", core.reply_to, None, time.time() + 60, time.perf_counter())
+        core.handles["r1"] = handle
+        try:
+            ev = TokenGenerated(worker_id="w", step=1, items=(TokenDelta("r1", 0, (42,)),))
+            redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})  # the one that breaks
+            await _wait(lambda: _no(failures))
+            redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})  # the next is routed
+            async with asyncio.timeout(5):
+                assert await handle.queue.get() == TokenDelta("r1", 0, (42,))
+            assert not core.stalled_loops()
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+async def _no(items: list) -> bool:
+    return not items
+
+
+def test_liveness_refresh_outlives_an_unexpected_error(redis_server, redis_client, names):
+    async def run():
+        core = gateway_core(redis_server.url, names, heartbeat_interval_s=0.1)
+        real, failures = core.epoch.acheck, [RuntimeError("unexpected")]
+
+        async def flaky(client):
+            if failures:
+                raise failures.pop()
+            return await real(client)
+
+        await core.start()
+        core.epoch.acheck = flaky
+        try:
+            await _wait(lambda: _no(failures))
+            since = time.time()
+            await _wait(lambda: _refreshed_since(redis_client, names, core.id, since), timeout=5)
+            assert not core.stalled_loops()
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_finished_generation_is_answered_when_redis_fails_after_its_end(redis_server, names, model_dir):
+    """The end event arrived; reading the history for the metrics and writing the output layer are bookkeeping:
+    Redis failing then must not turn the finished answer into a 500 (or a stream without its end)."""
+    from transformers import AutoTokenizer
+
+    from services.gateway.responses import final_body
+    from services.gateway.stop_strings import TextStream
+
+    async def run():
+        core = gateway_core(redis_server.url, names, socket_timeout_s=1.0)
+        h = RequestHandle("r1", core.reply_to, TextStream(AutoTokenizer.from_pretrained(model_dir), []),
+                          time.time() + 60, time.perf_counter())
+        h.trace = start_trace("r1", small(), Sampling(max_tokens=2), "test-model", "/generate", "", h.t0)
+        h.deliver(TokenDelta("r1", 0, (42, 43)))
+        h.deliver(Completed(request_id="r1", worker_id="w1", finish_reason="length", prompt_tokens=3,
+                            output_tokens=2, cached_tokens=0, num_preemptions=0))
+        while h.ended is None:
+            await h.next_chunk(5)
+        redis_server.stop()  # Redis goes away right after the ending
+        try:
+            return await final_body(core, h)
+        finally:
+            await core.r.aclose()
+
+    body = asyncio.run(run())
+    assert body["finish_reason"] == "length" and body["token_ids"] == [42, 43]
+    assert body["metrics"]["output_tokens"] == 2

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admission import OpenRequestLimit
@@ -28,6 +28,7 @@ from services.gateway.openai_schemas import error_responses, sse_or_json
 from services.gateway.openapi_doc import install as install_openapi
 from services.gateway.responses import collect, stream
 from services.gateway.schemas import GenerateRequest
+from services.gateway.sse import SseResponse
 from shared.model_files import model_display_name, resolve_model_dir
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
@@ -114,7 +115,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         handle = await accept(request, body)
         headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
         if body.stream:
-            return StreamingResponse(stream(core, handle, request), media_type="text/event-stream", headers=headers)
+            return SseResponse(stream(core, handle, request), core.s.sse_write_timeout_s, headers=headers)
         return JSONResponse(await collect(core, handle, request), headers=headers)
 
     @app.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
@@ -134,7 +135,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/ready", responses=error_responses(401, 503))
     async def ready(request: Request):
         try:
-            found = await request.app.state.core.ready()
+            found = await request.app.state.core.ready(request.app.state.core.ops_r)
         except (RedisError, OSError) as e:  # any Redis failure means not ready
             raise Unavailable(f"redis unreachable: {e}", None, "redis_unavailable") from e
         missing = [s for s, n in found.items() if n == 0]

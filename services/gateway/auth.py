@@ -111,7 +111,7 @@ async def owned_snapshot(core, request, request_id: str):
     for prefix in ("chatcmpl-", "cmpl-"):  # the OpenAI API's response ids wrap the request id
         if request_id.startswith(prefix):
             request_id = request_id[len(prefix):]
-    snap = await core.store.aread(core.r, request_id)
+    snap = await core.store.aread(core.ops_r, request_id)
     if snap is None or (not is_admin(request) and snap.layers["meta"].get("owner", "") != caller(request)):
         raise NotFound(f"no request {request_id} (unknown, or its context expired)", "request_id", "not_found")
     return snap

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
 from services.gateway.core import GatewayCore
 from services.gateway.responses import delta_event, final_event, sse
 from services.gateway.schemas import GenerateRequest
+from services.gateway.sse import SseResponse
 
 
 async def generate_choices(request: Request, body: GenerateRequest):
@@ -26,7 +27,7 @@ async def generate_choices(request: Request, body: GenerateRequest):
     primary = choices.primary
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if body.stream:
-        return StreamingResponse(_stream(core, choices, request), media_type="text/event-stream", headers=headers)
+        return SseResponse(_stream(core, choices, request), core.s.sse_write_timeout_s, headers=headers)
     bodies = await collect_choices(core, choices, request)
     return JSONResponse({"request_id": primary.request_id, "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
                          "usage": merged_usage(bodies)}, headers=headers)

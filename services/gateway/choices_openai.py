@@ -14,7 +14,7 @@ import time
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, first_outcome, merged_usage
 from services.gateway.core import GatewayCore
@@ -25,6 +25,7 @@ from services.gateway.openai_tools import ToolShaper
 from services.gateway.responses import sse
 from services.gateway.schemas import GenerateRequest
 from services.gateway.structured_output import OutputPlan
+from services.gateway.sse import SseResponse
 from shared.events import Completed
 
 
@@ -61,7 +62,7 @@ async def serve_choices(request: Request, native: GenerateRequest, n: int, chat:
 
 
 async def _start_stream(request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape],
-                        headers: dict) -> StreamingResponse:
+                        headers: dict) -> SseResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
     run = ChoiceRun(core, choices, request)
     try:
@@ -71,7 +72,7 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
     except BaseException as e:
         run.close(isinstance(e, GatewayError))
         raise
-    return StreamingResponse(_events(core, run, shapes, first), media_type="text/event-stream", headers=headers)
+    return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
 
 
 async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],

@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
 REPLY_READ = 256  # reply stream entries read at a time
 LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
+# Reads that look into the cluster (/ready, /v1/requests, /metrics, the dashboard's API) have a pool of their own:
+# they are exempt from the open-request limit (a saturated gateway is when they are needed), so on the request
+# pool a flood of them could hold every connection requests are created with. Here they wait for each other only.
+OPS_CONNECTIONS = 4
+OPS_POOL_TIMEOUT_S = 30.0
 
 
 async def cancel_until_done(tasks, timeout_s: float) -> set:
@@ -64,6 +69,7 @@ class GatewayCore:
         # connection, the liveness refresh fell behind the liveness TTL and the scheduler cancelled every request
         # of this (live) gateway as orphaned, and tokens waited in Redis while their clients waited for them.
         self.loop_r = async_client(settings, LOOP_CONNECTIONS, settings.redis_pool_timeout_s)
+        self.ops_r = async_client(settings, OPS_CONNECTIONS, OPS_POOL_TIMEOUT_S)
         self.names = settings.names()
         self.id = instance_id(settings, "gateway")
         self.reply_to = self.names.reply_stream(self.id)
@@ -108,6 +114,7 @@ class GatewayCore:
         except (redis.ConnectionError, redis.TimeoutError, TimeoutError) as e:
             logger.warning("could not remove the liveness key (it expires by itself): %r", e)
         await self.loop_r.aclose()
+        await self.ops_r.aclose()
         logger.info("gateway core stopped")
 
     async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
@@ -212,34 +219,41 @@ class GatewayCore:
         return res.previous is not None
 
     async def _read_replies(self) -> None:
-        """Drain this gateway's reply stream for ever: no Redis error ends it (a lost group is made again)."""
+        """Drain this gateway's reply stream for ever: no error ends it (a lost group is made again). A reader
+        that died would leave /ready at 503 while /health says 200, and every request here without its tokens."""
         while True:
             try:
-                started = time.time()
-                reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
-                                                block=self.s.read_block_ms)
-                self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
-                for _stream, entries in reply or []:
-                    for entry_id, fields in entries:
-                        self._route(fields, entry_id)
-                    if entries:  # this gateway is the stream's only reader: what it acknowledged can go
-                        pipe = self.loop_r.pipeline(transaction=False)
-                        pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
-                        pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
-                        await pipe.execute()
+                try:
+                    await self._read_replies_once()
+                except redis.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    logger.warning("reply stream group gone (%s): Redis lost its data; creating it again", e)
+                    await self._on_data_loss()  # may fail as well (Redis still away): retried like any round
                 self._loop_ok["replies"] = time.monotonic()
-            except redis.ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    await self._pause("reply stream read", e)
-                    continue
-                logger.warning("reply stream group gone (%s): Redis lost its data; creating it again", e)
-                await self._on_data_loss()
-            except redis.RedisError as e:
+            except Exception as e:  # noqa: BLE001 - the loop must outlive anything (see the docstring)
                 await self._pause("reply stream read", e)
+
+    async def _read_replies_once(self) -> None:
+        started = time.time()
+        reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
+                                             block=self.s.read_block_ms)
+        self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._route(fields, entry_id)
+            if entries:  # this gateway is the stream's only reader: what it acknowledged can go
+                pipe = self.loop_r.pipeline(transaction=False)
+                pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
+                pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
+                await pipe.execute()
 
     @staticmethod
     async def _pause(what: str, e: Exception) -> None:
-        logger.warning("%s failed (%r); retrying", what, e)
+        if isinstance(e, redis.RedisError):
+            logger.warning("%s failed (%r); retrying", what, e)
+        else:  # not Redis being away: a defect, logged with where it happened
+            logger.exception("%s failed unexpectedly; retrying", what)
         await asyncio.sleep(0.5)
 
     async def _ensure_group(self) -> None:
@@ -284,7 +298,8 @@ class GatewayCore:
             task.add_done_callback(self._background.discard)
 
     async def _keep_alive(self) -> None:
-        """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever."""
+        """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever: no error
+        ends it (a gateway whose liveness went stale would have every request of its cancelled as orphaned)."""
         while True:
             try:
                 await liveness.write(self.loop_r, self.names, "gateway", self.id, self.s.liveness_ttl_s)
@@ -296,6 +311,8 @@ class GatewayCore:
                 self._loop_ok["liveness"] = time.monotonic()
             except redis.RedisError as e:
                 logger.warning("liveness refresh failed: %r", e)
+            except Exception:  # noqa: BLE001 - see the docstring
+                logger.exception("liveness refresh failed unexpectedly")
             await asyncio.sleep(self.s.heartbeat_interval_s)
 
     def stalled_loops(self) -> list[str]:
@@ -304,16 +321,19 @@ class GatewayCore:
         stalled = [t.get_name() for t in self._tasks if t.done()]
         return stalled + [name for name, at in self._loop_ok.items() if now - at > limit and name not in stalled]
 
-    async def ready(self) -> dict:
+    async def ready(self, client=None) -> dict:
+        """Live instances per service kind (raises Unavailable when this gateway is not ready). client: the
+        request pool for an admission's check (the default), the ops pool for the /ready probe."""
+        r = client or self.r
         if self.draining:
             raise Unavailable("the gateway is shutting down", None, "shutting_down")
-        await self.r.ping()
+        await r.ping()
         if stalled := self.stalled_loops():
             raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
                               "not_ready")
         found = {}
         for service in ("tokenizer", "scheduler", "worker"):
-            found[service] = len(await liveness.aread_live(self.r, self.names, service))  # one HGETALL, no SCAN
+            found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN
         return found
 
 

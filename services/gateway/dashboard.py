@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from services.gateway.auth import DASHBOARD_PREFIX, KEY_COOKIE, is_admin, owned_snapshot, visible_owner
 from services.gateway.core import GatewayCore
@@ -27,6 +27,7 @@ from services.gateway.dashboard_data import detail, read_rows, snapshot
 from services.gateway.errors import InvalidRequest, NotFound
 from services.gateway.feed_hub import sse
 from services.gateway.introspection import cancel_owned
+from services.gateway.sse import SseResponse
 from shared.lifecycle import TERMINAL, State
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ async def _stream(core: GatewayCore, owner: str | None):
 @router.get("/api/events")
 async def events(request: Request):
     core = _core(request)
-    return StreamingResponse(_stream(core, visible_owner(request)), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return SseResponse(_stream(core, visible_owner(request)), core.s.sse_write_timeout_s,
+                       headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 @router.get("/api/rows")

@@ -28,7 +28,7 @@ def _value(raw):
 async def read_rows(core: GatewayCore, ids: list[str], owner: str | None) -> list[dict]:
     """One table row per request that still exists and that `owner` may see (None: all), in the order given."""
     names = core.names
-    pipe = core.r.pipeline(transaction=False)
+    pipe = core.ops_r.pipeline(transaction=False)
     for rid in ids:
         pipe.hmget(names.layer(rid, "meta"), *_META)
         pipe.hmget(names.layer(rid, "exec"), "worker_id", "attempt")
@@ -52,7 +52,7 @@ async def read_rows(core: GatewayCore, ids: list[str], owner: str | None) -> lis
 async def snapshot(core: GatewayCore, owner: str | None, max_rows: int) -> dict:
     """Every in-flight request `owner` may see (the oldest `max_rows`), with the Redis time it was read at."""
     ids = [rid for _t, rid in await ids_in_states(core, owner, LIVE_STATES)]
-    seconds, micros = await core.r.time()
+    seconds, micros = await core.ops_r.time()
     rows = await read_rows(core, ids[:max_rows], owner)
     return {"at": seconds + micros / 1e6, "rows": rows, "total": len(ids), "truncated": len(ids) > max_rows}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from services.gateway.auth import caller
+from services.gateway.auth import caller, is_admin
 from services.gateway.errors import InvalidRequest
 from services.gateway.handle import RequestHandle
 from services.gateway.schemas import GenerateRequest
@@ -34,6 +34,10 @@ async def accept(request: Request, body: GenerateRequest, default_max_tokens: in
     if max_tokens > limit:
         raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
                              "max_tokens_too_large")
+    if caller(request) and not is_admin(request) and body.priority < core.s.priority_floor:
+        # An urgent priority is an entitlement: one key at -1000 would starve every other key until their timeouts.
+        extra_meta = {**(extra_meta or {}), "priority_requested": body.priority}
+        body = body.model_copy(update={"priority": core.s.priority_floor})
     traceparent = choice.pop("traceparent", None) or request.headers.get("traceparent", "")
     return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
                              traceparent=traceparent, route=request.url.path, constraint=constraint, tools=tools,

@@ -16,7 +16,7 @@ router = APIRouter()
 async def ids_in_states(core: GatewayCore, owner: str | None, states: list[State]) -> list[tuple[float, str]]:
     """(time it entered its state, request id) of the requests in `states` that `owner` may see (None: all),
     oldest first, from the state-set and per-owner indexes (no SCAN)."""
-    pipe, names = core.r.pipeline(transaction=False), core.names
+    pipe, names = core.ops_r.pipeline(transaction=False), core.names
     for p in names.all_partitions:  # each partition's sets are on a slot of their own: one read each
         for s in states:
             if owner:
@@ -33,7 +33,7 @@ async def ids_in_states(core: GatewayCore, owner: str | None, states: list[State
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     core: GatewayCore = request.app.state.core
-    body = await core.metrics.render(core.r, core.names)
+    body = await core.metrics.render(core.ops_r, core.names)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -47,7 +47,7 @@ async def list_requests(request: Request, state: State | None = None, limit: int
     ids = await ids_in_states(core, visible_owner(request), states)
     data = []
     for _score, rid in ids[offset:offset + limit]:  # at most `limit` contexts read
-        snap = await core.store.aread(core.r, rid)
+        snap = await core.store.aread(core.ops_r, rid)
         if snap is not None:  # expired meanwhile
             data.append(snap.to_dict())
     more = len(ids) > offset + limit
@@ -61,6 +61,6 @@ async def cancel_owned(core: GatewayCore, request: Request, request_id: str) -> 
     cancelled = False
     for rid in await members(core, snap.layers["meta"], request_id):  # a choice of n > 1: the whole request
         cancelled = await core.cancel(rid, "client_cancel", snap.layers["meta"].get("reply_to", "")) or cancelled
-    after = await core.store.aread(core.r, request_id)
+    after = await core.store.aread(core.ops_r, request_id)
     return {"request_id": request_id, "cancelled": cancelled,
             "state": after.state.value if after and after.state else None}

@@ -8,8 +8,10 @@ tpot, e2e) use the gateway's monotonic clock from receipt. docs/metrics.md defin
 
 from __future__ import annotations
 
+import logging
 import statistics
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -17,6 +19,8 @@ from shared import liveness
 from shared.constants import Names
 from shared.events import event_type
 from shared.lifecycle import TERMINAL, State, parse_history
+
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 LIVE_STATES = [s for s in State if s not in TERMINAL]
@@ -57,7 +61,11 @@ def client_intervals(t0: float, token_times: list[float], n_tokens: int, ended_a
 
 async def request_metrics(core, handle) -> dict:
     """Every per-request metric, once its terminal event arrived (see docs/metrics.md)."""
-    history = parse_history(await core.r.lrange(core.names.history(handle.request_id), 0, -1))
+    try:
+        history = parse_history(await core.r.lrange(core.names.history(handle.request_id), 0, -1))
+    except redis.RedisError as e:  # the answer is ready: it goes out without the lifecycle intervals
+        logger.warning("request %s: no history for its metrics (%r)", handle.request_id, e)
+        history = []
     end = handle.ended
     return {
         **lifecycle_intervals(history),

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
@@ -23,6 +22,7 @@ from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat as 
 from services.gateway.openai_tools import ToolShaper, message
 from services.gateway.responses import drive, final_body, sse
 from services.gateway.structured_output import OutputPlan
+from services.gateway.sse import SseResponse
 from shared.events import Completed
 from shared.logprobs import TokenLogprob
 
@@ -105,7 +105,7 @@ class Shape:
 
 
 async def start_stream(request: Request, core: GatewayCore, handle: RequestHandle, shape: Shape,
-                       headers: dict) -> StreamingResponse:
+                       headers: dict) -> SseResponse:
     """Wait for the first output or the end, then answer with an SSE stream (or raise the error)."""
     chunks = drive(core, handle, request)
     try:
@@ -116,8 +116,7 @@ async def start_stream(request: Request, core: GatewayCore, handle: RequestHandl
         _close(core, handle)
         await chunks.aclose()
         raise
-    return StreamingResponse(_events(core, handle, shape, first, chunks), media_type="text/event-stream",
-                             headers=headers)
+    return SseResponse(_events(core, handle, shape, first, chunks), core.s.sse_write_timeout_s, headers=headers)
 
 
 def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[dict]:

@@ -7,6 +7,7 @@ import json
 import logging
 from typing import AsyncIterator
 
+import redis
 from fastapi import Request
 
 from services.gateway.core import GatewayCore
@@ -87,7 +88,10 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
                 "metrics": metrics}
         if handle.logprobs is not None and with_logprobs:
             body["logprobs"] = native_logprobs(core.token_strings, handle.token_ids, handle.logprobs)
-        await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
+        try:
+            await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
+        except redis.RedisError as e:  # bookkeeping after the end: the client still gets the finished answer
+            logger.warning("request %s: output layer not written (%r)", handle.request_id, e)
         return body
     if isinstance(end, Failed):
         if end.reason in ("invalid", "too_long"):
