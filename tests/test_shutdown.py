@@ -64,3 +64,31 @@ def test_stuck_gateway_shutdown_is_ended_by_the_watchdog_with_stacks_in_the_log(
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_STUCK
     assert "shutdown still not finished" in proc.stderr and "Stack for <Task" in proc.stderr, proc.stderr
+
+
+def test_gateway_sigterm_while_redis_is_down_still_gives_clients_their_final_answer(tmp_path, model_dir):
+    """The drain cancels what is left after the grace; with Redis away those cancels fail. Each client must
+    still get a final answer (cancelled: shutdown) and the process exit 0, not a reset from the watchdog."""
+    c = Cluster(tmp_path, CACHE_DIR, env={**SIM, "CONVEYOR_SHUTDOWN_GRACE_S": "1",
+                                          "CONVEYOR_SOCKET_TIMEOUT_S": "2"}).start()
+    try:
+        box: dict = {}
+
+        def send():
+            box["long"] = httpx.post(f"{c.url}/generate", json={"prompt": "Count:", "max_tokens": 3000,
+                                                                "ignore_eos": True}, timeout=120)
+        long = threading.Thread(target=send)
+        long.start()
+        wait_for(lambda: httpx.get(f"{c.url}/v1/requests", params={"state": "DECODING"}).json()["data"], 60)
+        c.redis.stop()
+        gateway = c.procs["gateway"]
+        gateway.send_signal(signal.SIGTERM)
+        long.join(90)
+        assert box["long"].status_code == 499 and box["long"].json()["error"]["code"] == "shutdown", box["long"].text
+        try:
+            rc = gateway.wait(45)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0, f"gateway exit status {rc}\n{c.logs('gateway', 30000)}"
+    finally:
+        c.stop()

@@ -20,6 +20,7 @@ import time
 
 import uvicorn
 
+from shared.events import Cancelled
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -52,19 +53,33 @@ class GracefulServer(uvicorn.Server):
         self._drain_task = loop.create_task(self._drain(core), name="drain")
 
     async def _drain(self, core) -> None:
-        deadline = time.monotonic() + self.grace_s
-        while core.handles and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = list(core.handles.values())
-        if left:
-            logger.info("grace over: cancelling %d requests with reason shutdown", len(left))
-        for handle in left:
-            await core.cancel(handle.request_id, "shutdown", handle.reply_to)
-        settle = time.monotonic() + SETTLE_S
-        while core.handles and time.monotonic() < settle:
-            await asyncio.sleep(0.05)
-        logger.info("drain done (%d requests still open); stopping the server", len(core.handles))
-        self.should_exit = True
+        try:
+            deadline = time.monotonic() + self.grace_s
+            while core.handles and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            left = list(core.handles.values())
+            if left:
+                logger.info("grace over: cancelling %d requests with reason shutdown", len(left))
+            for handle in left:
+                await self._cancel(core, handle)
+            settle = time.monotonic() + SETTLE_S
+            while core.handles and time.monotonic() < settle:
+                await asyncio.sleep(0.05)
+            logger.info("drain done (%d requests still open); stopping the server", len(core.handles))
+        finally:  # whatever failed above, the server stops now, not when the watchdog kills it
+            self.should_exit = True
+
+    @staticmethod
+    async def _cancel(core, handle) -> None:
+        """Settle CANCELLED (shutdown) in Redis; when Redis cannot be reached, answer the client all the same (its
+        work is cancelled by the scheduler once this gateway's liveness expires)."""
+        try:
+            async with asyncio.timeout(core.s.socket_timeout_s):
+                await core.cancel(handle.request_id, "shutdown", handle.reply_to)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure: the client still gets its final answer below
+            logger.warning("request %s: cancel not recorded (%r); answering its client anyway", handle.request_id, e)
+        handle.deliver(Cancelled(request_id=handle.request_id, reason="shutdown", service="gateway"))
 
     @staticmethod
     def _arm_watchdog(loop: asyncio.AbstractEventLoop, after_s: float) -> None:
