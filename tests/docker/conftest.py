@@ -18,12 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.docker.engine import Unavailable, compose_command, docker_env
+from tests.docker.engine import TIMINGS, Unavailable, compose_command, docker_env
 from tests.docker.images import ROOT, base_images, build_conveyor, run
 
 logger = logging.getLogger(__name__)
 
-TIMINGS: dict[str, float] = {}
 IMAGE = "conveyor:compose-test"
 READY_TIMEOUT_S = 1200  # a first start on a 2-core machine measures the GEMM plans (minutes)
 

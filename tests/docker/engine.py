@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 STATE = Path(os.environ.get("CONVEYOR_DOCKER_STATE", "/tmp/conveyor-docker"))
 APT_PACKAGES = ("docker.io", "docker-compose", "debootstrap")
+TIMINGS: dict[str, float] = {}  # phase -> seconds, printed at the end of the run (conftest's terminal summary)
 
 
 class Unavailable(Exception):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.docker.conftest import TIMINGS
+from tests.docker.engine import TIMINGS
 from tests.docker.images import ROOT
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
