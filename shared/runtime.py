@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 
@@ -70,6 +71,36 @@ class Liveness:
 
     def clear(self, client) -> None:
         liveness.remove(client, self.names, self.service, self.instance)
+
+
+class LivenessThread:
+    """Refreshes one process's liveness entry from a thread of its own, every interval, with its own client: a
+    process whose main loop is busy for seconds (a big answer, a long step) is not taken for a dead one.
+    progressing() tells whether that loop still moves at all: a loop stuck for good must not be kept alive."""
+
+    def __init__(self, client, live: Liveness, progressing):
+        self.r, self.live, self.progressing = client, live, progressing
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"liveness-{live.service}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.progressing():
+                    self.live.refresh(self.r)
+                else:
+                    logger.error("%s: its main loop has not moved for long: no longer refreshing its liveness",
+                                 self.live.instance)
+            except Exception as e:  # noqa: BLE001 - the thread outlives anything; Redis away is the usual case
+                logger.warning("%s: liveness refresh failed (%r)", self.live.instance, e)
+            self._stop.wait(self.live.interval_s)
 
 
 def run_loop(stop: StopFlag, tick, name: str, on_nogroup=None) -> None:

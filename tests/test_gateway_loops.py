@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -329,3 +330,37 @@ def test_a_finished_generation_is_answered_when_redis_fails_after_its_end(redis_
     body = asyncio.run(run())
     assert body["finish_reason"] == "length" and body["token_ids"] == [42, 43]
     assert body["metrics"]["output_tokens"] == 2
+
+
+def test_a_stalled_event_loop_does_not_let_the_gateways_liveness_go_stale(redis_server, redis_client, names):
+    """Client-controlled work can hold the event loop for seconds (issue 24, item 9); the scheduler must not
+    take that for a dead gateway and cancel every request it serves."""
+    ttl = 2.0
+    seen: list[bool] = []
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.is_set():
+            seen.append("gw-stall" in read_live(redis_client, names, "gateway"))
+            time.sleep(0.1)
+
+    async def run():
+        core = gateway_core(redis_server.url, names, instance_id="gw-stall", liveness_ttl_s=ttl,
+                            heartbeat_interval_s=0.3)
+        await core.start()
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(stop,))
+        try:
+            await _wait(lambda: _live(redis_client, names, "gw-stall"))
+            watcher.start()
+            time.sleep(2 * ttl + 1)  # the loop is held: no coroutine runs meanwhile
+        finally:
+            stop.set()
+            watcher.join()
+            await core.stop()
+
+    asyncio.run(run())
+    assert seen and all(seen), f"stale for {seen.count(False)} of {len(seen)} samples"
+
+
+async def _live(client, names, instance: str) -> bool:
+    return instance in read_live(client, names, "gateway")

@@ -33,13 +33,16 @@ from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, 
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
-from shared.redis_client import async_client
-from shared.runtime import instance_id
+from shared.redis_client import async_client, sync_client
+from shared.runtime import Liveness, LivenessThread, instance_id
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
+# The liveness entry is refreshed by a thread (shared.runtime.LivenessThread) while the event loop moved within
+# this long: a stall of seconds is not a dead gateway, an event loop stuck for a minute is.
+LOOP_DEAD_S = 60.0
 REPLY_READ = 256  # reply stream entries read at a time
 LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
 # Reads that look into the cluster (/ready, /v1/requests, /metrics, the dashboard's API) have a pool of their own:
@@ -72,6 +75,11 @@ class GatewayCore:
         self.ops_r = async_client(settings, OPS_CONNECTIONS, OPS_POOL_TIMEOUT_S)
         self.names = settings.names()
         self.id = instance_id(settings, "gateway")
+        self._loop_moved = time.monotonic()  # set by the event loop's keep-alive round; read by the liveness thread
+        self.liveness = LivenessThread(sync_client(settings), Liveness(self.names, "gateway", self.id,
+                                                                       settings.heartbeat_interval_s,
+                                                                       settings.liveness_ttl_s),
+                                       lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S)
         self.reply_to = self.names.reply_stream(self.id)
         self.tokenizer = tokenizer
         self.token_strings = TokenStrings(tokenizer)  # log probabilities' token strings and bytes
@@ -100,6 +108,7 @@ class GatewayCore:
     async def start(self) -> None:
         await self._ensure_group()
         await self.epoch.acheck(self.r)
+        self.liveness.start()
         self._tasks = [asyncio.create_task(self._read_replies(), name="replies"),
                        asyncio.create_task(self._keep_alive(), name="liveness")]
 
@@ -108,6 +117,7 @@ class GatewayCore:
         pending = await cancel_until_done(self._tasks, 5.0)
         if pending:  # a task that ignores cancellation must not hold the process up
             logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
+        await asyncio.to_thread(self.liveness.stop)
         try:
             async with asyncio.timeout(5.0):
                 await liveness.remove(self.loop_r, self.names, "gateway", self.id)
@@ -298,11 +308,11 @@ class GatewayCore:
             task.add_done_callback(self._background.discard)
 
     async def _keep_alive(self) -> None:
-        """Liveness, the reply stream's TTL, and the dataset epoch, every heartbeat interval, for ever: no error
-        ends it (a gateway whose liveness went stale would have every request of its cancelled as orphaned)."""
+        """The loop's progress mark (the liveness thread's guard), the reply stream's TTL, and the dataset epoch,
+        every heartbeat interval, for ever: no error ends it."""
         while True:
+            self._loop_moved = time.monotonic()
             try:
-                await liveness.write(self.loop_r, self.names, "gateway", self.id, self.s.liveness_ttl_s)
                 await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
                 if await self.epoch.acheck(self.loop_r):
                     await self._on_data_loss()
