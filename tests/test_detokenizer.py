@@ -132,3 +132,25 @@ def test_max_tokens_cutting_a_character_ends_the_text_before_it_streamed_and_who
     assert native["token_ids"] == ids[:cut]
     assert "".join(deltas) == whole == native["text"] == _complete(tokenizer, ids[:cut])
     assert not whole.endswith("\ufffd") and not any("\ufffd" in d for d in deltas), (whole, deltas)
+
+
+class _Counting:
+    """The real tokenizer, counting how many ids it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_a_long_run_of_tokens_without_text_is_not_decoded_again_at_every_token(tokenizer):
+    """Special tokens decode to nothing: the window must not keep them (it grew by one token per push and every
+    push decoded all of it again, quadratic in the run: 2,000 tokens cost 4 million decoded ids)."""
+    counting = _Counting(tokenizer)
+    d = IncrementalDetokenizer(counting)
+    eos, n = tokenizer.eos_token_id, 2000
+    out = [d.push([eos]) for _ in range(n)] + [d.push(tokenizer.encode(" done", add_special_tokens=False)), d.flush()]
+    assert "".join(out) == " done"
+    assert counting.decoded < 10 * n

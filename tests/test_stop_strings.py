@@ -154,3 +154,29 @@ def test_stop_string_that_never_completes_releases_its_prefix_at_the_end(cluster
     assert finish == "length"
     assert "".join(deltas) == text
     assert deltas[-2:] == [tail, ""]  # held back while it could still become the stop string, released at the end
+
+
+def _naive_first_completion(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The shown text and the matched stop, by definition: the stop whose end comes first in the text (the longer
+    of two ending together)."""
+    ends = [(at + len(s), -len(s), s) for s in stops if (at := text.find(s)) >= 0]
+    if not ends:
+        return text, None
+    end, _, s = min(ends)
+    return text[:end - len(s)], s
+
+
+def test_matching_in_any_chunking_equals_the_definition_on_random_texts():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        text = "".join(rng.choice("abca") for _ in range(rng.randrange(0, 40)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        m, shown, i = StopMatcher(stops), [], 0
+        while i < len(text):
+            n = rng.randrange(1, 6)
+            shown.append(m.feed(text[i:i + n]))
+            i += n
+        shown.append(m.flush())
+        assert ("".join(shown), m.matched) == _naive_first_completion(text, stops), (text, stops)

@@ -27,7 +27,13 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if new_text == prefix_text:
+            # The new tokens decode to nothing (special tokens, skipped): forget them. Kept, they would stay in the
+            # window, which only moves on with text, and every later push would decode them again: a long run
+            # of them (a model repeating a special token) cost quadratic time on the gateway's event loop.
+            del self.ids[self.read_offset:]
+            return ""
+        if len(new_text) < len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]
