@@ -141,10 +141,11 @@ class Completed(Event, tag="completed", kw_only=True):
 
 class Failed(Event, tag="failed", kw_only=True):
     request_id: str  # request id
-    reason: str  # invalid | too_long | oom | worker_error | worker_lost | internal
+    reason: str  # invalid | too_long | oom | worker_error | worker_lost | internal | overloaded
     message: str  # what a person can act on
     param: str = ""  # offending request field, when the client's input is at fault
     service: str = ""  # service that failed it
+    retry_after_s: int = 0  # overloaded: seconds after which the work ahead of it would leave room (Retry-After)
 
 
 class Cancelled(Event, tag="cancelled", kw_only=True):
@@ -181,6 +182,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     busy: bool = False  # it holds work (so its step counter must move)
     kv_incarnation: str = ""  # its KV events' incarnation ("" = it publishes none)
     kv_seq: int = 0  # number of its latest KV event (a reader that never saw it missed it)
+    decode_tokens_left: int = 0  # output tokens the requests it holds may still produce: the work a queue waits on
 
 
 class KvEvents(Event, tag="kv_events", kw_only=True):

@@ -145,3 +145,27 @@ def test_dashboard_reads_are_served_when_the_open_request_limit_is_reached():
     (reads, stream), _done, _after = saturated(1, dashboard)
     assert [r.status_code for r in reads] == [200, 200, 200, 200]
     assert stream.status_code == 429
+
+
+def test_a_request_that_cannot_start_before_its_timeout_gets_429_at_once_not_504_later(slow):
+    """The queue's work model says the request would wait longer than its timeout: refused now, with a Retry-After
+    from the predicted wait (issue 24, item 11), instead of held for its whole timeout and then refused."""
+    async def run():
+        client = async_openai_client(slow.url)
+        blocker = asyncio.create_task(client.completions.create(
+            model=MODEL, prompt="Count to a thousand:", max_tokens=3000, temperature=0, extra_body={"ignore_eos": True}))
+        await asyncio.to_thread(wait_for, lambda: _worker_running(slow), 60, 0.05, "the blocker is running")
+        t0 = time.monotonic()
+        try:
+            await client.completions.create(model=MODEL, prompt="Late", max_tokens=2, temperature=0,
+                                            extra_body={"timeout": 5})
+            got = None
+        except openai.RateLimitError as e:
+            got = e
+        took = time.monotonic() - t0
+        blocker.cancel()
+        return got, took
+
+    got, took = asyncio.run(run())
+    assert got is not None and got.code == "overloaded", got
+    assert int(got.response.headers["retry-after"]) > 5 and took < 5  # answered before its timeout passed

@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+import redis
+
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from tests.scheduling import deliver, heartbeat, preprocessed_request, scheduler, state
 
@@ -75,3 +78,34 @@ def test_a_queued_request_past_its_allowance_with_no_live_worker_times_out(redis
     s.expire_deadlines()
     assert second.request_id not in s.queue
     assert state(redis_client, names, second.request_id) == "TIMED_OUT"
+
+
+def _behind_a_long_queue(redis_server, names, adaptive: bool):
+    """A cluster whose only worker (1 slot, 1 s a step) is busy, a request queued that needs 2,000 steps, then one
+    whose timeout is 60 s: it cannot even start in time."""
+    from shared.events import decode
+
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=1.0, decode_s_per_token=1.0))
+    long = preprocessed_request(redis_server, names, adaptive=True, max_tokens=2000, timeout_s=3000)
+    deliver(s, names.preprocessed_stream(0), long)
+    late = preprocessed_request(redis_server, names, adaptive=adaptive, timeout_s=60)
+    deliver(s, names.preprocessed_stream(0), late)
+    replies = [decode(f[b"e"]) for _, f in redis.Redis.from_url(redis_server.url).xrange(late.reply_to)]
+    return s, late, [r for r in replies if getattr(r, "request_id", "") == late.request_id]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_request_that_cannot_start_within_its_timeout_is_refused_at_once(redis_server, redis_client, names, adaptive):
+    s, late, replies = _behind_a_long_queue(redis_server, names, adaptive)
+    assert state(redis_client, names, late.request_id) == "FAILED" and late.request_id not in s.queue
+    (failed,) = replies
+    assert failed.reason == "overloaded" and failed.retry_after_s >= 1900  # ~2,000 s of work ahead, less its 60
+
+
+def test_a_request_that_can_start_in_time_is_queued(redis_server, redis_client, names):
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=0.01, decode_s_per_token=0.01))
+    ev = preprocessed_request(redis_server, names, max_tokens=20, timeout_s=60)
+    deliver(s, names.preprocessed_stream(0), ev)
+    assert state(redis_client, names, ev.request_id) == "QUEUED"

@@ -11,8 +11,8 @@ import redis
 from fastapi import Request
 
 from services.gateway.core import GatewayCore
-from services.gateway.errors import (GatewayError, InvalidRequest, RequestCancelled, RequestFailed, RequestTimedOut,
-                                     Unavailable)
+from services.gateway.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
+                                     RequestTimedOut, Unavailable)
 from services.gateway.handle import Chunk, RequestHandle
 from services.gateway.logprobs import native as native_logprobs
 from services.gateway.metrics import request_metrics
@@ -98,6 +98,8 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
             raise InvalidRequest(end.message, end.param or None, end.reason, headers=ids)
         if end.reason in ("worker_lost", "state_lost"):
             raise Unavailable(end.message, None, end.reason, extra=extra, headers=ids)
+        if end.reason == "overloaded":  # refused by the scheduler before it could start: nothing ran
+            raise Overloaded(end.message, None, end.reason, headers={**ids, "Retry-After": str(end.retry_after_s)})
         raise RequestFailed(end.message, None, end.reason, extra=extra, headers=ids)
     if isinstance(end, TimedOut):
         raise RequestTimedOut(f"the request did not finish within its timeout (it was {end.where})", "timeout",

@@ -28,6 +28,7 @@ class Costs:
     prefill_s_per_token: float
     decode_s_per_step: float  # one step of the running batch
     slots: int  # sequences decoded at once, summed over workers
+    decode_left: int = 0  # output tokens the workers' own requests may still produce, summed over workers
 
     @classmethod
     def of(cls, heartbeats: list) -> "Costs | None":
@@ -36,7 +37,13 @@ class Costs:
         n = len(heartbeats)
         return cls(prefill_s_per_token=sum(h.prefill_s_per_token for h in heartbeats) / n,
                    decode_s_per_step=sum(h.step_time_s or h.decode_s_per_token for h in heartbeats) / n,
-                   slots=max(1, sum(h.max_num_seqs for h in heartbeats)))
+                   slots=max(1, sum(h.max_num_seqs for h in heartbeats)),
+                   decode_left=sum(getattr(h, "decode_tokens_left", 0) for h in heartbeats))
+
+    def wait_to_start(self, ahead: Work) -> float:
+        """Predicted time before a request could start: the work queued ahead of it and what the workers hold
+        (their slots free up as that decodes)."""
+        return self.seconds(Work(ahead.prefill_tokens, ahead.decode_tokens + self.decode_left), Work(0, 0))
 
     def seconds(self, ahead: Work, own: Work) -> float:
         """Predicted time from arrival to the end: the work ahead (decode shared by every slot), then its own

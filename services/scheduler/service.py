@@ -9,6 +9,7 @@ worker's stream; a request cancelled meanwhile is refused there and never reache
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import msgspec
@@ -168,12 +169,35 @@ class SchedulerService:
         batched); or adopt a redelivered request that is QUEUED already."""
         if res.applied:
             item = self.queue.push(ev)
+            if item is not None and self.refuse_if_too_late(item):
+                return
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item, client)
             if item is not None:
                 client.hset(self.queue_key(ev.request_id), ev.request_id, encode_queued(item))
         elif res.previous == State.QUEUED:
             self.adopt_queued(ev)
+
+    def refuse_if_too_late(self, item) -> bool:
+        """A request the work queued ahead of it keeps from even starting before its deadline is refused now (429
+        with Retry-After at the gateway), not held for its whole timeout only to time out: the adaptive deadline's
+        work model prices that wait. Without measured costs (no heartbeat yet) nothing is refused."""
+        costs = Costs.of([w.hb for w in self._live_views()])
+        if costs is None:
+            return False
+        wait = costs.wait_to_start(self.queue.work_ahead_of(item))
+        left = item.event.deadline - time.time()
+        if wait <= left:
+            return False
+        self.queue.remove(item.request_id)
+        ev = item.event
+        refusal = Failed(request_id=ev.request_id, reason="overloaded", service="scheduler",
+                         retry_after_s=max(1, math.ceil(wait - left)), traceparent=ev.traceparent,
+                         message=f"the server is overloaded: the work queued ahead of this request needs about "
+                                 f"{wait:.0f} s, longer than its {max(0.0, left):.0f} s left; retry later")
+        self._try(ev.request_id, State.FAILED, "overloaded", [Publish(ev.reply_to, refusal)])
+        logger.info("refused %s: %.0f s of work ahead, %.0f s left", ev.request_id, wait, left)
+        return True
 
     def adopt_queued(self, ev: Preprocessed) -> None:
         """A redelivered event of a QUEUED request: either a scheduler died between the transition and storing

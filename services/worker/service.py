@@ -223,7 +223,8 @@ class WorkerService:
             prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
             num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
             prefix_cache_hits=st.prefix_cache_hits, step_no=self.step_no, busy=bool(self.active),
-            kv_incarnation=self.kv_events.incarnation, kv_seq=self.kv_events.seq))
+            kv_incarnation=self.kv_events.incarnation, kv_seq=self.kv_events.seq,
+            decode_tokens_left=st.decode_tokens_left))
 
     def drain(self) -> None:
         """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),

@@ -53,3 +53,4 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens served from the cache
     prefill_s_per_token: float  # moving averages of forward time per token
     decode_s_per_token: float
+    decode_tokens_left: int = 0  # output tokens its sequences may still produce (max_tokens less what they have)
