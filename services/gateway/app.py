@@ -16,6 +16,7 @@ from services.gateway.admission import OpenRequestLimit
 from services.gateway.auth import ApiKeyAuth, owned_snapshot
 from services.gateway.choices_native import generate_choices
 from services.gateway.core import GatewayCore
+from services.gateway import log_redaction
 from services.gateway.dashboard import router as dashboard_router
 from services.gateway.introspection import cancel_owned
 from services.gateway.introspection import router as introspection_router
@@ -91,6 +92,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         yield
         await app.state.core.stop()
 
+    log_redaction.install([*settings.api_keys, *settings.admin_api_keys])  # before any request is logged
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.add_exception_handler(GatewayError, gateway_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
