@@ -87,6 +87,12 @@ class Bus:
             out.extend(self._decode_entries(_s(stream), group, entries))
         return out
 
+    def read_own_pending(self, stream: str, group: str, count: int = 1024) -> list[Delivery]:
+        """This consumer's entries of `stream` read and not acknowledged (XREADGROUP from id 0): what a batch cut
+        short by an error left, for a stream nothing else claims from (a process's own inbox)."""
+        reply = self.r.xreadgroup(group, self.consumer, {stream: "0"}, count=count)
+        return [d for s, entries in reply or [] for d in self._decode_entries(_s(s), group, entries)]
+
     def _read_slots(self, groups: list[list[str]], group: str, count: int, block: int) -> list:
         """A cluster: one XREADGROUP cannot span hash slots. One non-blocking read per slot, pipelined (a round
         trip per node); when all were empty, a blocking read of one slot for a share of the wait, a different

@@ -35,6 +35,14 @@ def encode_entry(ttl_s: float, info: dict | None = None, at: float | None = None
     return msgspec.json.encode(entry)
 
 
+def entry_at(value: bytes) -> float:
+    """When an entry was written (its writer's clock); 0.0 for one that does not decode."""
+    try:
+        return float(msgspec.json.decode(value)["at"])
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return 0.0
+
+
 def hash_ttl_s(ttl_s: float) -> int:
     return max(MIN_HASH_TTL_S, math.ceil(HASH_TTLS * ttl_s))
 
@@ -51,6 +59,33 @@ def write(client, names: Names, service: str, instance: str, ttl_s: float, info:
     pipe = client.pipeline(transaction=False)
     queue_write(pipe, names, service, instance, ttl_s, info)
     return pipe.execute()
+
+
+# KEYS: the liveness hash. ARGV: instance, its new entry, the claimant's token, the claimant's now, the hash's TTL.
+# Returns nil when the entry was written, else the entry of the live process (another token) that holds the id.
+_CLAIM_LUA = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if held then
+  local ok, e = pcall(cjson.decode, held)
+  if ok and type(e) == 'table' and e.token ~= ARGV[3] and tonumber(e.at) and tonumber(e.ttl)
+     and tonumber(ARGV[4]) - tonumber(e.at) <= tonumber(e.ttl) then
+    return held
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return false
+"""
+
+
+def claim(client, names: Names, service: str, instance: str, ttl_s: float, token: str, now: float | None = None):
+    """Write the instance's entry (with token: the process's own random value) unless a live entry of another
+    process holds the id, in one step: two processes starting under one id cannot both take it. Returns what the
+    client returns (await it on asyncio): None when written, else the holder's entry (JSON bytes)."""
+    now = time.time() if now is None else now
+    entry = encode_entry(ttl_s, {"token": token}, at=now)
+    return client.eval(_CLAIM_LUA, 1, names.live_hash(service), instance, entry, token, repr(now),
+                       str(hash_ttl_s(ttl_s)))
 
 
 def remove(client, names: Names, service: str, instance: str):

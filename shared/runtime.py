@@ -78,8 +78,8 @@ class LivenessThread:
     process whose main loop is busy for seconds (a big answer, a long step) is not taken for a dead one.
     progressing() tells whether that loop still moves at all: a loop stuck for good must not be kept alive."""
 
-    def __init__(self, client, live: Liveness, progressing):
-        self.r, self.live, self.progressing = client, live, progressing
+    def __init__(self, client, live: Liveness, progressing, info: dict | None = None):
+        self.r, self.live, self.progressing, self.info = client, live, progressing, info
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"liveness-{live.service}", daemon=True)
 
@@ -94,7 +94,7 @@ class LivenessThread:
         while not self._stop.is_set():
             try:
                 if self.progressing():
-                    self.live.refresh(self.r)
+                    self.live.refresh(self.r, self.info)
                 else:
                     logger.error("%s: its main loop has not moved for long: no longer refreshing its liveness",
                                  self.live.instance)

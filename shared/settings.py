@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Iterator, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+# An instance id is part of stream names and, in braces, of a hash tag: ':' ends the part the scheduler reads a
+# gateway's id back from, '{' or '}' move the tag. It was read as a gateway gone, and its requests cancelled.
+INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def _default_cache_dir() -> Path:
@@ -38,7 +44,9 @@ class CommonSettings(BaseSettings):
     model_name: str = Field("", description="name reported to clients; empty = derived from the model path")
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="where converted models are cached")
     log_level: str = Field("INFO", description="logging level of the process")
-    instance_id: str = Field("", description="consumer/instance name; empty = host-pid-random")
+    instance_id: str = Field("", description="consumer/instance name: letters, digits, '.', '_', '-' (a "
+                             "gateway's unique among live gateways: another under it is refused at start); "
+                             "empty = host-pid-random")
     liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness entry is older")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness entries are refreshed")
     read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
@@ -58,6 +66,14 @@ class CommonSettings(BaseSettings):
     # Common: the worker's KV blocks, and the tokenizer's block hashes the scheduler matches against them.
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block (workers) and per "
                             "block hash attached to a request (tokenizer): the same value everywhere")
+
+    @field_validator("instance_id")
+    @classmethod
+    def _check_instance_id(cls, v: str) -> str:
+        if v and not INSTANCE_ID.fullmatch(v):
+            raise ValueError(f"CONVEYOR_INSTANCE_ID {v!r} may hold only letters, digits, '.', '_' and '-' (1 to 128 "
+                             "of them): it is part of stream and key names (empty: one is made up)")
+        return v
 
     def names(self):
         """The deployment's stream and key names (shared.constants.Names)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import uuid
+
 import httpx
 import pytest
 
@@ -80,4 +83,59 @@ def test_chunked_body_over_limit_is_rejected(cluster):
             yield b"x" * 65536
     r = httpx.post(f"{cluster.url}/generate", content=body(), timeout=30, headers={"content-type": "application/json"})
     assert r.status_code == 413
+    _assert_next_request_served(cluster.url)
+
+
+def _nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+# Where a deep value is put (as JSON text: a value deeper than Python's own parser allows cannot be a dict here).
+DEEP_FIELDS = {
+    "tools": lambda v: '"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+                       '{"type": "object", "default": %s}}}]' % v,
+    "tools.description": lambda v: '"tools": [{"type": "function", "function": {"name": "f", "description": %s}}]' % v,
+    "response_format": lambda v: '"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+                                 '"schema": {"type": "object", "default": %s}}}' % v,
+    "messages.1.tool_calls": lambda v: '"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                                       '"content": null, "tool_calls": [{"id": "c", "x": %s}]}]' % v,
+}
+# Just over the limit, deep, and around where Python's parser gives up: there a value the parser managed broke
+# json.dumps further down the stack (RecursionError, a 500); the spot moves with the stack's depth, so swept.
+DEPTHS = [65, 300, *range(928, 976, 4), 5000]
+
+
+@pytest.mark.parametrize("field", DEEP_FIELDS)
+def test_a_deeply_nested_value_is_rejected_with_the_limit(cluster, field):
+    model = httpx.get(f"{cluster.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for depth in DEPTHS:
+        part = DEEP_FIELDS[field](_nested(depth))
+        messages = '' if field.startswith("messages") else '"messages": [{"role": "user", "content": "hi"}], '
+        body = '{"model": "%s", "max_tokens": 2, %s%s}' % (model, messages, part)
+        r = httpx.post(f"{cluster.url}/v1/chat/completions", content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, (depth, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "too_deep" and "64 levels" in err["message"], (depth, err)
+        # Named when the body could be parsed; deeper than Python's parser goes, the body as a whole.
+        assert err["param"] in (field.split(".description")[0], None), (depth, err)
+    _assert_next_request_served(cluster.url)
+
+
+def test_chunked_body_crossing_the_limit_is_not_run(cluster):
+    """Its first mebibyte is a whole request (then padding): refused with 413 and never created, not run on a
+    truncated body while the client is told 413."""
+    marker = f"chunked-{uuid.uuid4().hex}"
+    head = json.dumps({"prompt": marker, "max_tokens": 2}).encode()
+
+    def body():
+        yield head + b" " * (65536 - len(head))
+        for _ in range(19):
+            yield b" " * 65536
+    r = httpx.post(f"{cluster.url}/generate", content=body(), timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "1048576" in r.json()["error"]["message"], r.text
+    client = cluster.client()
+    created = [k for k in client.scan_iter(match=f"{cluster.ns}*:req:*:input", count=1000)
+               if marker.encode() in (client.hget(k, "prompt") or b"")]
+    assert created == []
     _assert_next_request_served(cluster.url)

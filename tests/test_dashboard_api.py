@@ -103,22 +103,33 @@ def test_snapshot_lists_the_in_flight_requests_the_key_may_see(dash):
         first.close()
 
 
-def test_dashboard_paths_want_a_key_like_v1_requests(dash):
-    for path in ("/dashboard", EVENTS, "/dashboard/api/config", "/dashboard/api/rows?ids=ab"):
+def test_dashboard_data_wants_a_key_like_v1_requests(dash):
+    for path in (EVENTS, "/dashboard/api/config", "/dashboard/api/rows?ids=ab", "/dashboard/api/requests/ab"):
         assert httpx.get(dash.url + path, timeout=10).status_code == 401
         assert httpx.get(dash.url + path, headers=_auth("wrong"), timeout=10).status_code == 401
-    assert httpx.get(f"{dash.url}/dashboard?key=wrong", timeout=10).status_code == 401
+    page = httpx.get(f"{dash.url}/dashboard", timeout=10)  # the page itself holds no data: its login form
+    assert page.status_code == 200 and 'id="login"' in page.text
 
 
-def test_key_in_the_address_becomes_a_dashboard_only_cookie(dash):
+def test_the_login_takes_the_key_from_its_header_into_a_dashboard_only_cookie(dash):
     with httpx.Client(base_url=dash.url, timeout=10) as client:
-        r = client.get(f"/dashboard?key={KEY_A}")
-        assert r.status_code == 303 and r.headers["location"] == "/dashboard"
+        assert client.post("/dashboard/login", headers=_auth("wrong")).status_code == 401
+        r = client.post("/dashboard/login", headers=_auth(KEY_A))
+        assert r.status_code == 204, r.text
         cookie = r.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and "path=/dashboard" in cookie
-        assert client.get("/dashboard").status_code == 200
         assert client.get("/dashboard/api/config").json()["admin"] is False
         assert client.get("/v1/requests").status_code == 401  # the cookie is for the dashboard only
+
+
+def test_a_key_in_a_dashboard_link_is_not_taken(dash):
+    """A `?key=` link would plant its key (the sender's) in whoever opens it, and put it in the access log."""
+    with httpx.Client(base_url=dash.url, timeout=10) as client:
+        r = client.get(f"/dashboard?key={KEY_A}")
+        assert r.status_code == 303 and r.headers["location"] == "/dashboard"  # out of the address bar too
+        assert "set-cookie" not in r.headers
+        assert client.get("/dashboard/api/config").status_code == 401
+        assert client.get(f"/dashboard/api/config?key={KEY_A}").status_code == 401
 
 
 def test_a_request_is_read_and_cancelled_by_its_key_or_an_admin_only(dash):

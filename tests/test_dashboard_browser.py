@@ -46,12 +46,20 @@ def _shot(page, name: str) -> None:
     print(f"screenshot: {path}")
 
 
+def _log_in(page, url: str, key: str) -> None:
+    """As a person does: the page's login form (no key is taken from the address)."""
+    page.context.clear_cookies()
+    page.goto(f"{url}/dashboard")
+    page.fill("#login-key", key)
+    page.click("#login button[type=submit]")
+
+
 def _row_state(rid: str) -> str:
     return f'#rows .row[data-rid="{rid}"] .state'
 
 
 def test_page_shows_requests_live_opens_a_timeline_and_cancels_one(page, cluster):
-    page.goto(f"{cluster.url}/dashboard?key={KEY_A}")
+    _log_in(page, cluster.url, KEY_A)
     page.wait_for_selector("#conn.on", timeout=WAIT_MS)
     page.evaluate("window.__sameLoad = true")  # gone if anything reloads the page
     reqs = [_submit(cluster, KEY_A, max_tokens=600) for _ in range(3)]
@@ -96,7 +104,7 @@ def test_page_shows_requests_live_opens_a_timeline_and_cancels_one(page, cluster
 def test_rows_that_appear_below_the_screen_get_their_token_counts(page, cluster):
     """More new requests than the table shows at once: each row's prompt length arrives, seen or not (with many in
     flight the list slides past the screen, and a row asked about only while on screen could stay blank)."""
-    page.goto(f"{cluster.url}/dashboard?key={KEY_A}")
+    _log_in(page, cluster.url, KEY_A)
     page.wait_for_selector("#conn.on", timeout=WAIT_MS)
     rows_on_screen = page.evaluate("Math.ceil(document.getElementById('scroller').clientHeight / ROW_H)")
     reqs = [_submit(cluster, KEY_A, max_tokens=600) for _ in range(2 * rows_on_screen + 10)]
@@ -109,3 +117,10 @@ def test_rows_that_appear_below_the_screen_get_their_token_counts(page, cluster)
         _shot(page, "4-many-rows")
         for rid in rids:
             httpx.delete(f"{cluster.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10)
+
+
+def test_the_login_form_says_when_a_key_is_wrong(page, cluster):
+    _log_in(page, cluster.url, "not-a-key")
+    page.wait_for_function("document.getElementById('login-error').textContent.includes('invalid API key')",
+                           timeout=WAIT_MS)
+    assert page.is_visible("#login") and not page.context.cookies()

@@ -16,6 +16,7 @@ from services.gateway.admission import OpenRequestLimit
 from services.gateway.auth import ApiKeyAuth, owned_snapshot
 from services.gateway.choices_native import generate_choices
 from services.gateway.core import GatewayCore
+from services.gateway import log_redaction
 from services.gateway.dashboard import router as dashboard_router
 from services.gateway.introspection import cancel_owned
 from services.gateway.introspection import router as introspection_router
@@ -38,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over the limit (413) before anything parses them."""
+    """ASGI middleware: refuse bodies over the limit (413) before anything parses them. A body without a
+    Content-Length (chunked) is read here whole, up to the limit, before the app sees any of it: one crossing the
+    limit is refused and never run (handing the app a truncated body ran a request whose client was told 413)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -50,27 +53,27 @@ class BodyLimit:
         too_large = BodyTooLarge(f"the body exceeds {self.max_bytes} bytes", None, "body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await error_response(too_large)(scope, receive, send)
-        seen, exceeded, replaced = 0, False, False
-
-        async def limited():
-            nonlocal seen, exceeded
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":  # the client left before its body was whole: no one to answer
+                return None
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
             if seen > self.max_bytes:
-                # End the body here; the app's answer to the truncated body is replaced below.
-                exceeded = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            return message
+                return await error_response(too_large)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
 
-        async def guarded_send(message):
-            nonlocal replaced
-            if not exceeded:
-                return await send(message)
-            if not replaced:
-                replaced = True
-                await error_response(too_large)(scope, receive, send)
+        async def replay():
+            nonlocal handed
+            if handed:  # after the body: what the server says next (the disconnect the handlers watch for)
+                return await receive()
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, limited, guarded_send)
+        await self.app(scope, replay, send)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -90,6 +93,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         yield
         await app.state.core.stop()
 
+    log_redaction.install([*settings.api_keys, *settings.admin_api_keys])  # before any request is logged
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.add_exception_handler(GatewayError, gateway_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)

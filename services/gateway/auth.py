@@ -6,8 +6,10 @@ gets 404, the same answer as for an id that does not exist, so ids cannot be pro
 (CONVEYOR_ADMIN_API_KEYS) is accepted too, and may read, list and cancel every request.
 
 A browser cannot put a header on a page load or an EventSource, so under /dashboard (only) the key may also come
-as `?key=` (the page then keeps it in an HttpOnly, SameSite=Strict cookie scoped to /dashboard and drops it from
-the address) or from that cookie. The rules are the same whichever way it comes.
+from a cookie: the page's login form sends it once in the header to POST /dashboard/login, which keeps it in an
+HttpOnly, SameSite=Strict cookie scoped to /dashboard. Never from the address (`?key=`): a link would plant its
+sender's key in whoever opens it, and the access log would keep it. The page itself and its static files hold no
+data and are open (the login form is on the page). The rules are the same whichever way the key comes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import hmac
 import logging
 from http.cookies import CookieError, SimpleCookie
 from typing import Sequence
-from urllib.parse import parse_qs
 
 from services.gateway.errors import NotFound, Unauthorized, error_response
 
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # liveness probes carry no key
 STATE_KEY = "api_key_id"  # where the caller's key id is put in the ASGI scope's state
 ADMIN_STATE_KEY = "api_key_admin"  # ... and whether it is an admin key
-DASHBOARD_PREFIX = "/dashboard"  # the only paths that take the key from a query parameter or a cookie
+DASHBOARD_PREFIX = "/dashboard"  # the only paths that take the key from a cookie
+DASHBOARD_OPEN = (DASHBOARD_PREFIX, f"{DASHBOARD_PREFIX}/")  # the page: its login form, no data
+DASHBOARD_STATIC = f"{DASHBOARD_PREFIX}/static/"  # its script and style, no data
 KEY_COOKIE = "conveyor_dashboard_key"
 
 
@@ -42,11 +45,13 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def open_path(path: str) -> bool:
+    """Paths served without a key: liveness probes, and the dashboard's page and static files (no data)."""
+    return path in OPEN_PATHS or path in DASHBOARD_OPEN or path.startswith(DASHBOARD_STATIC)
+
+
 def dashboard_token(scope) -> str | None:
-    """The key a browser sent to a /dashboard path: `?key=` first (opening the page), else the page's cookie."""
-    query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
-    if query.get("key") and query["key"][0].strip():
-        return query["key"][0].strip()
+    """The key a browser's dashboard page sends without a header: its cookie (set by POST /dashboard/login)."""
     for name, value in scope.get("headers") or []:
         if name.lower() == b"cookie":
             try:
@@ -68,7 +73,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path") or ""
-        if scope["type"] != "http" or not (self.digests or self.admin_digests) or path in OPEN_PATHS:
+        if scope["type"] != "http" or not (self.digests or self.admin_digests) or open_path(path):
             return await self.app(scope, receive, send)
         token = bearer_token(scope.get("headers") or [])
         if token is None and path.startswith(DASHBOARD_PREFIX):

@@ -27,7 +27,7 @@ from services.gateway.stop_strings import TextStream
 from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
+from shared.errors import FatalError, InvalidTransition
 from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
                            SchemaError, TimedOut, TokenGenerated, decode)
 from shared.lifecycle import Lifecycle, Publish, State
@@ -75,11 +75,13 @@ class GatewayCore:
         self.ops_r = async_client(settings, OPS_CONNECTIONS, OPS_POOL_TIMEOUT_S)
         self.names = settings.names()
         self.id = instance_id(settings, "gateway")
+        self.token = uuid.uuid4().hex  # this process's mark in its liveness entry: another under its id is refused
         self._loop_moved = time.monotonic()  # set by the event loop's keep-alive round; read by the liveness thread
         self.liveness = LivenessThread(sync_client(settings), Liveness(self.names, "gateway", self.id,
                                                                        settings.heartbeat_interval_s,
                                                                        settings.liveness_ttl_s),
-                                       lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S)
+                                       lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S,
+                                       info={"token": self.token})
         self.reply_to = self.names.reply_stream(self.id)
         self.tokenizer = tokenizer
         self.token_strings = TokenStrings(tokenizer)  # log probabilities' token strings and bytes
@@ -106,11 +108,31 @@ class GatewayCore:
               registry=self.metrics.registry).set_function(lambda: len(self.feed_hub.subscribers))
 
     async def start(self) -> None:
+        await self._claim_id()
         await self._ensure_group()
         await self.epoch.acheck(self.r)
         self.liveness.start()
         self._tasks = [asyncio.create_task(self._read_replies(), name="replies"),
                        asyncio.create_task(self._keep_alive(), name="liveness")]
+
+    async def _claim_id(self) -> None:
+        """Take this gateway's liveness entry, or refuse to start (FatalError) while a live gateway holds its id:
+        two under one id read each other's replies, and once one stops the scheduler cancels the other's requests
+        as orphaned. An entry a dead predecessor left (never refreshed again) is waited out: at most its TTL."""
+        ttl, first_seen = self.s.liveness_ttl_s, None
+        deadline = time.monotonic() + 2 * ttl + self.s.heartbeat_interval_s
+        while (held := await liveness.claim(self.loop_r, self.names, "gateway", self.id, ttl, self.token)) is not None:
+            at = liveness.entry_at(held)
+            refreshed = first_seen is not None and at != first_seen
+            if refreshed or time.monotonic() > deadline:
+                raise FatalError(f"CONVEYOR_INSTANCE_ID {self.id!r} is held by a live gateway (its liveness entry "
+                                 f"was refreshed {time.time() - at:.1f} s ago): give each gateway its own id, or "
+                                 f"leave the setting empty for a made-up one")
+            if first_seen is None:
+                logger.warning("gateway id %s has a live entry: waiting up to %.1f s to see whether its holder is "
+                               "alive", self.id, ttl)
+                first_seen = at
+            await asyncio.sleep(min(0.1, self.s.heartbeat_interval_s))
 
     async def stop(self) -> None:
         await self.feed_hub.stop()

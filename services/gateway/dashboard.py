@@ -1,6 +1,7 @@
 """The live lifecycle dashboard: the page, its data, and its Server-Sent Events (issue 14).
 
-  GET    /dashboard                         the page (with ?key=: keeps the key in a cookie, then drops it)
+  GET    /dashboard                         the page, with its login form (open: it holds no data)
+  POST   /dashboard/login                   the key, in its Authorization header, kept in a dashboard-only cookie
   GET    /dashboard/static/{file}           its script and style (files of static/, no build step, no CDN)
   GET    /dashboard/api/config              what the page needs to know (trace link template, admin or not)
   GET    /dashboard/api/events              SSE: a snapshot of the in-flight requests, then live transitions
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import redis
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.responses import FileResponse, RedirectResponse, Response
 
-from services.gateway.auth import DASHBOARD_PREFIX, KEY_COOKIE, is_admin, owned_snapshot, visible_owner
+from services.gateway.auth import (DASHBOARD_PREFIX, KEY_COOKIE, bearer_token, is_admin, owned_snapshot,
+                                   visible_owner)
 from services.gateway.core import GatewayCore
 from services.gateway.dashboard_data import detail, read_rows, snapshot
 from services.gateway.errors import InvalidRequest, NotFound
@@ -45,15 +47,28 @@ def _core(request: Request) -> GatewayCore:
 
 
 @router.get("")
-async def page(request: Request, key: str = ""):
-    if key:
-        # Keep the key where the page's own requests (fetch, EventSource) carry it, and out of the address bar
-        # and the history. HttpOnly: the page's script never sees it; Strict: no other site's page sends it.
-        resp = RedirectResponse(DASHBOARD_PREFIX, status_code=303)
-        resp.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path=DASHBOARD_PREFIX)
-        return resp
+async def page(request: Request):
+    if request.url.query:
+        # An old `?key=` link: the key is not taken (a link would plant its sender's key in whoever opens it), and
+        # is dropped from the address bar and the history.
+        return RedirectResponse(DASHBOARD_PREFIX, status_code=303)
     return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html",
                         headers={"Cache-Control": "no-store"})
+
+
+@router.post("/login", status_code=204)
+async def login(request: Request):
+    """The page's login form: the key comes in the Authorization header (ApiKeyAuth checked it) and is kept where
+    the page's own requests (fetch, EventSource) carry it. HttpOnly: the page's script never reads it back;
+    SameSite=Strict: no other site's page sends it. No other site can log a browser in either: a cross-site
+    request with an Authorization header needs a CORS preflight, which the gateway does not answer."""
+    key = bearer_token(request.scope.get("headers") or [])
+    if key is None:
+        raise InvalidRequest("send the key in the header 'Authorization: Bearer <key>'", "Authorization",
+                             "missing_api_key")
+    resp = Response(status_code=204)
+    resp.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path=DASHBOARD_PREFIX)
+    return resp
 
 
 @router.get("/static/{name}")

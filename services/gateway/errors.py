@@ -7,6 +7,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.schemas import MAX_NESTING
+
 
 class GatewayError(Exception):
     """Base of the gateway's errors; each maps to one HTTP status."""
@@ -72,6 +74,9 @@ async def gateway_error_handler(_request: Request, e: GatewayError) -> JSONRespo
 
 async def http_error_handler(_request: Request, e: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (unknown path, wrong method, a body that is not text) in the same shape."""
+    if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body": nested past Python's parser
+        return error_response(InvalidRequest(f"the body nests too deeply to be read; a JSON value may nest at most "
+                                             f"{MAX_NESTING} levels", None, "too_deep"))
     kind = "invalid_request_error" if e.status_code < 500 else "server_error"
     kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, kind)
     code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.gateway.schemas import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Stop
+from services.gateway.schemas import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Shallow, Stop, shallow
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -76,13 +76,19 @@ class ChatMessageIn(BaseModel):
     content: str | list[TextPart] | None = Field(..., description="text, or a list of text parts (null: an "
                                                  "assistant turn of tool calls)")
     name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
-    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128, description="an assistant turn's calls")
+    tool_calls: Annotated[list[dict[str, Any]], Shallow] | None = Field(None, max_length=128,
+                                                                        description="an assistant turn's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool turn: the call it answers")
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
+
+    @model_validator(mode="after")
+    def _shallow(self):
+        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
+        return self
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -92,8 +98,10 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: the N most likely alternatives of each token")
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="function tools (services/gateway/tool_calls.py)")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="none | auto | required | a named function")
+    tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(
+        None, description="function tools (services/gateway/tool_calls.py)")
+    tool_choice: str | Annotated[dict[str, Any], Shallow] | None = Field(
+        None, description="none | auto | required | a named function")
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -2,14 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 
 INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
 MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (choices.py)
 MAX_LOGPROBS = 20  # most alternatives per token (the engine's limit, OpenAI's top_logprobs limit)
+# Levels a free-form JSON value (a tool, its schema, a response format, a tool call) may nest. Python's own code
+# (json.dumps, deepcopy) recurses once a level, and a value as deep as its parser allows (~950) overflowed the
+# stack further on (RecursionError, a 500); JSON Schemas deeper than this are not written by people.
+MAX_NESTING = 64
+
+
+def nesting(value: Any, limit: int = MAX_NESTING) -> int:
+    """How many levels of lists and objects value has, counted without recursion, up to limit + 1."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                break
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def shallow(value: Any) -> Any:
+    """A validator: the value, if it nests at most MAX_NESTING levels."""
+    if nesting(value) > MAX_NESTING:
+        raise PydanticCustomError("too_deep", "nests deeper than {limit} levels; at most {limit} levels are accepted",
+                                  {"limit": MAX_NESTING})
+    return value
+
+
+Shallow = AfterValidator(shallow)
 
 # A stop string: matched on the output text; neither it nor any part of it is returned.
 StopString = Annotated[str, Field(min_length=1, max_length=256)]

@@ -12,6 +12,8 @@ import json
 import logging
 from typing import Callable
 
+import jinja2
+
 from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared import telemetry
 from shared.block_hash import block_hashes
@@ -47,11 +49,16 @@ class Preprocessor:
         self.tools_in_template = template_takes_tools(tokenizer)
 
     def _template(self, chat: list[dict], tools: list[dict] | None) -> str:
-        if tools and self.tools_in_template:
-            return self.tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
-        if tools:
-            chat = with_tools(chat, tools)
-        return self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        try:
+            if tools and self.tools_in_template:
+                return self.tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+            if tools:
+                chat = with_tools(chat, tools)
+            return self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:
+            # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
+            # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
+            raise PromptError("invalid", "messages", f"messages: the model's chat template refuses them: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
@@ -115,7 +122,7 @@ class TokenizerService:
             with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
                 span.set_attribute("conveyor.request_id", ev.request_id)
                 try:
-                    ids = self.pre.token_ids(ev)
+                    ids = self._token_ids(ev)
                 except PromptError as e:
                     telemetry.set_error(span, e.reason, str(e))
                     raise
@@ -160,7 +167,7 @@ class TokenizerService:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
             return None
         try:
-            ids = self.pre.token_ids(ev)
+            ids = self._token_ids(ev)
         except PromptError as e:
             later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
                                          [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
@@ -170,6 +177,20 @@ class TokenizerService:
         later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
                                      [Publish(self.names.preprocessed_stream(self.names.partition(ev.request_id)), out)])
         return State.PREPROCESSED, len(pipe) - 1, later
+
+    def _token_ids(self, ev: RequestReceived) -> list[int]:
+        """The prompt's token ids, or PromptError: for the client's fault (invalid, too_long), and for any other
+        exception (internal). Either way that request alone fails, at once: a redelivery would meet the same
+        exception, and one escaping here took down the process and, claimed again after each restart, its whole
+        batch with it."""
+        try:
+            return self.pre.token_ids(ev)
+        except PromptError:
+            raise
+        except Exception as e:
+            logger.exception("preprocessing %s failed; failing it alone", ev.request_id)
+            raise PromptError("internal", "", f"the tokenizer could not process this request "
+                              f"({type(e).__name__}: {str(e)[:200]})") from e
 
     def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
         # The prompt's block hashes, computed once here: the scheduler matches them against its KV index.

@@ -83,6 +83,7 @@ class WorkerService:
         self.kv_events = KvEventPublisher(self.bus, self.id, self.engine, settings.block_size)
         self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         self.last_read_id = ""
+        self._cut_short = True  # entries may be pending from a previous life under this id: taken up at start
         self.step_no = 0
         self.draining = False
         self.step_time_avg = 0.0
@@ -113,12 +114,35 @@ class WorkerService:
         """Read what arrived (without blocking while there is work), step, publish, heartbeat."""
         self.housekeeping()
         busy = self.engine.has_unfinished()
-        self.bus.process_all(self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None), self.dispatch)
+        # Its stream's pending entries are claimed by no one: after a Redis error cut a dispatch short (run_loop
+        # backs off and comes back here), what that read and did not acknowledge is taken up again first.
+        taken_up = self.taken_up(self.bus.read_own_pending(self.stream, GROUP_WORKER)) if self._cut_short else []
+        deliveries = taken_up + self.bus.read([self.stream], GROUP_WORKER, block_ms=0 if busy else None)
+        self._cut_short = True
+        self.bus.process_all(deliveries, self.dispatch)
+        self._cut_short = False
         self.expire_deadlines()
         if self.engine.has_unfinished():
             self.step()
         self.kv_events.publish_changes()
         self.snapshot()
+
+    def taken_up(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Of the unacknowledged entries read again, those still to do. A placement admitted before the error is
+        not started twice: one running is in self.active (admit skips it); one since ended, or moved on to another
+        attempt, no longer waits SCHEDULED at its attempt, and is only acknowledged. Cancels are idempotent."""
+        placements = [d for d in deliveries if isinstance(d.event, Scheduled) and d.event.request_id not in self.active]
+        if not placements:
+            return deliveries
+        pipe = self.r.pipeline(transaction=False)
+        for d in placements:
+            pipe.hget(self.names.layer(d.event.request_id, "meta"), "state")
+            pipe.hget(self.names.layer(d.event.request_id, "exec"), "attempt")
+        found = pipe.execute()
+        done = {d.entry_id for d, st, at in zip(placements, found[::2], found[1::2])
+                if st != State.SCHEDULED.value.encode() or at != str(d.event.attempt).encode()}
+        self.bus.ack_all([d for d in deliveries if d.entry_id in done])
+        return [d for d in deliveries if d.entry_id not in done]
 
     def dispatch(self, d: Delivery) -> None:
         ev = d.event
@@ -147,14 +171,28 @@ class WorkerService:
                                                   group_id=ev.group_id))
         except RecoverableEngineError as e:  # this request alone is at fault
             logger.warning("refusing %s: %s", ev.request_id, e)
-            fail = Failed(request_id=ev.request_id, reason="worker_error", message=f"the worker refused it: {e}",
-                          service="worker", traceparent=ev.traceparent)
-            self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)],
-                                      fence=ev.attempt)
+            self.fail(ev, f"the worker refused it: {e}")
+            return
+        except Exception as e:
+            # Any other exception starting it (llguidance failing on a first constrained request, a bug): failed
+            # now, not left pending. Nothing ever re-reads this stream's pending entries (this worker is its only
+            # reader), so the request sat SCHEDULED until its cap; and placing it again would meet the same
+            # exception on every worker of this build, MAX_ATTEMPTS times, before a misleading worker_lost.
+            logger.exception("admitting %s failed; failing it", ev.request_id)
+            self.engine.abort_request(ev.request_id)  # whatever part of it the engine took
+            self.fail(ev, f"the worker could not start it ({type(e).__name__}: {str(e)[:200]})")
             return
         self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, telemetry.current_traceparent(ev.traceparent),
                                             len(ev.prompt_token_ids),
                                             ev.deadline, list(ev.output_token_ids), scheduled=ev, attempt=ev.attempt)
+
+    def fail(self, ev: Scheduled, message: str) -> None:
+        """Settle a placement this worker cannot run as FAILED (worker_error), telling its client; fenced by its
+        attempt, so a placement that has moved on is left alone."""
+        fail = Failed(request_id=ev.request_id, reason="worker_error", message=message, service="worker",
+                      traceparent=ev.traceparent)
+        self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)],
+                                  fence=ev.attempt)
 
     def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
         """Give a request back to the scheduler, which places it again; the next worker resumes after

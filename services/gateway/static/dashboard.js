@@ -17,9 +17,26 @@ const stateTag = (st) => `<span class="state" style="background:var(--${esc(st)}
 
 async function api(path, opts = {}) {
   const r = await fetch(path, { credentials: "same-origin", ...opts });
-  const body = await r.json();
-  if (!r.ok) throw new Error(body?.error?.message || r.statusText);
+  const body = r.status === 204 ? null : await r.json();
+  if (!r.ok) throw Object.assign(new Error(body?.error?.message || r.statusText), { status: r.status });
   return body;
+}
+
+// ---- login: the key goes once in a header to /dashboard/login, which keeps it in an HttpOnly cookie for
+// /dashboard only. Never in the address: a link with a key would plant it in whoever opens it.
+function showLogin(message) {
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+  $("login-key").focus();
+  $("login").onsubmit = async (e) => {
+    e.preventDefault();
+    try {
+      await api("/dashboard/login", { method: "POST", headers: { Authorization: `Bearer ${$("login-key").value}` } });
+      location.reload();
+    } catch (err) {
+      $("login-error").textContent = err.message;
+    }
+  };
 }
 
 // ---- rows: the snapshot, then one feed record per transition
@@ -203,7 +220,12 @@ function setLive(on) {
 }
 
 async function main() {
-  S.config = await api("/dashboard/api/config");
+  try {
+    S.config = await api("/dashboard/api/config");
+  } catch (err) {
+    if (err.status === 401) return showLogin();
+    throw err;
+  }
   S.states = S.config.states;
   S.terminal = new Set(S.config.terminal);
   $("who").textContent = S.config.admin ? "admin key: every request" : "";
