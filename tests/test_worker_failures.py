@@ -89,3 +89,49 @@ def test_placements_left_unacknowledged_by_a_redis_error_are_read_again(worker, 
     assert redis_client.xpending(worker.stream, GROUP_WORKER)["pending"] == 0
     worker.tick()  # nothing is taken up twice
     assert not worker.active and not worker.engine.has_unfinished()
+
+
+def _delivered_tokens(redis_client, names, rid: str) -> list[int]:
+    from shared.events import TokenGenerated
+
+    out = []
+    for _, f in redis_client.xrange(names.reply_stream("gw1")):
+        ev = decode(f[EVENT_FIELD])
+        if isinstance(ev, TokenGenerated):
+            out += [t for item in ev.items if item.request_id == rid for t in item.token_ids]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["oom", "readonly"])
+def test_a_step_whose_publish_redis_refuses_is_published_once_redis_accepts_again(worker, redis_server, redis_client,
+                                                                                 names, fault):
+    """Redis answering a step's writes with an error reply -- OOM under noeviction, READONLY while a replica is
+    being promoted -- is not a lost step (issue 24, item 5): the step is published when Redis takes writes again,
+    so the tokens list holds every token the client got, once, and the request finishes."""
+    import threading
+
+    import redis
+
+    (rid,) = place(redis_server, names, Sampling(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while not redis_client.llen(names.tokens(rid)):
+        worker.tick()
+    if fault == "oom":
+        redis_client.config_set("maxmemory-policy", "noeviction")
+        redis_client.config_set("maxmemory", 1)
+        heal = threading.Timer(1.0, lambda: redis_client.config_set("maxmemory", 0))
+    else:  # a replica of nobody that accepts nothing written; promoted back after 1 s
+        redis_client.config_set("replica-read-only", "yes")
+        redis_client.replicaof("127.0.0.1", 1)
+        heal = threading.Timer(1.0, lambda: redis_client.replicaof("NO", "ONE"))
+    heal.start()
+    try:
+        while worker.engine.has_unfinished() or worker.active:
+            try:
+                worker.tick()
+            except redis.RedisError:  # what run_loop does: back off, tick again
+                heal.join(0.1)
+    finally:
+        heal.join()
+    tokens = [int(t) for t in redis_client.lrange(names.tokens(rid), 0, -1)]
+    assert len(tokens) == 8 and tokens == _delivered_tokens(redis_client, names, rid)
+    assert state(redis_client, names, rid) == "FINISHED"

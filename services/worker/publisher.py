@@ -19,12 +19,14 @@ import redis
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
+from shared.errors import FatalError, InvalidTransition
 from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
 
 logger = logging.getLogger(__name__)
+
+REFUSED_FOR_S = 120.0  # error replies to a step's writes for this long end the process (see publish)
 
 # KEYS: exec layers. The attempt each was placed with (nil: the context is gone).
 _ATTEMPTS_LUA = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'attempt') end return out"
@@ -82,13 +84,23 @@ class StepPublisher:
         those are returned, to be dropped. Retried while Redis is away (the engine does not step meanwhile:
         nothing is lost, generation pauses)."""
         new = {o.request_id: o.new_token_ids for o in result.outputs if o.new_token_ids and o.request_id in active}
+        refused_since = None
         for attempt in itertools.count():
             try:
                 lost = self._publish_once(step, result, active, kv_info, new)
                 break
             except redis.WatchError:
                 continue  # an exec layer changed between the check and the write: check again
-            except TRANSIENT_ERRORS as e:
+            except (*TRANSIENT_ERRORS, redis.ResponseError) as e:
+                # An error reply (OOM under noeviction, READONLY during a promotion, EXECABORT) refused the step
+                # like Redis being away does: nothing of a MULTI/EXEC was made, and the fenced path's writes are
+                # idempotent. Given up, the step's tokens and endings would be lost (finished requests left
+                # hanging, later tokens appended at the wrong index), so it is retried; an error reply for this
+                # long is no passing state: the process exits and is restarted, its requests resumed elsewhere.
+                if not isinstance(e, TRANSIENT_ERRORS):
+                    refused_since = refused_since or time.monotonic()
+                    if time.monotonic() - refused_since > REFUSED_FOR_S:
+                        raise FatalError(f"Redis refused step {step}'s writes for {REFUSED_FOR_S:.0f} s: {e}") from e
                 delay = min(2.0, 0.05 * 2 ** attempt)
                 logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
                 time.sleep(delay)
@@ -135,7 +147,7 @@ class StepPublisher:
             return
         try:
             self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued])
-        except (redis.ConnectionError, redis.TimeoutError) as e:  # the step's own publish retries them
+        except (*TRANSIENT_ERRORS, redis.ResponseError) as e:  # the step's own publish retries them (see publish)
             logger.warning("stamping scheduling decisions failed (%s); they go with the step's results", e)
             self._deferred.extend(transitions)
 
