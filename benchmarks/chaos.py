@@ -7,12 +7,14 @@ For each service in --services, three phases of --phase-s seconds each, as Dynam
 the subject, not the model). Every request is classified by the phase it started in and by what its client got:
   ok          a final event with finish_reason, every token, then [DONE]
   http_NNN    an error answer (status NNN) -- 504 is a timeout, the one a fault must never cause
-  conn_error  the connection failed or was reset (the gateway serving it was killed: its clients see that)
+  refused     the connection was refused: the gateway was down (being restarted); nothing was created
+  conn_lost   the connection died mid-request: the gateway serving it was killed (its clients see that; the
+              scheduler cancels the orphaned work once the gateway's liveness expires)
   broken      the stream ended without its final event or with tokens missing: a lost request
   hung        no answer within --request-timeout seconds: a request left hanging
 Prints one table row per service and phase (requests, outcomes, completed/s, p50/p99 latency of ok ones) and
-writes JSON to --out. The promise (docs/reliability.md): 0 broken, 0 hung, no 504 in any phase; conn_error only
-when the gateway itself is killed.
+writes JSON to --out. The promise (docs/reliability.md): 0 broken, 0 hung, no 504 in any phase; refused and conn_lost
+only when the gateway itself is killed.
 Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.chaos [--phase-s 40] [--kill-every 10]
 """
 
@@ -34,7 +36,7 @@ import httpx
 from benchmarks.common import DEFAULT_OUT, ConveyorUp, percentile, print_table, write_json
 
 PHASES = ("baseline", "fault", "recovery")
-OUTCOMES = ("ok", "http_504", "http_other", "conn_error", "broken", "hung")
+OUTCOMES = ("ok", "http_504", "http_other", "refused", "conn_lost", "broken", "hung")
 
 
 async def one_request(client: httpx.AsyncClient, tokens: int, timeout_s: float) -> tuple[str, float]:
@@ -58,8 +60,10 @@ async def one_request(client: httpx.AsyncClient, tokens: int, timeout_s: float) 
                 return ("ok" if ok else "broken"), time.monotonic() - t0
     except TimeoutError:
         return "hung", time.monotonic() - t0
+    except httpx.ConnectError:
+        return "refused", time.monotonic() - t0
     except httpx.HTTPError:
-        return "conn_error", time.monotonic() - t0
+        return "conn_lost", time.monotonic() - t0
 
 
 async def load(url: str, clients: int, tokens: int, timeout_s: float, until: float, out: list) -> None:
@@ -69,7 +73,7 @@ async def load(url: str, clients: int, tokens: int, timeout_s: float, until: flo
                 started = time.monotonic()
                 outcome, latency = await one_request(client, tokens, timeout_s)
                 out.append((started, outcome, latency))
-                if outcome == "conn_error":
+                if outcome in ("refused", "conn_lost"):
                     await asyncio.sleep(0.2)  # the gateway is restarting: do not spin on refused connections
     await asyncio.gather(*[loop() for _ in range(clients)])
 

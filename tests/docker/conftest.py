@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.docker.engine import TIMINGS, Unavailable, compose_command, docker_env
+from tests.docker.engine import TIMINGS, Engine, Unavailable, compose_command
 from tests.docker.images import ROOT, base_images, build_conveyor, run
 
 logger = logging.getLogger(__name__)
@@ -102,12 +102,16 @@ class Compose:
 
 
 @pytest.fixture(scope="session")
-def docker() -> dict:
+def docker():
     try:
-        env = docker_env()
-        return {"env": env, "compose": compose_command(env)}
+        engine = Engine()
+        compose = compose_command(engine.env)
     except Unavailable as e:
         pytest.skip(f"no container engine here: {e}")
+    try:
+        yield {"env": engine.env, "compose": compose}
+    finally:
+        engine.stop()  # the dockerd this run started, if any: nothing is left running
 
 
 @pytest.fixture(scope="session")

@@ -49,31 +49,59 @@ def _apt_install(packages: tuple[str, ...]) -> None:
             raise Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
 
 
-def docker_env() -> dict:
-    """The environment every docker / compose command of the tests runs with (DOCKER_HOST set)."""
-    env = dict(os.environ)
-    if shutil.which("docker") and _works(env):
-        return env
-    _apt_install(APT_PACKAGES)
-    env["DOCKER_HOST"] = f"unix://{STATE}/docker.sock"
-    if _works(env):  # started by an earlier run
-        return env
+class Engine:
+    """The Docker engine the tests use: `env` for every docker / compose command (DOCKER_HOST set), and `stop()`,
+    which ends the dockerd this run started (none when the environment already had an engine)."""
+
+    def __init__(self):
+        self.env, self.daemon = dict(os.environ), None
+        if shutil.which("docker") and _works(self.env):
+            return
+        _apt_install(APT_PACKAGES)
+        self.env["DOCKER_HOST"] = f"unix://{STATE}/docker.sock"
+        if not _works(self.env):
+            self.daemon = _start_dockerd(self.env)
+
+    def stop(self) -> None:
+        if self.daemon is None:
+            return
+        self.daemon.terminate()
+        try:
+            self.daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            self.daemon.kill()
+            self.daemon.wait()
+        _clear_runtime_state()
+
+
+def _clear_runtime_state() -> None:
+    """What a stopped (or killed) dockerd leaves under its exec root: a network-namespace bind mount and sockets.
+    Runtime state only (images and layers live in the data root, kept for the next run's build cache)."""
+    netns = STATE / "exec" / "netns" / "default"
+    if netns.exists():
+        subprocess.run(["umount", str(netns)], capture_output=True)
+    shutil.rmtree(STATE / "exec", ignore_errors=True)
+    (STATE / "dockerd.pid").unlink(missing_ok=True)
+
+
+def _start_dockerd(env: dict) -> subprocess.Popen:
     if not shutil.which("dockerd"):
         raise Unavailable("docker.io is installed but has no dockerd")
     STATE.mkdir(parents=True, exist_ok=True)
+    _clear_runtime_state()  # an earlier run's daemon may have been killed with the session that ran it
     log = open(STATE / "dockerd.log", "ab")  # noqa: SIM115 - handed to the daemon, which outlives this call
-    subprocess.Popen(
+    daemon = subprocess.Popen(
         ["dockerd", "--data-root", str(STATE / "data"), "--exec-root", str(STATE / "exec"), "--pidfile",
          str(STATE / "dockerd.pid"), "-H", env["DOCKER_HOST"], "--iptables=false", "--ip6tables=false",
          "--ip-forward=false", "--ip-masq=false", "--bridge=none"],
         stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + 60
     while not _works(env):
-        if time.monotonic() > deadline:
+        if daemon.poll() is not None or time.monotonic() > deadline:
             raise Unavailable(f"dockerd did not answer within 60 s; see {STATE / 'dockerd.log'}")
         time.sleep(0.5)
     logger.info("started dockerd with its state in %s", STATE)
-    return env
+    return daemon
 
 
 def compose_command(env: dict) -> list[str]:
