@@ -24,11 +24,12 @@ from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
-from shared.context_store import ContextJanitor, ContextStore
+from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Cancelled, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
                            TimedOut)
+from shared.janitor import ContextJanitor, JanitorLoop
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
@@ -62,8 +63,14 @@ class SchedulerService:
                         self.names.control_stream]
         # Start with the heartbeats of the last TTL, so a restarted scheduler knows the workers at once.
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
-        self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
-        self._swept_at = 0.0
+        # Off the tick, on its own thread and client: under sustained load a sweep deletes thousands of contexts
+        # (and trims the shared streams), which must not delay placements, deadlines or cancels.
+        janitor_client = sync_client(settings)
+        self.janitor = ContextJanitor(janitor_client, self.names, settings.context_ttl_s, settings.max_ended_contexts)
+        trimmer = Bus(janitor_client, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
+                      settings.max_deliveries)
+        self.janitor_loop = JanitorLoop(self.janitor, settings.janitor_interval_s,
+                                        [lambda: self.trim_streams(trimmer)])
         self.epoch = DatasetEpoch(self.names)
         self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
@@ -76,8 +83,17 @@ class SchedulerService:
         self.epoch.check(self.r)
         self.sync()
         logger.info("scheduler %s started, %d queued", self.id, len(self.queue))
-        run_loop(stop, self.tick, "scheduler", on_nogroup=self.ensure_groups)
+        self.janitor_loop.start()
+        try:
+            run_loop(stop, self.tick, "scheduler", on_nogroup=self.ensure_groups)
+        finally:
+            self.janitor_loop.stop()
         self.live.clear(self.r)
+
+    def trim_streams(self, bus: Bus) -> None:
+        """Drop the shared streams' entries every group is done with (the janitor's chore)."""
+        for stream in (*(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams):
+            bus.trim_consumed(stream)
 
     def ensure_groups(self) -> None:
         self.bus.ensure_groups(self.streams, GROUP_SCHEDULER)
@@ -315,11 +331,6 @@ class SchedulerService:
 
     def expire_deadlines(self) -> None:
         now = time.time()
-        if now - self._swept_at >= self.s.janitor_interval_s:
-            self._swept_at = now
-            self.janitor.sweep(now)
-            for stream in (*(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams):
-                self.bus.trim_consumed(stream)
         expired = self.queue.expired(now)
         ahead = self.queue.work_ahead() if any(q.ahead is not None for q in expired) else {}
         for q in expired:
