@@ -26,8 +26,11 @@ from collections.abc import Callable, Sequence
 
 import redis
 
+from shared.bus import Bus
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
+from shared.redis_client import sync_client
+from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +235,20 @@ class JanitorLoop:
             if removed:
                 logger.info("context janitor: %d contexts forgotten in %.2f s%s", removed, time.monotonic() - t0,
                             " (more left: sweeping again)" if self.janitor.behind else "")
+
+
+def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, streams: list[str]) -> JanitorLoop:
+    """The scheduler's janitor, on a Redis client of its own: sweeps the contexts, then trims the shared streams'
+    entries every consumer group is done with."""
+    client = sync_client(settings)
+    trimmer = Bus(client, names, consumer, settings.read_block_ms, settings.claim_idle_ms, settings.max_deliveries)
+
+    def trim() -> None:
+        for stream in streams:
+            trimmer.trim_consumed(stream)
+
+    janitor = ContextJanitor(client, names, settings.context_ttl_s, settings.max_ended_contexts)
+    return JanitorLoop(janitor, settings.janitor_interval_s, [trim])
 
 
 def _s(v) -> str:

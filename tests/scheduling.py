@@ -32,11 +32,12 @@ def heartbeat(worker_id: str = WORKER, **kw) -> Heartbeat:
     return Heartbeat(**{**base, **kw})
 
 
-def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool = False) -> Preprocessed:
+def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool = False,
+                         prompt_token_ids: tuple[int, ...] = (1, 2, 3)) -> Preprocessed:
     """A request created by the gateway's script and moved to PREPROCESSED as the tokenizer does."""
     reply_to = reply_to or names.reply_stream("gw1")
     now = time.time()
-    ev = Preprocessed(request_id=f"r{time.monotonic_ns()}", reply_to=reply_to, prompt_token_ids=(1, 2, 3),
+    ev = Preprocessed(request_id=f"r{time.monotonic_ns()}", reply_to=reply_to, prompt_token_ids=prompt_token_ids,
                       sampling=Sampling(max_tokens=4, temperature=0.0), priority=0, deadline=now + 60,
                       adaptive_deadline=adaptive, received_at=now)
 
