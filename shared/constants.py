@@ -163,6 +163,9 @@ class Names:
     def queue(self, p: int) -> str:  # hash: request id -> preprocessed event, for every QUEUED request
         return f"{self._p(p)}:queue"
 
+    def queue_changes(self, p: int) -> str:  # stream: ids whose queue record a scheduler wrote (replicas' sync)
+        return f"{self._p(p)}:queue:changes"
+
     def counters(self, p: int) -> str:  # hash of counters (settlement no-ops, dead letters): sum the partitions
         return f"{self._p(p)}:counters"
 
@@ -210,6 +213,10 @@ class Names:
     @property
     def assigned(self) -> str:  # hash: request id -> its placement on a worker (scheduler's memory, in Redis)
         return f"{self.ns}:assigned"
+
+    @property
+    def assigned_changes(self) -> str:  # stream: ids whose placement a scheduler wrote; in `assigned`'s slot
+        return f"{{{self.assigned}}}:changes"
 
     def live_hash(self, service: str) -> str:  # hash: instance -> JSON {at, ...}; one per service kind (no SCAN)
         return f"{self.ns}:livehash:{service}"

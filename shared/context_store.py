@@ -22,7 +22,8 @@ import msgspec
 
 from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import Event, encode
-from shared.lifecycle import TERMINAL, State, parse_history
+from shared.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
+from shared.lifecycle import State, parse_history
 
 _json = msgspec.json.Encoder()
 
@@ -242,47 +243,3 @@ def _looks_json(v) -> bool:
         return True
     except msgspec.DecodeError:
         return False
-
-
-class ContextJanitor:
-    """Keeps the indexes of ended requests in step with their expiring keys, and enforces a cap on stored
-    ended contexts by deleting the oldest ended ones first. Run periodically by one service (the scheduler)."""
-
-    def __init__(self, client, names: Names, ttl_s: int, cap: int):
-        self.r, self.names, self.ttl_s, self.cap = client, names, ttl_s, cap
-
-    def sweep(self, now: float, batch: int = 1000) -> int:
-        terminal = [(p, self.names.state_set(p, s.value)) for p in self.names.all_partitions for s in TERMINAL]
-        removed = 0
-        for p, zset in terminal:  # these contexts' keys expired at (end time + ttl)
-            gone = self.r.zrangebyscore(zset, "-inf", now - self.ttl_s, start=0, num=batch)
-            removed += self._forget(p, zset, gone, delete=False)
-        pipe = self.r.pipeline(transaction=False)
-        for _p, zset in terminal:
-            pipe.zcard(zset)
-        excess = sum(pipe.execute()) - self.cap
-        while excess > 0:
-            heads = [(p, z, self.r.zrange(z, 0, 0, withscores=True)) for p, z in terminal]
-            p, zset, head = min(((p, z, h[0]) for p, z, h in heads if h), key=lambda pzh: pzh[2][1])
-            n = self._forget(p, zset, [head[0]], delete=True)
-            removed, excess = removed + n, excess - n
-        return removed
-
-    def _forget(self, p: int, zset: str, ids: list, delete: bool) -> int:
-        """Drop ended requests of partition p from its indexes (and their keys, with delete)."""
-        if not ids:
-            return 0
-        rids = [_s(raw) for raw in ids]
-        # The owner comes from the reverse lookup written at creation: an expired request's meta is gone.
-        owners = self.r.hmget(self.names.request_owners(p), rids)
-        pipe = self.r.pipeline(transaction=False)
-        for rid, owner in zip(rids, owners):
-            if delete:
-                pipe.delete(*self.names.request_keys(rid))
-            pipe.zrem(zset, rid)
-            pipe.zrem(self.names.requests_index(p), rid)
-            if owner:
-                pipe.zrem(self.names.owner_index(p, _s(owner)), rid)
-        pipe.hdel(self.names.request_owners(p), *rids)
-        pipe.execute()
-        return len(ids)

@@ -33,11 +33,12 @@ def heartbeat(worker_id: str = WORKER, **kw) -> Heartbeat:
 
 
 def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool = False, max_tokens: int = 4,
-                         timeout_s: float = 60, sampling: Sampling | None = None) -> Preprocessed:
+                         timeout_s: float = 60, sampling: Sampling | None = None,
+                         prompt_token_ids: tuple[int, ...] = (1, 2, 3)) -> Preprocessed:
     """A request created by the gateway's script and moved to PREPROCESSED as the tokenizer does."""
     reply_to = reply_to or names.reply_stream("gw1")
     now = time.time()
-    ev = Preprocessed(request_id=f"r{time.monotonic_ns()}", reply_to=reply_to, prompt_token_ids=(1, 2, 3),
+    ev = Preprocessed(request_id=f"r{time.monotonic_ns()}", reply_to=reply_to, prompt_token_ids=prompt_token_ids,
                       sampling=sampling or Sampling(max_tokens=max_tokens, temperature=0.0), priority=0,
                       deadline=now + timeout_s,
                       adaptive_deadline=adaptive, received_at=now)

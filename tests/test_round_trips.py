@@ -79,3 +79,22 @@ def test_the_scheduler_queues_and_places_a_burst_in_a_few_round_trips(redis_serv
     assert redis_client.xpending(names.preprocessed_stream(0), GROUP_SCHEDULER)["pending"] == 0
     assert redis_client.hlen(names.queue(0)) == 0 and redis_client.hlen(names.assigned) == BURST
     assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"
+
+
+def test_a_tick_far_over_the_ended_contexts_cap_still_places_in_a_few_round_trips(redis_server, redis_client, names,
+                                                                                   monkeypatch):
+    """The cap's sweep (thousands of deletions under sustained load) is not the tick's work: placements,
+    deadlines and cancels never wait for it."""
+    from tests.test_janitor import create, end
+
+    s = scheduler(redis_server, names, max_ended_contexts=10, janitor_interval_s=0.01)
+    s.on_heartbeat(heartbeat(max_num_seqs=BURST))
+    s.tick()
+    end(redis_client, names, create(redis_client, names, 300))  # 290 over the cap
+    events = [preprocessed_request(redis_server, names) for _ in range(BURST)]
+    for ev in events:
+        redis_client.xadd(names.preprocessed_stream(0), {EVENT_FIELD: encode(ev)})
+    with RoundTrips(monkeypatch) as trips:
+        s.tick()
+    assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
+    assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"

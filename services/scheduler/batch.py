@@ -67,8 +67,9 @@ def send_all(svc, picks: list) -> None:
     sent = []  # (pick, event, result, events still to publish) of each placement that reached Redis
     for (q, worker, need, decision), out, raw, later in zip(picks, outs, replies, laters):
         worker.drop_inflight(q.request_id)  # the reservation made while choosing
-        if isinstance(raw, Exception):  # its queue record stays: sync() queues it again
+        if isinstance(raw, Exception):  # its queue record stays: the next sync reads everything, queues it again
             logger.error("placing %s failed: %r", q.request_id, raw)
+            svc.replicas.full = True
             continue
         try:
             res = svc.lifecycle.interpret(q.request_id, State.SCHEDULED, raw)
@@ -107,7 +108,7 @@ def send_one(svc, q, worker, need: int, decision) -> TransitionResult:
 def after_send(svc, q, worker, need: int, res: TransitionResult, out: Scheduled, pipe, decision) -> None:
     """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker (need:
     the blocks it must allocate there) and record the assignment and the routing decision (on pipe)."""
-    pipe.hdel(svc.queue_key(q.request_id), q.request_id)
+    svc.records.drop([q.request_id], pipe)
     if res.applied:
         worker.add_inflight(q.request_id, res.entry_ids[0], need)
         svc.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), pipe)

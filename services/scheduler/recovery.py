@@ -1,7 +1,9 @@
 """What the scheduler does when a process it depends on disappears.
 
 - Assignments (request -> worker, the `scheduled` event, its stream entry id) are kept in
-  memory and in the Redis hash `assigned`, so a restarted scheduler still knows them.
+  memory and in the Redis hash `assigned`, so a restarted scheduler still knows them; like the
+  QUEUED records, each write is noted on a change stream, so other replicas read only what
+  changed (sync.py).
 - A worker whose heartbeat is older than the liveness TTL (dead, or hung: the heartbeat comes
   from its step loop) loses its requests: each goes back to the queue with the tokens it has
   already generated (the worker's token list), to be resumed on another worker. A cancel with
@@ -18,10 +20,15 @@ import time
 import msgspec
 
 from shared.bus import entry_key
+from shared.constants import Names
 from shared.events import CancelRequested, Preprocessed, Scheduled
 from shared.lifecycle import State
 
 logger = logging.getLogger(__name__)
+
+# Entries kept on each change stream of the shared hashes: a replica syncing every second reads everything again
+# only if more than this many changes of one partition came between two of its syncs.
+CHANGES_MAXLEN = 10_000
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -54,25 +61,68 @@ def decode_queued(payload: bytes) -> QueuedRecord:
     return _qdec.decode(payload)
 
 
-class Assignments:
-    def __init__(self, client, key: str):
-        self.r, self.key = client, key
-        self.by_request: dict[str, Assignment] = {}
+def decode_assignment(payload: bytes) -> Assignment:
+    return _dec.decode(payload)
 
-    def load(self) -> None:
-        """The hash is the truth, shared by every scheduler replica."""
-        self.by_request = {k.decode(): _dec.decode(v) for k, v in self.r.hgetall(self.key).items()}
+
+def note_change(pipe, stream: str, request_id: str, writer: str) -> None:
+    """After a write of a shared hash's field, on the same pipeline: the entry that tells the other replicas to
+    read it again (services/scheduler/sync.py). In the hash's slot, so it never lands before the write."""
+    pipe.xadd(stream, {"rid": request_id, "by": writer}, maxlen=CHANGES_MAXLEN, approximate=True)
+
+
+class QueueRecords:
+    """The QUEUED records every replica shares (one hash per partition), each write noted on the partition's
+    change stream. pipe: the caller's pipeline (it executes it), else one of its own."""
+
+    def __init__(self, client, names: Names, writer: str):
+        self.r, self.names, self.writer = client, names, writer
+
+    def put(self, request_id: str, payload: bytes, pipe=None, only_new: bool = False) -> None:
+        p = self.names.partition(request_id)
+        out = pipe if pipe is not None else self.r.pipeline(transaction=False)
+        (out.hsetnx if only_new else out.hset)(self.names.queue(p), request_id, payload)
+        note_change(out, self.names.queue_changes(p), request_id, self.writer)
+        if pipe is None:
+            out.execute()
+
+    def drop(self, request_ids: list[str], pipe=None) -> None:
+        out = pipe if pipe is not None else self.r.pipeline(transaction=False)
+        for rid in request_ids:
+            p = self.names.partition(rid)
+            out.hdel(self.names.queue(p), rid)
+            note_change(out, self.names.queue_changes(p), rid, self.writer)
+        if pipe is None and request_ids:
+            out.execute()
+
+    def get(self, request_id: str) -> bytes | None:
+        return self.r.hget(self.names.queue(self.names.partition(request_id)), request_id)
+
+
+class Assignments:
+    """The placements, in memory and in the hash every replica shares (each write noted on its change stream)."""
+
+    def __init__(self, client, names: Names, writer: str):
+        self.r, self.key, self.changes, self.writer = client, names.assigned, names.assigned_changes, writer
+        self.by_request: dict[str, Assignment] = {}
 
     def add(self, a: Assignment, client=None) -> None:
         """Record a placement (written through client when given: a pipeline the caller executes)."""
         self.by_request[a.scheduled.request_id] = a
-        (client or self.r).hset(self.key, a.scheduled.request_id, _enc.encode(a))
+        pipe = client if client is not None else self.r.pipeline(transaction=False)
+        pipe.hset(self.key, a.scheduled.request_id, _enc.encode(a))
+        note_change(pipe, self.changes, a.scheduled.request_id, self.writer)
+        if client is None:
+            pipe.execute()
 
     def drop(self, request_ids: list[str]) -> None:
         if request_ids:
+            pipe = self.r.pipeline(transaction=False)
             for rid in request_ids:
                 self.by_request.pop(rid, None)
-            self.r.hdel(self.key, *request_ids)
+                pipe.hdel(self.key, rid)
+                note_change(pipe, self.changes, rid, self.writer)
+            pipe.execute()
 
     def of_worker(self, worker_id: str) -> list[Assignment]:
         return [a for a in self.by_request.values() if a.worker_id == worker_id]

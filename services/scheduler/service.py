@@ -11,25 +11,28 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 
 import msgspec
 
-from services.scheduler.recovery import (Assignments, GatewayWatch, decode_queued, encode_queued,
+from services.scheduler.recovery import (Assignments, GatewayWatch, QueueRecords, decode_queued, encode_queued,
                                          gateway_of, requeue_undelivered, zombie_cancels)
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch
 from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
+from services.scheduler.sync import ReplicaSync
 from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
-from shared.context_store import ContextJanitor, ContextStore
+from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Cancelled, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
                            TimedOut)
+from shared.janitor import scheduler_janitor
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.redis_client import sync_client
 from shared.runtime import Liveness, StopFlag, instance_id, run_loop
@@ -52,7 +55,11 @@ class SchedulerService:
         self.lifecycle = Lifecycle(self.r, self.names, "scheduler", settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
         self.queue = RequestQueue()
-        self.assignments = Assignments(self.r, self.names.assigned)
+        # Names this process in the shared hashes' change streams (two processes given one instance id too).
+        writer = f"{self.id}#{uuid.uuid4().hex[:6]}"
+        self.assignments = Assignments(self.r, self.names, writer)
+        self.records = QueueRecords(self.r, self.names, writer)
+        self.replicas = ReplicaSync(self, writer)
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
@@ -63,8 +70,10 @@ class SchedulerService:
                         self.names.control_stream]
         # Start with the heartbeats of the last TTL, so a restarted scheduler knows the workers at once.
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
-        self.janitor = ContextJanitor(self.r, self.names, settings.context_ttl_s, settings.max_ended_contexts)
-        self._swept_at = 0.0
+        # Off the tick (a thread and client of its own): under sustained load a sweep deletes thousands of ended
+        # contexts, and neither it nor the stream trimming may delay placements, deadlines or cancels.
+        self.janitor_loop = scheduler_janitor(settings, self.names, self.id, [
+            *(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams])
         self.epoch = DatasetEpoch(self.names)
         self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
@@ -77,16 +86,24 @@ class SchedulerService:
         self.epoch.check(self.r)
         self.sync()
         logger.info("scheduler %s started, %d queued", self.id, len(self.queue))
-        run_loop(stop, self.tick, "scheduler", on_nogroup=self.ensure_groups)
+        self.janitor_loop.start()
+        try:
+            run_loop(stop, self.tick, "scheduler", on_nogroup=self.ensure_groups)
+        finally:
+            self.janitor_loop.stop()
         self.live.clear(self.r)
 
     def ensure_groups(self) -> None:
         self.bus.ensure_groups(self.streams, GROUP_SCHEDULER)
 
-    def queue_key(self, request_id: str) -> str:  # the hash of QUEUED records holding this request's
-        return self.names.queue(self.names.partition(request_id))
-
     def tick(self) -> None:
+        try:
+            self._tick()
+        except Exception:  # cut short: what this replica holds and what Redis holds may differ now
+            self.replicas.full = True
+            raise
+
+    def _tick(self) -> None:
         """Read, dispatch, then act on time (deadlines, lost workers) and place what fits."""
         self._note_contact()
         deliveries = self.bus.read(self.streams, GROUP_SCHEDULER)
@@ -119,6 +136,7 @@ class SchedulerService:
         self.assignments.by_request.clear()
         for w in self.workers.values():
             w.clear_inflight()
+        self.replicas.full = True  # the change streams were lost with the rest
         self.ensure_groups()
 
     def dispatch(self, d: Delivery) -> None:
@@ -136,26 +154,9 @@ class SchedulerService:
     def sync(self) -> None:
         """Align with what Redis holds: queued requests and placements are shared by every scheduler replica
         (a restarted or surviving one adopts those of a dead one); placement is compare-and-set, so two
-        replicas holding one request never place it twice."""
-        self.assignments.load()
-        for a in self.assignments.by_request.values():
-            self.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
-        pipe = self.r.pipeline(transaction=False)
-        for p in self.names.all_partitions:
-            pipe.hgetall(self.names.queue(p))
-        stored = {rid.decode(): payload for part in pipe.execute() for rid, payload in part.items()}
-        for rid in [q.request_id for q in self.queue.items() if q.request_id not in stored]:
-            self.queue.remove(rid)  # placed or cancelled by another replica
-        missing = [rid for rid in stored if rid not in self.queue]
-        pipe = self.r.pipeline(transaction=False)
-        for rid in missing:
-            pipe.hget(self.names.layer(rid, "meta"), "state")
-        for rid, state in zip(missing, pipe.execute()):
-            if state is not None and state.decode() == State.QUEUED.value:
-                rec = decode_queued(stored[rid])
-                self.push_record(rec)
-            else:  # placed, ended or expired meanwhile
-                self.r.hdel(self.queue_key(rid), rid)
+        replicas holding one request never place it twice. Reads only what other replicas changed since the
+        last sync (sync.py)."""
+        self.replicas.sync()
 
     def on_preprocessed(self, ev: Preprocessed) -> None:
         try:  # only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing
@@ -174,7 +175,7 @@ class SchedulerService:
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item, client)
             if item is not None:
-                client.hset(self.queue_key(ev.request_id), ev.request_id, encode_queued(item))
+                self.records.put(ev.request_id, encode_queued(item), None if client is self.r else client)
         elif res.previous == State.QUEUED:
             self.adopt_queued(ev)
 
@@ -203,14 +204,14 @@ class SchedulerService:
         """A redelivered event of a QUEUED request: either a scheduler died between the transition and storing
         the queue record (finish its work, or the request would sit QUEUED for ever), or the request was
         requeued since (its stored record, with its attempt and tokens, is the truth: never this event)."""
-        stored = self.r.hget(self.queue_key(ev.request_id), ev.request_id)
+        stored = self.records.get(ev.request_id)
         if stored is not None:
             rec = decode_queued(stored)
             self.push_record(rec)
             return
         item = self.queue.push(ev)
         if item is not None:
-            self.r.hsetnx(self.queue_key(ev.request_id), ev.request_id, encode_queued(item))
+            self.records.put(ev.request_id, encode_queued(item), only_new=True)
 
     def push_record(self, rec) -> None:
         ahead = Work(*rec.ahead) if rec.ahead is not None else None
@@ -270,7 +271,7 @@ class SchedulerService:
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
         if item is not None:
-            self.r.hset(self.queue_key(sch.request_id), sch.request_id, encode_queued(item))
+            self.records.put(sch.request_id, encode_queued(item))
         logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
                     len(output_token_ids), sch.attempt + 1)
         return True
@@ -286,7 +287,7 @@ class SchedulerService:
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
-            self.r.hdel(self.queue_key(ev.request_id), ev.request_id)
+            self.records.drop([ev.request_id])
         # Always ask Redis where it runs: this replica's copy may be stale (another replica placed it).
         worker = self.r.hget(self.names.layer(ev.request_id, "exec"), "worker_id")
         if worker:
@@ -339,18 +340,13 @@ class SchedulerService:
 
     def expire_deadlines(self) -> None:
         now = time.time()
-        if now - self._swept_at >= self.s.janitor_interval_s:
-            self._swept_at = now
-            self.janitor.sweep(now)
-            for stream in (*(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams):
-                self.bus.trim_consumed(stream)
         expired = self.queue.expired(now)
         ahead = self.queue.work_ahead() if any(q.ahead is not None for q in expired) else {}
         for q in expired:
             if q.ahead is not None and self.extend_if_progressing(q, ahead[q.request_id], now):
                 continue
             self.queue.remove(q.request_id)
-            self.r.hdel(self.queue_key(q.request_id), q.request_id)
+            self.records.drop([q.request_id])
             out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
                            traceparent=q.event.traceparent)
             self._try(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)],
