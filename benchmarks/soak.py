@@ -12,7 +12,11 @@ redis). After the load it drains the clients, then idles --settle seconds (still
 Prints, per metric, the value after warm-up (--warmup of the run) and at the end of the load, the least-squares
 slope per minute after warm-up, and the value after idling; and the requests by kind and outcome. Writes JSON
 and a PNG (Redis memory and gateway RSS over time) into --out.
-Run: .venv/bin/python -m benchmarks.soak [--duration 600] [--clients 16] [--out DIR]
+The latency of every request ended in an interval gives that interval's p50/p99 (the third plot). With --engine sim
+and --max-ended-contexts below rate x --context-ttl, it is the long run of issue 24: the control plane at the
+highest rate simulated workers sustain, the ended-contexts cap reached and enforced throughout.
+Run: .venv/bin/python -m benchmarks.soak [--duration 600] [--clients 16] [--engine sim] [--max-ended-contexts N]
+     [--out DIR]
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, print_table, redis_memory,
-                               rss_by_role, stamp, write_json)
+from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, percentile, print_table,
+                               redis_memory, rss_by_role, stamp, write_json)
 from shared.redis_server import RedisServer
 
 MIB = 1 << 20
@@ -71,14 +75,17 @@ class Load:
         self.url, self.args = url, args
         self.outcomes: Counter = Counter()
         self.stopping = asyncio.Event()
+        self.latencies: list[float] = []  # seconds of each request ended since the last sample (sampler empties it)
 
     async def client_loop(self, client: httpx.AsyncClient, i: int) -> None:
         rng = random.Random(self.args.seed * 1000 + i)
         kinds, weights = zip(*self.args.mix.items())
         while not self.stopping.is_set():
             kind = rng.choices(kinds, weights)[0]
+            started = time.monotonic()
             try:
                 outcome = await getattr(self, kind)(client, rng)
+                self.latencies.append(time.monotonic() - started)
             except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
                 outcome = f"exception:{type(e).__name__}"
                 await asyncio.sleep(0.5)  # a cluster that refuses everything must not be hammered in a tight loop
@@ -143,10 +150,13 @@ async def skip_events(lines, n: int) -> bool:
     return False
 
 
-def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int) -> dict:
+def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int,
+                latencies: list[float] | None = None) -> dict:
     procs = cluster.processes()
     procs["redis"] = psutil.Process(redis_srv.proc.pid)
     sample = {"t_s": time.monotonic() - t0, "phase": phase, "requests_done": done, "rss": rss_by_role(procs)}
+    if latencies:  # the requests that ended since the last sample
+        sample["latency"] = {"p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99), "n": len(latencies)}
     try:
         sample["redis"] = redis_memory(redis_srv.url)
     except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the soak goes on
@@ -157,7 +167,9 @@ def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: s
 async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, interval: float) -> None:
     t0 = state["t0"]
     while True:
-        s = await asyncio.to_thread(take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()))
+        ended, load.latencies = load.latencies, []
+        s = await asyncio.to_thread(take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()),
+                                    ended)
         samples.append(s)
         await asyncio.sleep(interval - (time.monotonic() - t0) % interval)  # no drift: on the interval's grid
 
@@ -188,6 +200,7 @@ def series(samples: list[dict]) -> dict[str, list[tuple[float, float, str]]]:
     for s in samples:
         values = {f"redis {k}": v for k, v in s.get("redis", {}).items()}
         values.update({f"rss {k}": v for k, v in s["rss"].items()})
+        values.update({f"latency {k}": v for k, v in s.get("latency", {}).items() if k != "n"})
         for name, v in values.items():
             out.setdefault(name, []).append((s["t_s"], v, s["phase"]))
     return out
@@ -219,8 +232,7 @@ def analyse(samples: list[dict], args) -> dict:
 def report(stats: dict, outcomes: Counter) -> None:
     rows = []
     for name, s in stats.items():
-        k = 1 if name.endswith("keys") else MIB  # bytes as MiB
-        unit = "keys" if k == 1 else "MiB"
+        k, unit = (1, "keys") if name.endswith("keys") else (1, "s") if name.startswith("latency") else (MIB, "MiB")
         rows.append([f"{name} ({unit})", s["after_warmup"] / k, s["end"] / k, s["change_pct"],
                      (s["slope_per_min"] or 0) / k, None if s["after_idle"] is None else s["after_idle"] / k])
     print_table(["metric", "after warm-up", "end of load", "change %", "slope /min", "after idle"], rows)
@@ -238,11 +250,12 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG")
         return None
     s = series(samples)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    for ax, name, label in ((top, "redis used_memory", "Redis used_memory (MiB)"),
-                            (bottom, "rss gateway", "gateway RSS (MiB)")):
+    fig, (top, bottom, lat) = plt.subplots(3, 1, sharex=True, figsize=(9, 8))
+    for ax, name, label, k in ((top, "redis used_memory", "Redis used_memory (MiB)", MIB),
+                               (bottom, "rss gateway", "gateway RSS (MiB)", MIB),
+                               (lat, "latency p99_s", "request latency p99 (s), per interval", 1)):
         pts = s.get(name, [])
-        ax.plot([t / 60 for t, _, _ in pts], [v / MIB for _, v, _ in pts], marker=".")
+        ax.plot([t / 60 for t, _, _ in pts], [v / k for _, v, _ in pts], marker=".")
         ax.set_ylabel(label)
         ax.axvline(args.warmup * args.duration / 60, color="grey", ls="--", lw=0.8)  # end of warm-up
         ax.axvline(args.duration / 60, color="grey", ls=":", lw=0.8)  # end of load
@@ -251,11 +264,18 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
     twin = top.twinx()
     twin.plot([t / 60 for t, _, _ in keys], [v for _, v, _ in keys], color="tab:orange", lw=0.8)
     twin.set_ylabel("Redis keys (DBSIZE)", color="tab:orange")
-    bottom.set_xlabel("minutes (dashed: end of warm-up, dotted: end of load)")
+    lat.set_xlabel("minutes (dashed: end of warm-up, dotted: end of load)")
     fig.suptitle(f"soak: {args.clients} clients, {args.duration:.0f} s, mix {args.mix}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def cluster_env(args) -> dict:
+    env = {"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl), "CONVEYOR_ENGINE": args.engine}
+    if args.max_ended_contexts is not None:
+        env["CONVEYOR_MAX_ENDED_CONTEXTS"] = str(args.max_ended_contexts)
+    return env
 
 
 def main() -> None:
@@ -271,6 +291,11 @@ def main() -> None:
                     help="CONVEYOR_CONTEXT_TTL_S of the cluster: ended contexts stay this long, so Redis holds "
                          "about rate x TTL of them; the default lets a 10-minute soak reach its steady state")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--engine", choices=("torch", "sim"), default="torch",
+                    help="the workers' engine: sim (CONVEYOR_ENGINE=sim) for the control plane at its highest rate")
+    ap.add_argument("--max-ended-contexts", type=int, default=None,
+                    help="CONVEYOR_MAX_ENDED_CONTEXTS of the cluster: set below rate x --context-ttl, the janitor's cap "
+                         "path deletes contexts throughout the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
@@ -280,7 +305,7 @@ def main() -> None:
     redis_srv = RedisServer(Path(tempfile.mkdtemp(prefix="soak-redis-")), appendonly=True).start()
     try:
         with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url,
-                        env={"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl)}) as cluster:
+                        env=cluster_env(args)) as cluster:
             samples, outcomes = asyncio.run(soak(cluster, redis_srv, args))
     finally:
         redis_srv.stop()
