@@ -208,3 +208,21 @@ def test_after_a_data_loss_a_worker_keeps_the_requests_placed_since(redis_server
     w._epoch_checked = 0.0  # its next heartbeat interval has come
     w.housekeeping()
     assert set(w.active) == {new.request_id}
+
+
+def test_a_request_that_lost_its_worker_max_attempts_times_fails_with_worker_lost(redis_server, redis_client, names):
+    """Each loss requeues it at the next attempt; the last allowed placement lost too, it fails (a request that
+    kills every worker it lands on must not go round the cluster for ever)."""
+    from tests.scheduling import WORKER, heartbeat, placed, scheduled_on, scheduler, state
+
+    s = scheduler(redis_server, names, max_attempts=2)
+    ev = placed(redis_server, names, s)
+    (first,) = scheduled_on(redis_client, names)
+    assert s.requeue(first, (), "worker_lost") and state(redis_client, names, ev.request_id) == "QUEUED"
+    s.on_heartbeat(heartbeat(WORKER))
+    s.place()
+    second = [e for e in scheduled_on(redis_client, names) if e.attempt == 2]
+    assert second, "placed again at attempt 2"
+    s.requeue(second[0], (), "worker_lost")
+    assert state(redis_client, names, ev.request_id) == "FAILED"
+    assert redis_client.hget(names.layer(ev.request_id, "meta"), "reason") == b"worker_lost"
