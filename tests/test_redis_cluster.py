@@ -176,6 +176,7 @@ def test_tokens_and_ending_a_dead_worker_never_published_reach_the_client_from_t
     wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 200, 120, what="a worker again")
 
 
+@pytest.mark.timeout(600)  # a failover, six streams and transformers' references: minutes on a busy 2-core machine
 def test_killing_a_master_mid_stream_loses_no_request_and_no_token(on_cluster, hf_reference):
     """SIGKILL of the master holding the gateway's reply stream while six greedy streams run: its replica is
     promoted, and every stream completes with exactly transformers' tokens (none missing, none repeated).

@@ -17,6 +17,7 @@ from shared import telemetry
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.otlp_receiver import OtlpReceiver
+from tests.openai_fixtures import worker_idle
 from tests.waiting import wait_for
 
 STAGES = ("tokenize", "queue", "schedule", "prefill", "decode", "stream")
@@ -153,6 +154,9 @@ def test_cancelled_request_trace_ends_in_error(traced):
 
 def test_timed_out_request_trace_ends_in_error(traced):
     cluster, receiver = traced
+    # Nothing ahead of it: a request the queued work would keep from starting in time is refused at once (429), and
+    # this one must time out while it runs (the cancel test before it may still hold the worker for a moment).
+    wait_for(lambda: worker_idle(cluster), 60, 0.1, "the worker idle")
     r = httpx.post(f"{cluster.url}/generate", timeout=120,
                    json={"prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True,
                          "temperature": 0, "timeout": 1.5})

@@ -300,7 +300,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=b.prefix_queries,
             prefix_cache_hits=b.prefix_hits, prefill_s_per_token=self._prefill_s_per_token,
             decode_s_per_token=self._decode_s_per_token,
-            decode_tokens_left=sum(max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values()))
+            decode_tokens_left=sum(max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values()
+                                   if not s.is_done))
 
     def request_kv_info(self, request_id: str) -> tuple[int, int] | None:
         """(blocks held, prompt tokens served from the prefix cache); requests that ended in the
