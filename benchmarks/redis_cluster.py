@@ -93,7 +93,7 @@ def cluster_layout(rc: LocalRedisCluster, target: m.RedisTarget) -> dict:
     for g in instances["gateway"]:
         out[at(names.reply_stream(g))]["gateway_reply_streams"] += 1
     for what, key in [("control", names.control_stream), ("heartbeat", names.heartbeat_stream),
-                      ("kv_events", names.kv_events_stream), ("assigned", names.assigned),
+                      ("kv_events", names.kv_events_stream),
                       ("live_worker", names.live_hash("worker")), ("live_gateway", names.live_hash("gateway")),
                       ("live_scheduler", names.live_hash("scheduler")), ("epoch", names.epoch)]:
         out[at(key)]["shared"].append(what)

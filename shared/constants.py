@@ -166,6 +166,15 @@ class Names:
     def queue_changes(self, p: int) -> str:  # stream: ids whose queue record a scheduler wrote (replicas' sync)
         return f"{self._p(p)}:queue:changes"
 
+    def assigned(self, p: int) -> str:
+        """Hash: request id -> its placement on a worker (the schedulers' memory, in Redis). Per partition, in the
+        slot of its requests' keys: recording a placement, dropping its queue record and checking its attempt are
+        one script (services/scheduler/assignments.py)."""
+        return f"{self._p(p)}:assigned"
+
+    def assigned_changes(self, p: int) -> str:  # stream: ids whose placement a scheduler wrote (replicas' sync)
+        return f"{self._p(p)}:assigned:changes"
+
     def counters(self, p: int) -> str:  # hash of counters (settlement no-ops, dead letters): sum the partitions
         return f"{self._p(p)}:counters"
 
@@ -209,14 +218,6 @@ class Names:
 
     def is_private_stream(self, stream: str) -> bool:
         return stream.startswith((f"{self.ns}:stream:worker:", f"{self.ns}:stream:reply:"))
-
-    @property
-    def assigned(self) -> str:  # hash: request id -> its placement on a worker (scheduler's memory, in Redis)
-        return f"{self.ns}:assigned"
-
-    @property
-    def assigned_changes(self) -> str:  # stream: ids whose placement a scheduler wrote; in `assigned`'s slot
-        return f"{{{self.assigned}}}:changes"
 
     def live_hash(self, service: str) -> str:  # hash: instance -> JSON {at, ...}; one per service kind (no SCAN)
         return f"{self.ns}:livehash:{service}"

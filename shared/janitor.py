@@ -237,9 +237,11 @@ class JanitorLoop:
                             " (more left: sweeping again)" if self.janitor.behind else "")
 
 
-def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, streams: list[str]) -> JanitorLoop:
+def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, streams: list[str],
+                      chores: Sequence[Callable[[], None]] = ()) -> JanitorLoop:
     """The scheduler's janitor, on a Redis client of its own: sweeps the contexts, then trims the shared streams'
-    entries every consumer group is done with."""
+    entries every consumer group is done with, then runs the scheduler's own chores (each with a client of its
+    own: the placement repair)."""
     client = sync_client(settings)
     trimmer = Bus(client, names, consumer, settings.read_block_ms, settings.claim_idle_ms, settings.max_deliveries)
 
@@ -248,7 +250,7 @@ def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, 
             trimmer.trim_consumed(stream)
 
     janitor = ContextJanitor(client, names, settings.context_ttl_s, settings.max_ended_contexts)
-    return JanitorLoop(janitor, settings.janitor_interval_s, [trim])
+    return JanitorLoop(janitor, settings.janitor_interval_s, [trim, *chores])
 
 
 def _s(v) -> str:

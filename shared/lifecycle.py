@@ -82,18 +82,33 @@ def check_transition(current: State, to: State) -> None:
 #       ARGV[2]'s order), then one key per stream to publish to. All in the request's partition: one hash slot.
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
 #       number of from-state sets, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
-#       feed maxlen, then per stream: payload, stream ttl ('0' = none), maxlen.
+#       feed maxlen, placement nonce (JSON, '' = none), then per stream: payload, stream ttl ('0' = none), maxlen.
 # The feed record (shared.constants.LIFECYCLE_FEED_FIELDS) is appended here and only here, after every check: a
 # record exists if and only if the transition happened.
 # Fencing: a write that a stale owner could make carries the attempt it was placed with; it is refused
 # ('fenced') unless exec.attempt still equals it, so a hung worker that wakes up after its request moved on
 # changes nothing. exec is written only here (with the SCHEDULED transition), never separately.
+# A placement (an owner given) is fenced too: refused ('fenced', with exec.attempt) unless its attempt is above
+# exec.attempt, so a replica placing from a stale queue record never sets the attempt back (which would let the
+# writes of a worker the request was taken from pass again). It records its nonce (and, on a single Redis, the
+# entry id of its event) in exec: the same script re-sent after its reply was lost (a client's retry) finds its own
+# placement made and answers 'again' (with that entry id), never a race lost to another replica.
 # Keys created after the request's birth (exec) take meta's remaining TTL: every key has a TTL from birth.
 # The owner-waiting set's members are `owner NUL request id` (the owner is in meta: only the script knows it).
 _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
+local terminal = cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT'
+local placed = nil
+if ARGV[11] ~= '' then
+  placed = redis.call('HMGET', KEYS[3], 'attempt', 'placement', 'placed_entry')
+  if ARGV[14] ~= '' and placed[2] == ARGV[14] and not terminal and cur ~= 'QUEUED' then
+    local again = {'again', cur, redis.call('HGET', KEYS[1], 'state_since') or '0'}
+    if placed[3] then again[4] = cjson.decode(placed[3]) end
+    return again
+  end
+end
 local from_i = nil
 local i = 0
 for s in string.gmatch(ARGV[2], '[^,]+') do
@@ -101,18 +116,20 @@ for s in string.gmatch(ARGV[2], '[^,]+') do
   if s == cur then from_i = i end
 end
 if not from_i then
-  if ARGV[5] == '1' and (cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT') then
+  if ARGV[5] == '1' and terminal then
     redis.call('HINCRBY', KEYS[8], 'settle_noop', 1)
   end
   return {'rejected', cur}
 end
 if ARGV[10] ~= '' and redis.call('HGET', KEYS[3], 'attempt') ~= ARGV[10] then return {'fenced', cur} end
+if placed and tonumber(placed[1] or '0') >= tonumber(ARGV[11]) then return {'fenced', cur, placed[1]} end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'state_since', now, 'updated_at', now)
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'reason', ARGV[4]) end
 if ARGV[11] ~= '' then
   redis.call('HSET', KEYS[3], 'attempt', ARGV[11], 'worker_id', ARGV[12])
+  if ARGV[14] ~= '' then redis.call('HSET', KEYS[3], 'placement', ARGV[14]) end
   local left = redis.call('PTTL', KEYS[1])
   if left > 0 then redis.call('PEXPIRE', KEYS[3], left) end
 end
@@ -144,10 +161,11 @@ end
 local out = {'ok', cur, now}
 local first = 13 + tonumber(ARGV[9])
 for k = first, #KEYS do
-  local a = 14 + 3 * (k - first)
+  local a = 15 + 3 * (k - first)
   out[#out + 1] = redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
   if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[k], tonumber(ARGV[a + 1])) end
 end
+if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
 """
 
@@ -159,6 +177,7 @@ class TransitionResult:
     at: float = 0.0  # Redis time of the change
     entry_ids: tuple[str, ...] = ()  # stream entry ids of the events published with it
     fenced: bool = False  # refused: the caller no longer owns the request (its attempt is stale)
+    again: bool = False  # a re-sent placement that found itself made already (applied by its first run)
 
 
 @dataclass(frozen=True)
@@ -171,10 +190,12 @@ class Publish:
 
 @dataclass(frozen=True)
 class Owner:
-    """The placement a SCHEDULED transition records in the exec layer (the fencing token)."""
+    """The placement a SCHEDULED transition records in the exec layer (the fencing token). nonce: this one
+    placement's own name, which tells its re-sent script from another replica's placement of the same attempt."""
 
     worker_id: str
     attempt: int
+    nonce: str = ""
 
 
 class Lifecycle:
@@ -262,7 +283,8 @@ class Lifecycle:
         argv = [to.value, ",".join(allowed), self.service, reason, "1" if to in TERMINAL else "0",
                 str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), str(len(allowed)),
                 "" if fence is None else str(fence), "" if owner is None else str(owner.attempt),
-                "" if owner is None else json.dumps(owner.worker_id), str(LIFECYCLE_FEED_MAXLEN)]
+                "" if owner is None else json.dumps(owner.worker_id), str(LIFECYCLE_FEED_MAXLEN),
+                json.dumps(owner.nonce) if owner is not None and owner.nonce else ""]
         for x in now:
             argv += [encode(x.event), str(private_stream_ttl(n, x.stream)), str(STREAM_MAXLEN)]
         return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))
@@ -273,6 +295,9 @@ class Lifecycle:
             at = float(_s(raw[2]))
             telemetry.transition_event(request_id, to.value, cur, at)  # on the caller's current span, if recording
             return TransitionResult(True, State(cur), at, tuple(_s(x) for x in raw[3:]))
+        if status == "again":  # its first run's reply was lost: the placement is made, its events with it
+            logger.info("placement of %s re-sent: found made by its first run", request_id)
+            return TransitionResult(True, State(cur), float(_s(raw[2])), tuple(_s(x) for x in raw[3:]), again=True)
         if status == "missing":
             logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
             return TransitionResult(False, None)
@@ -294,7 +319,7 @@ def _s(v) -> str:
 def _with_ids(res: TransitionResult, replies) -> TransitionResult:
     """The result with the entry ids of the events published after it (XADD replies; EXPIRE gives integers)."""
     ids = tuple(_s(x) for x in replies if isinstance(x, (bytes, str)))
-    return TransitionResult(res.applied, res.previous, res.at, res.entry_ids + ids, res.fenced)
+    return TransitionResult(res.applied, res.previous, res.at, res.entry_ids + ids, res.fenced, res.again)
 
 
 def parse_history(raw: list) -> list[dict]:

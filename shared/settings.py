@@ -160,6 +160,8 @@ class SchedulerSettings(CommonSettings):
     queue_slack: int = Field(2, ge=0, description="requests sent to a worker beyond its free sequence slots")
     max_ended_contexts: int = Field(100_000, ge=1, description="ended contexts kept; the oldest go first")
     janitor_interval_s: float = Field(10.0, gt=0, description="how often ended contexts are swept")
+    placement_grace_s: float = Field(5.0, gt=0, description="a placement still without its record after this "
+                                     "long (4 times as long, for one its worker does not hold) is finished from Redis")
     timeout_safety_factor: float = Field(1.5, ge=1, description="adaptive deadline = factor x predicted time")
     timeout_min_s: float = Field(5.0, gt=0, description="smallest adaptive deadline")
     timeout_max_s: float = Field(300.0, gt=0, description="largest adaptive deadline")

@@ -77,7 +77,7 @@ def test_the_scheduler_queues_and_places_a_burst_in_a_few_round_trips(redis_serv
     assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
     assert [e.request_id for e in scheduled_on(redis_client, names)] == [ev.request_id for ev in events]
     assert redis_client.xpending(names.preprocessed_stream(0), GROUP_SCHEDULER)["pending"] == 0
-    assert redis_client.hlen(names.queue(0)) == 0 and redis_client.hlen(names.assigned) == BURST
+    assert redis_client.hlen(names.queue(0)) == 0 and redis_client.hlen(names.assigned(0)) == BURST
     assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"
 
 

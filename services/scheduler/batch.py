@@ -6,24 +6,29 @@ At 5,000 concurrent streams the scheduler was a chain of one-at-a-time round tri
 deadline, the queue record, the acknowledgement; then the SCHEDULED transition, the queue record again, the
 assignment), each slowed by a busy machine, and new requests piled up in PREPROCESSED. Order and effects per
 request are those of the traced path (service.py): transitions first, the records they imply after, the
-acknowledgement last, so a scheduler that dies in between leaves what a redelivery or sync() repairs.
+acknowledgement last, so a scheduler that dies in between leaves what a redelivery, sync() or the placement
+repair (repair.py) finishes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+from services.scheduler.assignments import scheduled_event
 from services.scheduler.recovery import Assignment
+from services.scheduler.repair import retake_behind
 from services.scheduler.routing import decision_fields
 from shared import telemetry
 from shared.errors import InvalidTransition
-from shared.events import Preprocessed, Scheduled
-from shared.lifecycle import Owner, Publish, State, TransitionResult
+from shared.events import Preprocessed
+from shared.lifecycle import TERMINAL, Owner, Publish, State, TransitionResult
 
 logger = logging.getLogger(__name__)
 
 PLACE_BATCH = 256  # placements a tick sends at once: a bigger pipeline would hold Redis from token traffic
 RESERVED = "0-0"  # in-flight entry id of a placement chosen but not yet sent (replaced, or dropped, when sent)
+_placements = itertools.count()  # numbers this process's placements (their nonces)
 
 
 def intake(svc, deliveries: list) -> None:
@@ -53,18 +58,18 @@ def intake(svc, deliveries: list) -> None:
 
 
 def send_all(svc, picks: list) -> None:
-    """Send chosen placements (queued request, worker, blocks reserved, routing decision): their SCHEDULED transitions with the scheduled
-    events in one pipeline, then the queue records dropped and the assignments recorded in a second."""
+    """Send chosen placements (queued request, worker, blocks reserved, routing decision): their SCHEDULED
+    transitions with the scheduled events in one pipeline, then (on a cluster) the events, then their records."""
     pipe, outs, laters = svc.r.pipeline(transaction=False), [], []
     for q, worker, _need, _decision in picks:
         out = scheduled_event(q, worker.worker_id, q.event.traceparent)
         # exec (worker, attempt: the fencing token) is written by the same atomic step
         laters.append(svc.lifecycle.queue(pipe, q.request_id, State.SCHEDULED, "",
                                           [Publish(svc.names.worker_stream(worker.worker_id), out)],
-                                          only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt)))
+                                          only_from=(State.QUEUED,), owner=owner(svc, worker.worker_id, q.attempt)))
         outs.append(out)
     replies = pipe.execute(raise_on_error=False)
-    sent = []  # (pick, event, result, events still to publish) of each placement that reached Redis
+    sent = []  # (pick, event, result, events still to publish) of each placement made
     for (q, worker, need, decision), out, raw, later in zip(picks, outs, replies, laters):
         worker.drop_inflight(q.request_id)  # the reservation made while choosing
         if isinstance(raw, Exception):  # its queue record stays: the next sync reads everything, queues it again
@@ -73,53 +78,70 @@ def send_all(svc, picks: list) -> None:
             continue
         try:
             res = svc.lifecycle.interpret(q.request_id, State.SCHEDULED, raw)
-        except InvalidTransition as e:  # another replica placed it already
+        except InvalidTransition as e:  # another replica placed it already (its record drops the queue record)
             logger.info("not placing %s: %s", q.request_id, e)
-            res = TransitionResult(False, None)
-        sent.append(((q, worker, need, decision), out, res, later))
-    # On a cluster the scheduled events go to the inboxes now (their entry ids are what after_send records).
+            continue
+        if res.applied:
+            sent.append(((q, worker, need, decision), out, res, later))
+        else:
+            refused(svc, q, res)
+    # On a cluster the scheduled events go to the inboxes now (their entry ids are what the records hold).
     results = svc.lifecycle.complete(svc.r, [(res, later) for _pick, _out, res, later in sent])
-    writes = svc.r.pipeline(transaction=False)
-    for ((q, worker, need, decision), out, _res, _later), res in zip(sent, results):
-        after_send(svc, q, worker, need, res, out, writes, decision)
-    writes.execute()
+    record(svc, [(pick, out, res) for (pick, out, _res, _later), res in zip(sent, results)])
 
 
 def send_one(svc, q, worker, need: int, decision) -> TransitionResult:
     """Send one placement (tracing on): its SCHEDULED transition with its scheduled event in a publish span,
-    then its records in one pipeline."""
+    then its record."""
     ev = q.event
     stream = svc.names.worker_stream(worker.worker_id)
     with telemetry.publish_span(stream, ev.request_id) as pub:
         out = scheduled_event(q, worker.worker_id, telemetry.traceparent_of(pub, ev.traceparent))
         try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
             res = svc.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
-                                           only_from=(State.QUEUED,), owner=Owner(worker.worker_id, q.attempt))
-        except InvalidTransition as e:  # another replica placed it already
+                                           only_from=(State.QUEUED,), owner=owner(svc, worker.worker_id, q.attempt))
+        except InvalidTransition as e:  # another replica placed it already (its record drops the queue record)
             logger.info("not placing %s: %s", ev.request_id, e)
-            res = TransitionResult(False, None)
+            return TransitionResult(False, None)
         telemetry.published(pub, res.entry_ids)
-    writes = svc.r.pipeline(transaction=False)
-    after_send(svc, q, worker, need, res, out, writes, decision)
-    writes.execute()
+    if res.applied:
+        record(svc, [((q, worker, need, decision), out, res)])
+    else:
+        refused(svc, q, res)
     return res
 
 
-def after_send(svc, q, worker, need: int, res: TransitionResult, out: Scheduled, pipe, decision) -> None:
-    """After the SCHEDULED transition: drop the queue record; if placed, count it in flight to the worker (need:
-    the blocks it must allocate there) and record the assignment and the routing decision (on pipe)."""
-    svc.records.drop([q.request_id], pipe)
-    if res.applied:
-        worker.add_inflight(q.request_id, res.entry_ids[0], need)
-        svc.assignments.add(Assignment(worker.worker_id, res.entry_ids[0], out), pipe)
-        svc.store.update(pipe, q.request_id, "exec", decision_fields(decision))
+def owner(svc, worker_id: str, attempt: int) -> Owner:
+    """The placement's fencing token, named so that its own script re-sent (a lost reply) tells itself apart."""
+    return Owner(worker_id, attempt, f"{svc.replicas.writer}.{next(_placements)}")
 
-def scheduled_event(q, worker_id: str, traceparent: str) -> Scheduled:
-    """The placement of queued request q on a worker. The worker enforces the cap (the client's timeout, or the
-    default one): an adaptive deadline bounds the wait in the queue, never a request its worker is making
-    progress on."""
-    ev = q.event
-    return Scheduled(request_id=ev.request_id, worker_id=worker_id, reply_to=ev.reply_to,
-                     prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids, sampling=ev.sampling,
-                     priority=ev.priority, deadline=ev.deadline, received_at=ev.received_at, attempt=q.attempt,
-                     traceparent=traceparent, group_id=ev.group_id)
+
+def refused(svc, q, res: TransitionResult) -> None:
+    """A placement Redis refused. Fenced: Redis holds a later attempt than this replica's record (repair.py takes
+    that one). Ended or gone: its queue record is dropped. QUEUED or on a worker: another replica's (it drops the
+    record when it records its placement)."""
+    if res.fenced:
+        retake_behind(svc, q)
+    elif res.previous is None or res.previous in TERMINAL:
+        svc.records.drop([q.request_id])
+
+
+def record(svc, placed: list) -> None:
+    """After the SCHEDULED transitions (and, on a cluster, their events): count each placement in flight to its
+    worker (need: the blocks it must allocate there), then record it (the assignment written, the queue record
+    dropped: one script each, assignments.py) with its routing decision, in one pipeline. Known here only once
+    recorded; one refused there (the request moved on meanwhile) is not."""
+    writes, todo = svc.r.pipeline(transaction=False), []
+    for (q, worker, need, decision), out, res in placed:
+        if not res.entry_ids:  # cannot happen unless its event was lost: repair.py finds it without an assignment
+            logger.error("placement of %s has no event entry id: left to the repair", q.request_id)
+            continue
+        worker.add_inflight(q.request_id, res.entry_ids[0], need)
+        a = Assignment(worker.worker_id, res.entry_ids[0], out)
+        svc.assignments.record(a, writes)
+        svc.store.update(writes, q.request_id, "exec", decision_fields(decision))
+        todo.append(a)
+    if todo:
+        replies = writes.execute()
+        for a, reply in zip(todo, replies[0::2]):
+            svc.assignments.recorded(a, reply)

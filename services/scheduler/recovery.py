@@ -1,7 +1,7 @@
 """What the scheduler does when a process it depends on disappears.
 
 - Assignments (request -> worker, the `scheduled` event, its stream entry id) are kept in
-  memory and in the Redis hash `assigned`, so a restarted scheduler still knows them; like the
+  memory and in Redis (assignments.py), so a restarted scheduler still knows them; like the
   QUEUED records, each write is noted on a change stream, so other replicas read only what
   changed (sync.py).
 - A worker whose heartbeat is older than the liveness TTL (dead, or hung: the heartbeat comes
@@ -19,10 +19,10 @@ import time
 
 import msgspec
 
-from shared.bus import entry_key
 from shared.constants import Names
-from shared.events import CancelRequested, Preprocessed, Scheduled
-from shared.lifecycle import State
+from shared.events import CancelRequested, Cancelled, Preprocessed, Scheduled
+from shared.lifecycle import Publish, State
+from shared.runtime import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ _qdec = msgspec.msgpack.Decoder(QueuedRecord)
 def encode_queued(item) -> bytes:
     ahead = (item.ahead.prefill_tokens, item.ahead.decode_tokens) if item.ahead is not None else None
     return _enc.encode(QueuedRecord(item.event, item.deadline, item.attempt, item.output_token_ids, ahead))
+
+
+def encode_record(rec: QueuedRecord) -> bytes:
+    return _enc.encode(rec)
 
 
 def decode_queued(payload: bytes) -> QueuedRecord:
@@ -99,45 +103,6 @@ class QueueRecords:
         return self.r.hget(self.names.queue(self.names.partition(request_id)), request_id)
 
 
-class Assignments:
-    """The placements, in memory and in the hash every replica shares (each write noted on its change stream)."""
-
-    def __init__(self, client, names: Names, writer: str):
-        self.r, self.key, self.changes, self.writer = client, names.assigned, names.assigned_changes, writer
-        self.by_request: dict[str, Assignment] = {}
-
-    def add(self, a: Assignment, client=None) -> None:
-        """Record a placement (written through client when given: a pipeline the caller executes)."""
-        self.by_request[a.scheduled.request_id] = a
-        pipe = client if client is not None else self.r.pipeline(transaction=False)
-        pipe.hset(self.key, a.scheduled.request_id, _enc.encode(a))
-        note_change(pipe, self.changes, a.scheduled.request_id, self.writer)
-        if client is None:
-            pipe.execute()
-
-    def drop(self, request_ids: list[str]) -> None:
-        if request_ids:
-            pipe = self.r.pipeline(transaction=False)
-            for rid in request_ids:
-                self.by_request.pop(rid, None)
-                pipe.hdel(self.key, rid)
-                note_change(pipe, self.changes, rid, self.writer)
-            pipe.execute()
-
-    def of_worker(self, worker_id: str) -> list[Assignment]:
-        return [a for a in self.by_request.values() if a.worker_id == worker_id]
-
-    def settle_with_heartbeat(self, worker_id: str, held: tuple[str, ...], last_read_id: str) -> list[Assignment]:
-        """Assignments the worker has read and no longer holds are over (finished, failed, cancelled): dropped,
-        and returned."""
-        read = entry_key(last_read_id) if last_read_id else (0, 0)
-        held_set = set(held)
-        over = [a for a in self.of_worker(worker_id)
-                if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set]
-        self.drop([a.scheduled.request_id for a in over])
-        return over
-
-
 class GatewayWatch:
     """Tracks how long each gateway's liveness entry has been missing."""
 
@@ -176,3 +141,37 @@ def requeue_undelivered(svc, over: list[Assignment]) -> None:
         if state == State.SCHEDULED.value.encode():
             logger.warning("%s never reached worker %s: queueing it again", a.scheduled.request_id, a.worker_id)
             svc.requeue(a.scheduled, a.scheduled.output_token_ids, "lost_in_transit", only_from=(State.SCHEDULED,))
+
+
+def recover_lost(svc) -> None:
+    """Move the requests of workers that stopped heartbeating (back to the queue with their tokens, a cancel left
+    on the worker's stream should it wake up); cancel those of gateways that died."""
+    for w in [w for w in svc.workers.values() if not svc._alive(w)]:
+        lost = svc.assignments.of_worker(w.worker_id)
+        logger.warning("worker %s lost (no heartbeat for %.1f s): moving %d requests", w.worker_id,
+                       time.monotonic() - w.seen_at, len(lost))
+        for a in lost:
+            tokens = tuple(int(t) for t in svc.r.lrange(svc.names.tokens(a.scheduled.request_id), 0, -1))
+            svc.requeue(a.scheduled, tokens, "worker_lost")
+        for wid, cancel in zombie_cancels(lost):
+            svc.bus.publish(svc.names.worker_stream(wid), cancel)
+        svc.assignments.drop([a.scheduled for a in lost])
+        del svc.workers[w.worker_id]
+        svc.router.drop_worker(w.worker_id)
+    svc.router.prune(set(svc.workers))
+    live = set(Liveness.read(svc.r, svc.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
+    held = [(q.request_id, q.event.reply_to) for q in svc.queue.items()] + \
+        [(a.scheduled.request_id, a.scheduled.reply_to) for a in svc.assignments.by_request.values()]
+    dead = svc.gateways.dead(live, {gateway_of(reply) for _, reply in held})
+    for rid, reply in held:
+        if gateway_of(reply) in dead:
+            cancel_orphan(svc, rid, reply)
+
+
+def cancel_orphan(svc, request_id: str, reply_to: str) -> None:
+    """Its gateway is gone: settle CANCELLED, telling its reply stream (a gateway that comes back under the same
+    id, and any reader of the stream, sees the end), and stop the work."""
+    end = Cancelled(request_id=request_id, reason="client_disconnect", service="scheduler")
+    if svc._try(request_id, State.CANCELLED, "client_disconnect", [Publish(reply_to, end)]):
+        logger.info("cancelled %s: its gateway is gone", request_id)
+        svc.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))

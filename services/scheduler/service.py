@@ -3,7 +3,9 @@
 Durability: a request's QUEUED transition and its copy in the `queue` hash are written
 before the preprocessed event is acknowledged, so a restarted scheduler rebuilds its queue
 from Redis. Placement is one atomic script: SCHEDULED transition + `scheduled` event on the
-worker's stream; a request cancelled meanwhile is refused there and never reaches a worker.
+worker's stream (on a Redis Cluster the event right after); a request cancelled meanwhile is
+refused there and never reaches a worker. Its record follows (assignments.py); a placement cut
+short before it is finished from what Redis holds (repair.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import uuid
 
 import msgspec
 
-from services.scheduler.recovery import (Assignments, GatewayWatch, QueueRecords, decode_queued, encode_queued,
-                                         gateway_of, requeue_undelivered, zombie_cancels)
+from services.scheduler.assignments import Assignments
+from services.scheduler.recovery import (GatewayWatch, QueueRecords, decode_queued, encode_queued, recover_lost,
+                                         requeue_undelivered)
+from services.scheduler.repair import HeldUnknown, PlacementSweep
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch
 from services.scheduler.routing import READ_COUNT, Router
@@ -30,7 +34,7 @@ from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextStore
 from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Cancelled, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
+from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
                            TimedOut)
 from shared.janitor import scheduler_janitor
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
@@ -60,6 +64,7 @@ class SchedulerService:
         self.assignments = Assignments(self.r, self.names, writer)
         self.records = QueueRecords(self.r, self.names, writer)
         self.replicas = ReplicaSync(self, writer)
+        self.held = HeldUnknown(self, settings.placement_grace_s)
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
@@ -72,8 +77,10 @@ class SchedulerService:
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
         # Off the tick (a thread and client of its own): under sustained load a sweep deletes thousands of ended
         # contexts, and neither it nor the stream trimming may delay placements, deadlines or cancels.
+        # The placement repair's sweep too: it reads every partition's SCHEDULED requests.
+        repair = PlacementSweep(sync_client(settings), self.names, f"{writer}/repair", settings)
         self.janitor_loop = scheduler_janitor(settings, self.names, self.id, [
-            *(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams])
+            *(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams], [repair.sweep])
         self.epoch = DatasetEpoch(self.names)
         self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
@@ -147,7 +154,7 @@ class SchedulerService:
             self.on_cancel(ev)
         elif isinstance(ev, HandBack):
             if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
-                self.assignments.drop([ev.request_id])
+                self.assignments.drop([ev.scheduled])
         else:
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
 
@@ -319,6 +326,7 @@ class SchedulerService:
         over = self.assignments.settle_with_heartbeat(hb.worker_id, hb.request_ids, hb.last_read_id)
         if over and self.names.cluster:  # on a single Redis a placement and its event are one atomic step
             requeue_undelivered(self, over)
+        self.held.on_heartbeat(hb)  # what it holds that no placement names: its scheduler was cut short
         if view is None or view.hb is None:
             logger.info("worker %s joined (%d blocks, %d seqs)", hb.worker_id, hb.total_blocks, hb.max_num_seqs)
             self.workers[hb.worker_id] = WorkerView(hb.worker_id, hb, time.monotonic())
@@ -385,34 +393,5 @@ class SchedulerService:
 
     def recover_lost(self) -> None:
         """Move the requests of workers that stopped heartbeating; cancel those of gateways that died."""
-        if time.monotonic() - self._contact_since < self.s.liveness_ttl_s:
-            return  # back from a Redis outage: liveness entries are old until their owners refresh them
-        for w in [w for w in self.workers.values() if not self._alive(w)]:
-            lost = self.assignments.of_worker(w.worker_id)
-            logger.warning("worker %s lost (no heartbeat for %.1f s): moving %d requests", w.worker_id,
-                           time.monotonic() - w.seen_at, len(lost))
-            for a in lost:
-                tokens = tuple(int(t) for t in self.r.lrange(self.names.tokens(a.scheduled.request_id), 0, -1))
-                self.requeue(a.scheduled, tokens, "worker_lost")
-            for wid, cancel in zombie_cancels(lost):
-                self.bus.publish(self.names.worker_stream(wid), cancel)
-            self.assignments.drop([a.scheduled.request_id for a in lost])
-            del self.workers[w.worker_id]
-            self.router.drop_worker(w.worker_id)
-        self.router.prune(set(self.workers))
-        live = set(Liveness.read(self.r, self.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
-        held = [(q.request_id, q.event.reply_to) for q in self.queue.items()] + \
-            [(a.scheduled.request_id, a.scheduled.reply_to) for a in self.assignments.by_request.values()]
-        dead = self.gateways.dead(live, {gateway_of(reply) for _, reply in held})
-        for rid, reply in held:
-            if gateway_of(reply) in dead:
-                self.cancel_orphan(rid, reply)
-
-    def cancel_orphan(self, request_id: str, reply_to: str) -> None:
-        """Its gateway is gone: settle CANCELLED, telling its reply stream (a gateway that comes back under the
-        same id, and any reader of the stream, sees the end), and stop the work."""
-        end = Cancelled(request_id=request_id, reason="client_disconnect", service="scheduler")
-        if self._try(request_id, State.CANCELLED, "client_disconnect", [Publish(reply_to, end)]):
-            logger.info("cancelled %s: its gateway is gone", request_id)
-            self.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))
-
+        if time.monotonic() - self._contact_since >= self.s.liveness_ttl_s:  # else back from a Redis outage:
+            recover_lost(self)  # liveness entries are old until their owners refresh them

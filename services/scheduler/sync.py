@@ -1,11 +1,11 @@
 """How scheduler replicas share the queue and the placements (docs/reliability.md, "Shared scheduler state").
 
-Any replica may queue, requeue, place or drop a request: the QUEUED records (one hash per partition) and the
-placements (one hash) are the truth, and a surviving or restarted replica adopts what a dead one held. Each
-write of those hashes is followed, on the same pipeline, by an entry on the hash's change stream naming the
-request and its writer (recovery.note_change). A replica's periodic sync reads the entries after its cursor,
-then only the records they name that another replica wrote: its cost follows what changed, where reading every
-record (prompts included) every second cost O(queued prompt bytes) per replica (issue 24, item 2). A record
+Any replica may queue, requeue, place or drop a request: the QUEUED records and the placements (one hash each per
+partition) are the truth, and a surviving or restarted replica adopts what a dead one held. Each write of those
+hashes is followed, on the same pipeline or in the same script, by an entry on the hash's change stream naming the
+request and its writer (recovery.note_change, assignments.py). A replica's periodic sync reads the entries after
+its cursor, then only the records they name that another replica wrote: its cost follows what changed, where reading
+every record (prompts included) every second cost O(queued prompt bytes) per replica (issue 24, item 2). A record
 that changed under a known id (requeued by another replica at its next attempt, with its tokens so far) is read
 again, where the whole read kept its stale copy.
 
@@ -23,6 +23,8 @@ import time
 from services.scheduler.recovery import CHANGES_MAXLEN, decode_assignment, decode_queued
 from services.scheduler.state import WorkerView
 from shared.lifecycle import State
+
+ON_A_WORKER = frozenset(s.value for s in (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED))
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class ReplicaSync:
 
     def streams(self) -> list[str]:
         n = self.svc.names
-        return [*(n.queue_changes(p) for p in n.all_partitions), n.assigned_changes]
+        return [*(n.queue_changes(p) for p in n.all_partitions), *(n.assigned_changes(p) for p in n.all_partitions)]
 
     def sync(self) -> None:
         if self.full or not self._incremental():
@@ -69,13 +71,15 @@ class ReplicaSync:
         pipe = svc.r.pipeline(transaction=False)
         for stream in streams:  # first: a change made while the hashes are read is read again after
             self._read(keys=[stream], args=["0-0", "0"], client=pipe)
-        pipe.hgetall(svc.names.assigned)
-        for p in svc.names.all_partitions:
+        parts = svc.names.all_partitions
+        for p in parts:
+            pipe.hgetall(svc.names.assigned(p))
+        for p in parts:
             pipe.hgetall(svc.names.queue(p))
         got = pipe.execute()
-        figures, placed, queues = got[:len(streams)], got[len(streams)], got[len(streams) + 1:]
+        figures, placed, queues = got[:len(streams)], got[len(streams):-len(parts)], got[-len(parts):]
         self.cursors = {s: Cursor(_s(f[2]), int(f[0])) for s, f in zip(streams, figures)}
-        svc.assignments.by_request = {_s(k): decode_assignment(v) for k, v in placed.items()}
+        svc.assignments.by_request = {_s(k): decode_assignment(v) for part in placed for k, v in part.items()}
         for a in svc.assignments.by_request.values():
             svc.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
         stored = {_s(rid): payload for part in queues for rid, payload in part.items()}
@@ -91,6 +95,7 @@ class ReplicaSync:
         for _ in range(10):  # more than one read only after a burst of over CHANGES_MAXLEN changes
             more = False
             streams = self.streams()
+            placements = set(streams[len(streams) // 2:])  # the assigned hashes' change streams
             pipe = self.svc.r.pipeline(transaction=False)
             for stream in streams:
                 cur = self.cursors.setdefault(stream, Cursor())
@@ -101,7 +106,7 @@ class ReplicaSync:
                                    stream)
                     return False
                 ids = {_s(f[b"rid"]) for _id, f in _fields(entries) if _s(f[b"by"]) != self.writer}
-                (placed if stream == self.svc.names.assigned_changes else queued).update(ids)
+                (placed if stream in placements else queued).update(ids)
                 more = more or len(entries) == CHANGES_MAXLEN
             if not more:
                 break
@@ -122,7 +127,7 @@ class ReplicaSync:
         svc = self.svc
         pipe = svc.r.pipeline(transaction=False)
         for rid in placed:
-            pipe.hget(svc.names.assigned, rid)
+            pipe.hget(svc.names.assigned(svc.names.partition(rid)), rid)
         for rid in queued:
             pipe.hget(svc.names.queue(svc.names.partition(rid)), rid)
         got = pipe.execute()
@@ -142,7 +147,9 @@ class ReplicaSync:
 
     def _adopt(self, stored: dict[str, bytes]) -> None:
         """Queue the stored records this replica does not hold, or holds at another attempt, whose requests are
-        QUEUED; drop the records of requests placed, ended or expired meanwhile."""
+        QUEUED; drop the records of requests ended or expired meanwhile. The record of a request on a worker is
+        left: it is dropped with the placement's record (assignments.py), or is what repair.py finishes a
+        placement cut short from."""
         svc, recs = self.svc, {rid: decode_queued(raw) for rid, raw in stored.items()}
         held = {q.request_id: q.attempt for q in svc.queue.items()}
         todo = [rid for rid, rec in recs.items() if held.get(rid) != rec.attempt]
@@ -154,7 +161,7 @@ class ReplicaSync:
             svc.queue.remove(rid)
             if state is not None and _s(state) == State.QUEUED.value:
                 svc.push_record(recs[rid])
-            else:
+            elif state is None or _s(state) not in ON_A_WORKER:
                 stale.append(rid)
         svc.records.drop(stale)
 
