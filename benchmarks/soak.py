@@ -272,7 +272,8 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
 
 
 def cluster_env(args) -> dict:
-    env = {"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl), "CONVEYOR_ENGINE": args.engine}
+    env = {"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl), "CONVEYOR_ENGINE": args.engine,
+           "CONVEYOR_SIM_SPEEDUP": str(args.sim_speedup)}
     if args.max_ended_contexts is not None:
         env["CONVEYOR_MAX_ENDED_CONTEXTS"] = str(args.max_ended_contexts)
     return env
@@ -293,6 +294,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--engine", choices=("torch", "sim"), default="torch",
                     help="the workers' engine: sim (CONVEYOR_ENGINE=sim) for the control plane at its highest rate")
+    ap.add_argument("--sim-speedup", type=float, default=1.0,
+                    help="CONVEYOR_SIM_SPEEDUP with --engine sim: steps that many times shorter than the model's, so the "
+                         "control plane, not the simulated model, is what limits the rate")
     ap.add_argument("--max-ended-contexts", type=int, default=None,
                     help="CONVEYOR_MAX_ENDED_CONTEXTS of the cluster: set below rate x --context-ttl, the janitor's cap "
                          "path deletes contexts throughout the run")
