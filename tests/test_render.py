@@ -110,3 +110,11 @@ def test_light_work_stays_on_the_loop_and_heavy_work_leaves_it():
     assert asyncio.run(where(render.HEAVY - 1)) is True
     assert asyncio.run(where(render.HEAVY)) is False
     assert sys.getswitchinterval() <= 0.005, "the loop gets the GIL back at least this often from a render thread"
+
+
+def test_a_heavy_json_body_refuses_nan_as_json_response_did():
+    items = [{"logprob": render.exact(float("nan"))}] * 300
+    with pytest.raises(ValueError):
+        render.encode_heavy({"lp": render.Sliced(300, lambda i, j: items[i:j])})
+    with pytest.raises(ValueError):
+        old_json({"lp": items})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -51,6 +52,8 @@ def exact(value: float) -> float:
 
 def _exact_hook(obj: Any) -> Any:
     if isinstance(obj, ExactFloat):
+        if not math.isfinite(obj):  # as json.dumps(allow_nan=False) in JSONResponse: no NaN in a JSON body
+            raise ValueError("Out of range float values are not JSON compliant")
         return msgspec.Raw(float.__repr__(obj).encode())
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
