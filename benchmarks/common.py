@@ -130,9 +130,12 @@ class ConveyorUp:
     """`conveyor up` as a child process on a free port; stderr (every service's log) goes to log_path."""
 
     def __init__(self, log_path: Path, workers: int = 1, redis_url: str | None = None, env: dict | None = None,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, root: Path = ROOT):
+        """root: the source tree the cluster runs (another checkout, for a before/after comparison)."""
         self.log_path, self.workers, self.redis_url = Path(log_path), workers, redis_url
-        self.env, self.args = clean_env(env), list(args or [])
+        self.root = Path(root)
+        path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)  # root's first
+        self.env, self.args = clean_env({**(env or {}), "PYTHONPATH": path}), list(args or [])
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -146,7 +149,7 @@ class ConveyorUp:
                *(["--redis-url", self.redis_url] if self.redis_url else []), *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=self._log,
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, preexec_fn=die_with_parent)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         t0 = time.monotonic()

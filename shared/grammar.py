@@ -7,7 +7,10 @@ model can fill its whole budget with newlines and never close the object.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 
 import llguidance
 
@@ -16,6 +19,7 @@ KIND_LARK = "lark"  # the output is a sentence of an llguidance Lark grammar (sp
 KINDS = (KIND_JSON_SCHEMA, KIND_LARK)
 ANY_OBJECT = json.dumps({"type": "object"})  # response_format json_object: any JSON object
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CHECKED_MAX = 4096  # digests of specs known valid (check): 16 bytes each
 
 
 class GrammarError(ValueError):
@@ -46,3 +50,22 @@ def _checked(grammar: str) -> str:
     if error:
         raise GrammarError(error)
     return grammar
+
+
+_checked_specs: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+_checked_lock = threading.Lock()  # check() runs in several threads (the gateway's render threads)
+
+
+def check(kind: str, spec: str) -> None:
+    """Raise GrammarError unless the constraint compiles; one found valid before is not compiled again (the
+    digests of the last CHECKED_MAX valid specs are kept: a client sends the same tools with every turn)."""
+    key = hashlib.blake2b(f"{kind}\0{spec}".encode(), digest_size=16).digest()
+    with _checked_lock:
+        if key in _checked_specs:
+            _checked_specs.move_to_end(key)
+            return
+    grammar_for(kind, spec)
+    with _checked_lock:
+        _checked_specs[key] = None
+        while len(_checked_specs) > CHECKED_MAX:
+            _checked_specs.popitem(last=False)

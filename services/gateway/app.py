@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admission import OpenRequestLimit
@@ -27,7 +26,8 @@ from services.gateway.openai_api import GENERATION_ERRORS
 from services.gateway.openai_api import router as openai_router
 from services.gateway.openai_schemas import error_responses, sse_or_json
 from services.gateway.openapi_doc import install as install_openapi
-from services.gateway.responses import collect, stream
+from services.gateway.render import json_response
+from services.gateway.responses import collect, handle_weight, stream
 from services.gateway.schemas import GenerateRequest
 from services.gateway.sse import SseResponse
 from shared.model_files import model_display_name, resolve_model_dir
@@ -120,7 +120,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
         if body.stream:
             return SseResponse(stream(core, handle, request), core.s.sse_write_timeout_s, headers=headers)
-        return JSONResponse(await collect(core, handle, request), headers=headers)
+        out = await collect(core, handle, request)
+        return await json_response(lambda: out, handle_weight(handle), headers)
 
     @app.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def get_request(request_id: str, request: Request):

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
 from services.gateway.core import GatewayCore
-from services.gateway.responses import delta_event, final_event, sse
+from services.gateway.render import json_response, sse_events
+from services.gateway.responses import chunk_weight, delta_event, final_event, handle_weight, sse
 from services.gateway.schemas import GenerateRequest
 from services.gateway.sse import SseResponse
 
@@ -29,8 +29,9 @@ async def generate_choices(request: Request, body: GenerateRequest):
     if body.stream:
         return SseResponse(_stream(core, choices, request), core.s.sse_write_timeout_s, headers=headers)
     bodies = await collect_choices(core, choices, request)
-    return JSONResponse({"request_id": primary.request_id, "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
-                         "usage": merged_usage(bodies)}, headers=headers)
+    out = {"request_id": primary.request_id, "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
+           "usage": merged_usage(bodies)}
+    return await json_response(lambda: out, sum(handle_weight(h) for h in choices.handles), headers)
 
 
 async def _stream(core: GatewayCore, choices: Choices, request: Request) -> AsyncIterator[bytes]:
@@ -43,7 +44,8 @@ async def _stream(core: GatewayCore, choices: Choices, request: Request) -> Asyn
             handle = choices.handles[index]
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
-                    yield sse({**delta_event(core, handle, chunk), "choice": index})
+                    yield await sse_events(lambda: [{**delta_event(core, handle, chunk), "choice": index}],
+                                           chunk_weight(chunk))
                 continue
             final = {**await final_event(core, handle, chunk), "choice": index}
             yield sse(final)

@@ -14,7 +14,6 @@ import time
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, first_outcome, merged_usage
 from services.gateway.core import GatewayCore
@@ -22,7 +21,8 @@ from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk
 from services.gateway.openai_stream import Shape, end_chunks, openai_usage, text_chunks
 from services.gateway.openai_tools import ToolShaper
-from services.gateway.responses import sse
+from services.gateway.render import json_response, sse_events
+from services.gateway.responses import chunk_weight, handle_weight, sse
 from services.gateway.schemas import GenerateRequest
 from services.gateway.structured_output import OutputPlan
 from services.gateway.sse import SseResponse
@@ -58,7 +58,9 @@ async def serve_choices(request: Request, native: GenerateRequest, n: int, chat:
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await _start_stream(request, core, choices, shapes, headers)
-    return JSONResponse(choices_body(shapes, choices, await collect_choices(core, choices, request)), headers=headers)
+    bodies = await collect_choices(core, choices, request)
+    return await json_response(lambda: choices_body(shapes, choices, bodies),
+                               sum(handle_weight(h) for h in choices.handles), headers)
 
 
 async def _start_stream(request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape],
@@ -87,8 +89,10 @@ async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                 yield sse(_at(shape.chunk(role=True), i))
         index, chunk = first
         while True:
-            for out in text_chunks(shapes[index], tools[index], chunk):
-                yield sse(_at(out, index))
+            if data := await sse_events(lambda: [_at(out, index) for out in text_chunks(shapes[index], tools[index],
+                                                                                        chunk)],
+                                        chunk_weight(chunk)):
+                yield data
             try:
                 body = await first_outcome(core, run, index, chunk)
             except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()

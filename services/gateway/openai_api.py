@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.gateway.choices_openai import serve_choices
@@ -21,9 +20,10 @@ from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompleti
                                              CompletionResponse, ModelCard, ModelList, OpenAIRequest,
                                              error_responses, sse_or_json)
 from services.gateway.openai_stream import Shape, start_stream
-from services.gateway.responses import collect
+from services.gateway.render import json_response, off_loop
+from services.gateway.responses import collect, handle_weight
 from services.gateway.schemas import GenerateRequest, Message
-from services.gateway.structured_output import OutputPlan, plan_chat
+from services.gateway.structured_output import OutputPlan, plan_chat, plan_weight
 from services.gateway.tool_calls import turn_text
 
 router = APIRouter(tags=["OpenAI-compatible"])
@@ -115,7 +115,7 @@ async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest,
     if native.stream:
         return await start_stream(request, core, handle, shape, headers)
     body = await collect(core, handle, request, with_logprobs=False)
-    return JSONResponse(shape.body(body, handle.logprobs), headers=headers)
+    return await json_response(lambda: shape.body(body, handle.logprobs), handle_weight(handle), headers)
 
 
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
@@ -130,7 +130,7 @@ async def completions(body: CompletionRequest, request: Request):
              responses={**sse_or_json(ChatCompletionResponse, "the assistant's message"), **GENERATION_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_common(request, body)
-    plan = plan_chat(body)
+    plan = await off_loop(lambda: plan_chat(body), plan_weight(body))  # its schemas compiled off the loop
     native = _native(body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body),
                      messages=_messages(body))
     return await _serve(request, body, native, chat=True, plan=plan)

@@ -18,9 +18,11 @@ from fastapi import Request
 from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
-from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat as chat_logprobs
+from services.gateway import logprobs as lp_shapes
+from services.gateway.logprobs import CompletionLogprobs, TokenStrings
 from services.gateway.openai_tools import ToolShaper, message
-from services.gateway.responses import drive, final_body, sse
+from services.gateway.render import sse_events
+from services.gateway.responses import chunk_weight, drive, final_body, sse
 from services.gateway.structured_output import OutputPlan
 from services.gateway.sse import SseResponse
 from shared.events import Completed
@@ -63,8 +65,8 @@ class Shape:
         if self.token_strings is None or entries is None:
             return None
         if self.chat:
-            return chat_logprobs(self.token_strings, token_ids, entries)
-        return self._completion_logprobs(token_ids, entries)
+            return lp_shapes.chat_sliced(self.token_strings, token_ids, entries)
+        return self._completion_logprobs.sliced(token_ids, entries)
 
     def body(self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
         """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
@@ -151,8 +153,8 @@ async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first:
         tools = ToolShaper(shape.plan) if shape.with_tools else None
         chunk = first
         while True:
-            for out in text_chunks(shape, tools, chunk):
-                yield sse(out)
+            if data := await sse_events(lambda: text_chunks(shape, tools, chunk), chunk_weight(chunk)):
+                yield data
             if chunk.end is not None:
                 break
             chunk = await rest.__anext__()

@@ -14,8 +14,9 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
                                      RequestTimedOut, Unavailable)
 from services.gateway.handle import Chunk, RequestHandle
-from services.gateway.logprobs import native as native_logprobs
+from services.gateway import logprobs as lp_shapes
 from services.gateway.metrics import request_metrics
+from services.gateway.render import sse_events
 from services.gateway.stop_finish import finish_at_stop
 from shared.events import Cancelled, Completed, Failed, TimedOut
 
@@ -86,8 +87,8 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
                           "total_tokens": end.prompt_tokens + len(handle.token_ids),
                           "cached_tokens": end.cached_tokens},
                 "metrics": metrics}
-        if handle.logprobs is not None and with_logprobs:
-            body["logprobs"] = native_logprobs(core.token_strings, handle.token_ids, handle.logprobs)
+        if handle.logprobs is not None and with_logprobs:  # made as the answer is encoded (render.Sliced)
+            body["logprobs"] = lp_shapes.native_sliced(core.token_strings, handle.token_ids, handle.logprobs)
         try:
             await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
         except redis.RedisError as e:  # bookkeeping after the end: the client still gets the finished answer
@@ -122,8 +123,19 @@ async def collect(core: GatewayCore, handle: RequestHandle, request: Request, wi
 
 
 def sse(data: dict | str) -> bytes:
+    """One light SSE event (a heavy one goes through render.sse_events, which writes the same bytes)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
+
+
+def chunk_weight(chunk: Chunk) -> int:
+    """How heavy the events of a chunk are to build and encode (render.HEAVY)."""
+    return len(chunk.token_ids) + lp_shapes.weight(chunk.logprobs)
+
+
+def handle_weight(handle: RequestHandle) -> int:
+    """How heavy a request's whole answer is to build and encode (render.HEAVY)."""
+    return len(handle.token_ids) + lp_shapes.weight(handle.logprobs)
 
 
 async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[bytes]:
@@ -132,7 +144,7 @@ async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> 
         async for chunk in drive(core, handle, request):
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
-                    yield sse(delta_event(core, handle, chunk))
+                    yield await sse_events(lambda: [delta_event(core, handle, chunk)], chunk_weight(chunk))
                 continue
             yield sse(await final_event(core, handle, chunk))
             yield sse("[DONE]")
@@ -146,7 +158,7 @@ def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
     """/generate's SSE event of one text delta: its text, token ids and (when asked for) their log probabilities."""
     event = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": chunk.token_ids}
     if chunk.logprobs is not None:
-        event["logprobs"] = native_logprobs(core.token_strings, chunk.token_ids, chunk.logprobs)
+        event["logprobs"] = lp_shapes.native_sliced(core.token_strings, chunk.token_ids, chunk.logprobs)
     return event
 
 

@@ -1,7 +1,9 @@
 """What a chat request's output must be (response_format, tools, tool_choice), checked at the gateway.
 
 Every schema is compiled here (shared/grammar.py) before the request is created, so a bad one is a 400 naming
-its field and never reaches a worker. The result, an OutputPlan, says what the worker enforces (a Constraint on
+its field and never reaches a worker. That is up to 128 tools' schemas (~1 s for a 1 MB body): the endpoint runs
+plan_chat off the event loop (render.off_loop, plan_weight), and a schema found valid before is not compiled
+again (grammar.check: agents send the same tools every turn). The result, an OutputPlan, says what the worker enforces (a Constraint on
 Sampling), what the tokenizer renders into the prompt (the tools) and how the answer is shaped (text or
 tool calls).
 """
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 from services.gateway.errors import InvalidRequest
+from services.gateway.render import HEAVY
 from services.gateway.tool_calls import Tool, auto_grammar, call_schema, check_tools, chosen
 from shared.events import Constraint
-from shared.grammar import ANY_OBJECT, GrammarError, KIND_JSON_SCHEMA, KIND_LARK, grammar_for
+from shared.grammar import ANY_OBJECT, GrammarError, KIND_JSON_SCHEMA, KIND_LARK, check
 
 FORMATS = ("text", "json_object", "json_schema")
 
@@ -25,7 +29,7 @@ class OutputPlan:
     tools: tuple[Tool, ...] = ()  # the tools a call may use (rendered into the prompt unless mode is none)
     tool_mode: str = "none"  # none: text | auto: text or calls, parsed at the end | forced: calls, constrained
 
-    @property
+    @cached_property  # read by every choice's intake, on the loop: 1 MB of tools is ~10 ms a json.dumps
     def tools_json(self) -> str:
         """The tool definitions for the tokenizer's prompt ("" when the model is not to call any)."""
         return json.dumps([t.definition for t in self.tools]) if self.tool_mode != "none" else ""
@@ -38,7 +42,7 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> InvalidReques
 def _compiled(schema, param: str) -> Constraint:
     spec = json.dumps(schema)
     try:
-        grammar_for(KIND_JSON_SCHEMA, spec)
+        check(KIND_JSON_SCHEMA, spec)
     except GrammarError as e:
         raise _bad(param, f"not a usable JSON Schema: {e}", "invalid_schema") from e
     return Constraint(kind=KIND_JSON_SCHEMA, spec=spec)
@@ -69,6 +73,12 @@ def response_constraint(response_format) -> Constraint | None:
     if not isinstance(schema, dict):
         raise _bad("response_format.json_schema.schema", "must be a JSON Schema object")
     return _compiled(schema, "response_format.json_schema.schema")
+
+
+def plan_weight(body) -> int:
+    """How heavy plan_chat(body) is for the loop (render.HEAVY): a schema to compile makes it heavy."""
+    fmt = body.response_format
+    return HEAVY if body.tools or (fmt is not None and fmt.type == "json_schema") else 0
 
 
 def plan_chat(body) -> OutputPlan:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import InvalidRequest
-from shared.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, grammar_for
+from shared.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, check
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
@@ -60,7 +60,7 @@ def check_tools(tools: list[dict]) -> list[Tool]:
             raise _bad(f"{where}.function.parameters", "must be a JSON Schema of type 'object'")
         params = {**params, "type": "object"}
         try:
-            grammar_for(KIND_JSON_SCHEMA, json.dumps(params))
+            check(KIND_JSON_SCHEMA, json.dumps(params))
         except GrammarError as e:
             raise _bad(f"{where}.function.parameters", f"not a usable JSON Schema: {e}", "invalid_schema") from e
         out.append(Tool(name, params, {"type": "function", "function": fn}))
