@@ -27,10 +27,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import redis
+
 from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, hogs_cpu_s, httpx_burst,
                                log_summary, model_dir, percentile, print_table, raise_fd_limit, random_prompts,
                                run_vllm_bench, stamp, start_hogs, stop_hogs, vllm_installed, write_json)
+from services.scheduler.deadlines import Costs, Work, work_of
+from shared.constants import EVENT_FIELD, Names
+from shared.events import decode
 
+PRICED_PROMPT, PRICED_OUTPUT = 33, 16  # a burst request as the scheduler prices it (prompt tokens re-encoded)
 OUTCOMES = ("answered", "refused", "timed_out", "other")
 ROWS = [("answered (200)", "answered"), ("  of them all --output-len tokens", "answered_full"),
         ("refused at once (429)", "refused"), ("  median s to refusal", "refused_p50_s"),
@@ -101,6 +107,7 @@ def measure(name: str, url: str, port: int, model: Path, prompts: list[str], arg
         recs, duration, warm = asyncio.run(httpx_burst(url, prompts, args.output_len, 0.5, args.seed,
                                                        client_timeout=args.client_timeout))
         res = classify(recs, duration, args.output_len)
+        res["started_at"] = time.time() - duration  # wall clock of the burst's start (the client's clock)
         res.update(hog_cores=(hogs_cpu_s(hogs) - cpu0) / (time.monotonic() - t0), load_end=os.getloadavg()[0],
                    warm_up=warm, timeline=timeline(recs, args.bucket_s),
                    requests=[{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in recs])
@@ -115,10 +122,31 @@ def measure(name: str, url: str, port: int, model: Path, prompts: list[str], arg
     return res
 
 
+def worker_costs(redis_url: str, t_burst: float) -> list[dict]:
+    """The costs the workers' heartbeats reported (the last HEARTBEAT_MAXLEN, ~1 s apart): what the scheduler
+    priced each arrival's wait with (deadlines.Costs), and the price of one queued request at that moment."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    try:
+        entries = r.xrange(Names().heartbeat_stream)
+    finally:
+        r.close()
+    out = []
+    for _id, fields in entries:
+        hb = decode(fields[EVENT_FIELD])
+        costs = Costs.of([hb])
+        out.append({"t": round(hb.sent_at - t_burst, 2), "worker": hb.worker_id, "step": hb.step_no,
+                    "running": hb.num_running, "step_time_s": hb.step_time_s,
+                    "prefill_s_per_token": hb.prefill_s_per_token, "decode_s_per_token": hb.decode_s_per_token,
+                    "decode_tokens_left": hb.decode_tokens_left,
+                    "s_per_queued_request": costs.seconds(work_of(PRICED_PROMPT, PRICED_OUTPUT), Work(0, 0))})
+    return out
+
+
 def run_conveyor(model: Path, prompts: list[str], args, out: Path, run_id: str) -> dict:
     log = out / f"overload-{run_id}-conveyor.log"
     with ConveyorUp(log, workers=args.workers) as c:
         res = measure("conveyor", c.url, c.port, model, prompts, args, out, run_id)
+        res["heartbeats"] = worker_costs(c.find_redis_url(), res["started_at"])
     res["server_log"] = log_summary(log)
     return res
 
@@ -149,6 +177,16 @@ def report(results: dict, args) -> None:
         for k, counts in results[n]["timeline"].items():
             if any(counts):
                 print(f"  {k:10s} {' '.join(f'{c:4d}' for c in counts)}")
+        beats = [h for h in results[n].get("heartbeats", []) if 0 <= h["t"] <= results[n]["duration_s"]]
+        if beats:
+            print(f"{n}: the worker's reported costs during the burst (every {args.bucket_s / 2:.0f} s): t s, step, "
+                  "running, step_time_s, prefill_s_per_token, -> s one queued request adds to a wait")
+            last = None
+            for h in beats:
+                if last is None or h["t"] - last >= args.bucket_s / 2:
+                    print(f"  {h['t']:7.1f} {h['step']:6d} {h['running']:3d} {h['step_time_s']:8.3f} "
+                          f"{h['prefill_s_per_token']:8.4f} {h['s_per_queued_request']:8.3f}")
+                    last = h["t"]
         for label in ("refusal_codes", "errors"):
             if results[n].get(label):
                 print(f"{n} {label}: {results[n][label]}")
