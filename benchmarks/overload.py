@@ -89,6 +89,13 @@ def classify(recs: list[dict], duration: float, output_len: int) -> dict:
             "errors": Counter(f"{r['status']} {r['error']}" for r in recs if r["outcome"] != "answered").most_common(10)}
 
 
+def columns(recs: list[dict]) -> dict:
+    """Every request as one row under shared field names (the JSON stays a fraction of the size)."""
+    fields = list(recs[0]) if recs else []
+    return {"fields": fields,
+            "rows": [[round(v, 3) if isinstance(v, float) else v for v in (r.get(f) for f in fields)] for r in recs]}
+
+
 def timeline(recs: list[dict], bucket_s: float) -> dict[str, list[int]]:
     """Per outcome, how many ended in each bucket_s of the burst."""
     n = int(max((r["ended_at"] for r in recs), default=0) // bucket_s) + 1
@@ -109,8 +116,7 @@ def measure(name: str, url: str, port: int, model: Path, prompts: list[str], arg
         res = classify(recs, duration, args.output_len)
         res["started_at"] = time.time() - duration  # wall clock of the burst's start (the client's clock)
         res.update(hog_cores=(hogs_cpu_s(hogs) - cpu0) / (time.monotonic() - t0), load_end=os.getloadavg()[0],
-                   warm_up=warm, timeline=timeline(recs, args.bucket_s),
-                   requests=[{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in recs])
+                   warm_up=warm, timeline=timeline(recs, args.bucket_s), requests=columns(recs))
         print(f"{name}: {', '.join(f'{k} {res[k]}' for k in OUTCOMES)} in {duration:.0f} s", flush=True)
         if args.vllm_client:
             res["vllm_client"] = run_vllm_bench(port, model, out, f"overload-{run_id}-{name}",
