@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 from collections import Counter
@@ -41,8 +42,8 @@ OUTCOMES = ("answered", "refused", "timed_out", "other")
 ROWS = [("answered (200)", "answered"), ("  of them all --output-len tokens", "answered_full"),
         ("refused at once (429)", "refused"), ("  median s to refusal", "refused_p50_s"),
         ("  max s to refusal", "refused_max_s"), ("  median Retry-After s", "retry_after_p50"),
-        ("  max Retry-After s", "retry_after_max"), ("timed out (504)", "timed_out"),
-        ("  median s to 504", "timed_out_p50_s"), ("other", "other"), ("duration s", "duration_s"),
+        ("  max Retry-After s", "retry_after_max"), ("timed out (504 or in stream)", "timed_out"),
+        ("  of them in a started stream", "timed_out_in_stream"), ("  median s to time-out", "timed_out_p50_s"), ("other", "other"), ("duration s", "duration_s"),
         ("last answer at s", "last_answer_s"), ("output tok/s", "output_throughput"),
         ("answered: p50 latency s", "answered_p50_s"), ("answered: p99 latency s", "answered_p99_s"),
         ("hogs' CPU, cores", "hog_cores"), ("load average (1 min) at the end", "load_end")]
@@ -56,7 +57,7 @@ def outcome(r: dict) -> str:
         return "answered"
     if r["status"] == 429:
         return "refused"
-    if r["status"] == 504:
+    if r["status"] == 504 or r["error"] == "timeout":  # 504, or a started stream ended by its timeout
         return "timed_out"
     return "other"
 
@@ -81,6 +82,7 @@ def classify(recs: list[dict], duration: float, output_len: int) -> dict:
             "refused_p50_s": percentile([r["latency"] for r in refused], 50),
             "refused_max_s": max((r["latency"] for r in refused), default=None),
             "retry_after_p50": percentile(retry, 50), "retry_after_max": max(retry, default=None),
+            "timed_out_in_stream": sum(r["status"] == 200 for r in late),
             "timed_out_p50_s": percentile([r["latency"] for r in late], 50),
             "duration_s": duration, "last_answer_s": max((r["ended_at"] for r in ok), default=None),
             "output_throughput": sum(r["tokens"] for r in ok) / duration,
@@ -204,6 +206,15 @@ def report(results: dict, args) -> None:
                 print(f"  {count:6d}  {msg}")
 
 
+def report_file(path: Path, args) -> None:
+    data = json.loads(path.read_text())
+    saved = argparse.Namespace(**{**data["args"], "report": path})
+    for res in data["results"].values():
+        recs = [dict(zip(res["requests"]["fields"], row)) for row in res["requests"]["rows"]]
+        res.update(classify(recs, res["duration_s"], saved.output_len), timeline=timeline(recs, saved.bucket_s))
+    report(data["results"], saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hogs", type=int, default=2, help="CPU-bound processes beside each server")
@@ -218,7 +229,11 @@ def main() -> None:
     ap.add_argument("--bucket-s", type=float, default=30, help="width of the timeline's buckets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
+    ap.add_argument("--report", type=Path, help="print the tables of a results JSON of this benchmark again (its "
+                    "requests classified anew), run nothing")
     args = ap.parse_args()
+    if args.report:
+        return report_file(args.report, args)
     if (args.vllm_client or not args.skip_vllm) and not vllm_installed():
         ap.error(f"vLLM is not installed ({PEERS_SCRIPT} install), or pass --skip-vllm without --vllm-client")
     args.out.mkdir(parents=True, exist_ok=True)
