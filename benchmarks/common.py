@@ -326,7 +326,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, stream: 
     from its own send), and when it was sent and ended relative to t_burst (perf_counter) when given."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-    rec = {"stream": stream, "status": None, "ttft": None, "tokens": 0, "error": None, "retry_after": None}
+    rec = {"stream": stream, "status": None, "ttft": None, "tokens": 0, "error": None, "message": None,
+           "retry_after": None}
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -336,6 +337,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, stream: 
                 data = json.loads(await r.aread())
                 err = data.get("error") or {}
                 rec["error"] = (err.get("code") or err.get("message")) if isinstance(err, dict) else str(err)
+                if isinstance(err, dict) and err.get("message"):
+                    rec["message"] = str(err["message"])[:200]  # e.g. the state a timed-out request was in
                 rec["tokens"] = (data.get("usage") or {}).get("completion_tokens", 0)
             else:
                 await read_stream(r, rec, t0)
@@ -355,6 +358,7 @@ async def read_stream(r: httpx.Response, rec: dict, t0: float) -> None:
         event = json.loads(line[6:])
         if "error" in event:
             rec["error"] = event["error"].get("code") or event["error"].get("message")
+            rec["message"] = str(event["error"].get("message"))[:200]
         if event.get("choices") and event["choices"][0].get("text") and rec["ttft"] is None:
             rec["ttft"] = time.perf_counter() - t0
         if event.get("usage"):
