@@ -16,123 +16,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
-import re
-import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
+from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, httpx_burst, log_summary, mean,
+                               model_dir, percentile, print_table, raise_fd_limit, random_prompts, run_vllm_bench,
+                               stamp, vllm_installed, write_json)
 
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, PEERS_SCRIPT, ConveyorUp, VllmServe, log_summary, mean,
-                               model_dir, percentile, print_table, raise_fd_limit, stamp, vllm_installed,
-                               write_json)
-
-# `vllm bench serve` result lines ("Label:   number") -> our keys.
-BENCH_KEYS = {"Successful requests": "successful", "Failed requests": "failed",
-              "Benchmark duration (s)": "duration_s", "Output token throughput (tok/s)": "output_throughput",
-              "Mean TTFT (ms)": "mean_ttft_ms", "P99 TTFT (ms)": "p99_ttft_ms"}
 COMPARED = ["successful", "failed", "duration_s", "output_throughput", "mean_ttft_ms", "p99_ttft_ms"]
 
 
-def parse_bench_output(text: str, num_prompts: int) -> dict:
-    found = dict(re.findall(r"^([A-Za-z][^:\n]*?):\s+(-?[\d.]+)\s*$", text, re.M))
-    out = {key: float(found[label]) for label, key in BENCH_KEYS.items() if label in found}
-    for key in ("successful", "failed"):
-        if key in out:
-            out[key] = int(out[key])
-    if "successful" in out and "failed" not in out:  # older clients print only the successes
-        out["failed"] = num_prompts - out["successful"]
-    out["all"] = found
-    return out
-
-
-def bench_errors(result_file: Path) -> list:
-    """The distinct per-request errors `vllm bench serve --save-detailed` recorded, most frequent first."""
-    if not result_file.exists():
-        return []
-    errors = json.loads(result_file.read_text()).get("errors") or []
-    return Counter(str(e).strip()[:200] for e in errors if e).most_common(10)
-
-
 def run_vllm_client(port: int, model: Path, args, out: Path, name: str) -> dict:
-    result_file = f"{name}-vllm-bench.json"
-    cmd = ["bash", str(PEERS_SCRIPT), "bench", str(port), str(model), "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency or args.num_prompts),
-           "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
-           "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result_file]
-    print("$ " + " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout or None)
-    (out / f"{name}-client.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)
-    res = parse_bench_output(p.stdout, args.num_prompts)
-    res.update(returncode=p.returncode, errors=bench_errors(out / result_file))
-    if p.returncode != 0 or "successful" not in res:
-        print(f"vllm bench serve exited with {p.returncode}; its output's tail:\n{(p.stdout + p.stderr)[-2000:]}")
-    return res
+    return run_vllm_bench(port, model, out, name, input_len=args.input_len, output_len=args.output_len,
+                          num_prompts=args.num_prompts, max_concurrency=args.max_concurrency, seed=args.seed,
+                          timeout=args.client_timeout)
 
 
-def random_prompts(model: Path, n: int, length: int, seed: int) -> list[str]:
-    """Random token ids decoded to text, as vLLM's random dataset does (re-encoded, the length may vary by a few)."""
-    from transformers import AutoTokenizer  # only this mode needs it
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    rng = random.Random(seed)
-    return [tok.decode([rng.randrange(100, tok.vocab_size) for _ in range(length)]) for _ in range(n)]
-
-
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, max_tokens: int) -> dict:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-    rec = {"stream": stream, "status": None, "ttft": None, "tokens": 0, "error": None}
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            rec["status"] = r.status_code
-            if r.status_code != 200 or not stream:
-                data = json.loads(await r.aread())
-                rec["error"] = (data.get("error") or {}).get("code") or (data.get("error") or {}).get("message")
-                rec["tokens"] = (data.get("usage") or {}).get("completion_tokens", 0)
-            else:
-                await read_stream(r, rec, t0)
-    except (httpx.HTTPError, OSError, ValueError) as e:
-        rec["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-    rec["latency"] = time.perf_counter() - t0
-    return rec
-
-
-async def read_stream(r: httpx.Response, rec: dict, t0: float) -> None:
-    async for line in r.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:
-            rec["error"] = event["error"].get("code") or event["error"].get("message")
-        if event.get("choices") and event["choices"][0].get("text") and rec["ttft"] is None:
-            rec["ttft"] = time.perf_counter() - t0
-        if event.get("usage"):
-            rec["tokens"] = event["usage"]["completion_tokens"]
-
-
-async def run_httpx(url: str, prompts: list[str], args) -> dict:
-    rng = random.Random(args.seed)
-    streams = [rng.random() < args.stream_share for _ in prompts]
-    sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.client_timeout or None)  # none by default: the server's deadlines apply
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        warm = await one_request(client, url, prompts[0], False, 4)  # first requests pay one-off costs
-        print(f"warm-up (not counted): {warm['status']} {warm['error'] or 'ok'} in {warm['latency']:.1f} s", flush=True)
-
-        async def limited(p: str, s: bool) -> dict:
-            async with sem:
-                return await one_request(client, url, p, s, args.output_len)
-
-        t0 = time.perf_counter()
-        recs = await asyncio.gather(*[limited(p, s) for p, s in zip(prompts, streams)])
-        duration = time.perf_counter() - t0
+def run_httpx(url: str, prompts: list[str], args) -> dict:
+    recs, duration, _warm = asyncio.run(httpx_burst(url, prompts, args.output_len, args.stream_share, args.seed,
+                                                    args.max_concurrency, args.client_timeout))
     return summarise_httpx(recs, duration)
 
 
@@ -153,7 +55,7 @@ def summarise_httpx(recs: list[dict], duration: float) -> dict:
 def run_client(url: str, port: int, model: Path, prompts, args, out: Path, name: str) -> dict:
     if args.client == "vllm":
         return run_vllm_client(port, model, args, out, name)
-    return asyncio.run(run_httpx(url, prompts, args))
+    return run_httpx(url, prompts, args)
 
 
 def run_conveyor(model: Path, prompts, args, out: Path, run_id: str) -> dict:

@@ -16,34 +16,17 @@ import argparse
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.common import (DEFAULT_OUT, ConveyorUp, log_summary, percentile, print_table, stamp, write_json)
-from shared.redis_server import die_with_parent
+from benchmarks.common import (DEFAULT_OUT, ConveyorUp, log_summary, percentile, print_table, stamp, start_hogs,
+                               stop_hogs, write_json)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",
            "List three fruits.", "Why is the sky blue?", "Tell me a fun fact about octopuses.",
            "What is photosynthesis?", "Give three tips for a job interview."]
-
-
-def start_hogs(n: int, nice: int) -> list[subprocess.Popen]:
-    def pre() -> None:
-        die_with_parent()
-        if nice:
-            os.nice(nice)
-
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pre) for _ in range(n)]
-
-
-def stop_hogs(hogs: list[subprocess.Popen]) -> None:
-    for h in hogs:
-        h.terminate()
-    for h in hogs:
-        h.wait(timeout=10)
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:
