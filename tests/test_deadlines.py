@@ -109,3 +109,11 @@ def test_a_request_that_can_start_in_time_is_queued(redis_server, redis_client, 
     ev = preprocessed_request(redis_server, names, max_tokens=20, timeout_s=60)
     deliver(s, names.preprocessed_stream(0), ev)
     assert state(redis_client, names, ev.request_id) == "QUEUED"
+
+
+def test_the_wait_to_start_is_priced_in_whole_steps_without_adding_prefill_again():
+    """A heartbeat's step time is the average of whole steps, chunked prefill included: pricing the prompts ahead
+    on top of it counted their prefill twice (the overload benchmark saw waits predicted 2-4x too long, and
+    requests refused that were served in time)."""
+    c = costs(0.1, prefill_s=0.01, seqs=4)
+    assert abs(c.wait_to_start(Work(prefill_tokens=10_000, decode_tokens=400)) - 400 / 4 * 0.1) < 1e-9

@@ -41,9 +41,10 @@ class Costs:
                    decode_left=sum(getattr(h, "decode_tokens_left", 0) for h in heartbeats))
 
     def wait_to_start(self, ahead: Work) -> float:
-        """Predicted time before a request could start: the work queued ahead of it and what the workers hold
-        (their slots free up as that decodes)."""
-        return self.seconds(Work(ahead.prefill_tokens, ahead.decode_tokens + self.decode_left), Work(0, 0))
+        """Predicted time before a request could start: the steps the work queued ahead of it and what the workers
+        hold take to decode (their slots free up as that decodes). In whole steps only: a step's measured time
+        already holds the chunked prefill done in it, so the prompts ahead are not priced again."""
+        return (ahead.decode_tokens + self.decode_left) / self.slots * self.decode_s_per_step
 
     def seconds(self, ahead: Work, own: Work) -> float:
         """Predicted time from arrival to the end: the work ahead (decode shared by every slot), then its own
