@@ -81,14 +81,20 @@ def queued_on_cluster(s: SchedulerService, redis_cluster) -> str:
     return ev.request_id
 
 
-def test_a_placement_cut_short_before_its_record_is_recorded_from_its_event_on_the_inbox(
-        redis_server, redis_client, names, monkeypatch):
+def _placed_cut_short(redis_server, names, monkeypatch):
+    """One request placed on one Redis by a scheduler that stopped right after its first placement pipeline."""
     monkeypatch.setenv("CONVEYOR_PLACEMENT_GRACE_S", GRACE_S)
     s = scheduler(redis_server, names)
     s.on_heartbeat(heartbeat())
     ev = preprocessed_request(redis_server, names)
     deliver(s, names.preprocessed_stream(0), ev)
     place_cut_short(s, monkeypatch)
+    return ev
+
+
+def test_a_placement_cut_short_before_its_record_is_recorded_from_its_event_on_the_inbox(
+        redis_server, redis_client, names, monkeypatch):
+    ev = _placed_cut_short(redis_server, names, monkeypatch)
     [(entry_id, _)] = redis_client.xrange(names.worker_stream(WORKER))  # one Redis: it went with the transition
     restarted = scheduler(redis_server, names, janitor_interval_s=0.05)
     with janitor_running(restarted):
@@ -101,12 +107,7 @@ def test_a_placement_cut_short_before_its_record_is_recorded_from_its_event_on_t
 
 def test_a_placement_cut_short_whose_worker_started_it_is_recorded_from_the_workers_heartbeat(
         redis_server, redis_client, names, monkeypatch):
-    monkeypatch.setenv("CONVEYOR_PLACEMENT_GRACE_S", GRACE_S)
-    s = scheduler(redis_server, names)
-    s.on_heartbeat(heartbeat())
-    ev = preprocessed_request(redis_server, names)
-    deliver(s, names.preprocessed_stream(0), ev)
-    place_cut_short(s, monkeypatch)
+    ev = _placed_cut_short(redis_server, names, monkeypatch)
     [(entry_id, _)] = redis_client.xrange(names.worker_stream(WORKER))
     # The worker read it, trimmed its inbox and started it: only its heartbeat says where it runs.
     redis_client.xtrim(names.worker_stream(WORKER), maxlen=0)

@@ -69,11 +69,7 @@ def test_the_scheduler_queues_and_places_a_burst_in_a_few_round_trips(redis_serv
     s = scheduler(redis_server, names)
     s.on_heartbeat(heartbeat(max_num_seqs=BURST))
     s.tick()  # nothing to read yet: its periodic work (sync, sweeps, janitor) is done
-    events = [preprocessed_request(redis_server, names) for _ in range(BURST)]
-    for ev in events:
-        redis_client.xadd(names.preprocessed_stream(0), {EVENT_FIELD: encode(ev)})
-    with RoundTrips(monkeypatch) as trips:
-        s.tick()
+    events, trips = _burst_in_one_tick(s, redis_server, redis_client, names, monkeypatch)
     assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
     assert [e.request_id for e in scheduled_on(redis_client, names)] == [ev.request_id for ev in events]
     assert redis_client.xpending(names.preprocessed_stream(0), GROUP_SCHEDULER)["pending"] == 0
@@ -91,10 +87,16 @@ def test_a_tick_far_over_the_ended_contexts_cap_still_places_in_a_few_round_trip
     s.on_heartbeat(heartbeat(max_num_seqs=BURST))
     s.tick()
     end(redis_client, names, create(redis_client, names, 300))  # 290 over the cap
+    events, trips = _burst_in_one_tick(s, redis_server, redis_client, names, monkeypatch)
+    assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
+    assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"
+
+
+def _burst_in_one_tick(s, redis_server, redis_client, names, monkeypatch):
+    """BURST requests preprocessed at once, then one scheduler tick: the events, and the tick's round trips."""
     events = [preprocessed_request(redis_server, names) for _ in range(BURST)]
     for ev in events:
         redis_client.xadd(names.preprocessed_stream(0), {EVENT_FIELD: encode(ev)})
     with RoundTrips(monkeypatch) as trips:
         s.tick()
-    assert {state(redis_client, names, ev.request_id) for ev in events} == {"SCHEDULED"}
-    assert trips.n <= 2 * FEW, f"{trips.n} round trips for {BURST} requests"
+    return events, trips
