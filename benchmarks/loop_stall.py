@@ -5,11 +5,13 @@ outputs come in seconds). Each payload is sent --reps times, one at a time, whil
 every 50 ms and reads the age of the gateway's liveness entry (shared/liveness.py, the `gateway` hash). Payloads:
   logprobs_json     chat, n=16, logprobs + top_logprobs=20, max_tokens=4096 (ignore_eos): ~120 MB of JSON
   logprobs_stream   the same, streamed
-  tools_128         chat with 128 tools (fresh schemas each time, so none is cached), max_tokens=16
+  tools_128         chat with 128 tools, ~1 MB (fresh schemas each time, so none is cached); 400 too_long from the
+                    tokenizer (the tools do not fit SmolLM2's context), after the gateway compiled every schema
   stop_strings      chat, n=16, max_tokens=4096, 4 stop strings of 256 characters that never match, streamed
 (A run of one repeated special token is not sent: the simulator emits plain words only.)
-Per payload it prints the max and p99 /health latency while the payload ran, the liveness entry's max age and
-the payload's own time (send to last byte). --compare REF runs the same on the tree of git commit REF (extracted
+Per payload it prints the max and p99 /health latency while the payload ran, the liveness entry's max age (it is
+refreshed every second, CONVEYOR_HEARTBEAT_INTERVAL_S; the scheduler takes a gateway whose entry is older than
+CONVEYOR_LIVENESS_TTL_S, 5 s, for dead) and the payload's own time (send to last byte). --compare REF runs the same on the tree of git commit REF (extracted
 with git archive) first and prints before / after.
 Run (one benchmark at a time on a shared machine):
   flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.loop_stall [--compare REF] [--reps 2]
@@ -21,6 +23,7 @@ import argparse
 import multiprocessing as mp
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,15 +43,17 @@ PAYLOADS = ("logprobs_json", "logprobs_stream", "tools_128", "stop_strings")
 
 
 def _tools() -> list[dict]:
-    """128 tools of ~7 KB of schema each (the body stays under the default 1 MiB limit), fresh each call."""
+    """128 tools of ~7 KB of schema each (the body stays under the default 1 MiB limit), each schema its own and
+    fresh each call (the gateway compiles a schema once). Rendered into the prompt they are far longer than the
+    model's context: the tokenizer answers 400 too_long, after the gateway parsed, checked and compiled them."""
     mark = uuid.uuid4().hex[:8]
     field = {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,8}[0-9]{2,4}$"},
                        {"type": "integer", "minimum": 0, "maximum": 1000},
                        {"type": "array", "items": {"type": "object", "properties": {
                            "a": {"type": "string"}, "b": {"enum": ["x", "y", "z"]}}, "required": ["a"]}}]}
     return [{"type": "function", "function": {"name": f"tool_{i}", "description": f"tool {i} of {mark}",
-                                              "parameters": {"type": "object", "required": [f"p0_{mark}"],
-                                                             "properties": {f"p{j}_{mark}": field
+                                              "parameters": {"type": "object", "required": [f"p0_{i}_{mark}"],
+                                                             "properties": {f"p{j}_{i}_{mark}": field
                                                                             for j in range(28)}}}}
             for i in range(128)]
 
@@ -68,23 +73,46 @@ def payload(name: str) -> dict:
 
 
 def probe(url: str, redis_url: str, stop, conn) -> None:
-    """In a process of its own (the client parsing 100 MB must not delay it): (start, /health latency, liveness
-    age) every PROBE_EVERY_S until stop is set; the samples go back through conn."""
-    r = redis.Redis.from_url(redis_url, socket_timeout=30)
-    key = Names(NAMESPACE).live_hash("gateway")
-    samples = []
+    """In a process of its own (the client parsing 100 MB must not delay it), two threads until stop is set:
+    (start, /health latency) and (read at, liveness entry age) every PROBE_EVERY_S, apart, so that a /health
+    held for seconds does not hide the ages meanwhile. Both lists go back through conn."""
+    health: list[tuple] = []
+    ages: list[tuple] = []
+    threads = [threading.Thread(target=_probe_health, args=(url, stop, health)),
+               threading.Thread(target=_probe_liveness, args=(redis_url, stop, ages))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.send((health, ages))
+
+
+def _every(stop, step) -> None:
+    while not stop.is_set():
+        t0 = time.time()
+        step(t0)
+        time.sleep(max(0.0, PROBE_EVERY_S - (time.time() - t0)))
+
+
+def _probe_health(url: str, stop, out: list) -> None:
     with httpx.Client(timeout=120) as client:
-        while not stop.is_set():
-            t0 = time.time()
+        def step(t0: float) -> None:
             try:
                 ok = client.get(f"{url}/health").status_code == 200
             except httpx.HTTPError:
                 ok = False
-            latency = time.time() - t0
-            ages = [time.time() - entry_at(v) for v in r.hgetall(key).values()]
-            samples.append((t0, latency if ok else None, min(ages) if ages else None))
-            time.sleep(max(0.0, PROBE_EVERY_S - (time.time() - t0)))
-    conn.send(samples)
+            out.append((t0, time.time() - t0 if ok else None))
+        _every(stop, step)
+
+
+def _probe_liveness(redis_url: str, stop, out: list) -> None:
+    r = redis.Redis.from_url(redis_url, socket_timeout=30)
+    key = Names(NAMESPACE).live_hash("gateway")
+
+    def step(t0: float) -> None:
+        ats = [entry_at(v) for v in r.hgetall(key).values()]
+        out.append((t0, time.time() - max(ats) if ats else None))
+    _every(stop, step)
 
 
 def send(url: str, name: str) -> dict:
@@ -101,14 +129,14 @@ def send(url: str, name: str) -> dict:
     return {"payload": name, "status": status, "bytes": size, "events": events, "t0": t0, "t1": time.time()}
 
 
-def window_stats(run: dict, samples: list[tuple]) -> dict:
+def window_stats(run: dict, health: list[tuple], ages: list[tuple]) -> dict:
     """The probe's samples that overlapped the payload's run."""
-    inside = [s for s in samples if s[0] <= run["t1"] and s[0] + (s[1] or 0) >= run["t0"]]
+    inside = [s for s in health if s[0] <= run["t1"] and s[0] + (s[1] or 0) >= run["t0"]]
     lat = [s[1] for s in inside if s[1] is not None]
-    ages = [s[2] for s in inside if s[2] is not None]
+    age = [a for t, a in ages if run["t0"] <= t <= run["t1"] and a is not None]
     return {"health_max_s": max(lat, default=None), "health_p99_s": percentile(lat, 99),
-            "health_failed": sum(1 for s in inside if s[1] is None), "live_age_max_s": max(ages, default=None),
-            "payload_s": run["t1"] - run["t0"], "samples": len(inside)}
+            "health_failed": sum(1 for s in inside if s[1] is None), "live_age_max_s": max(age, default=None),
+            "payload_s": run["t1"] - run["t0"], "samples": len(inside), "age_samples": len(age)}
 
 
 def run_cluster(root: Path, label: str, args, out: Path) -> list[dict]:
@@ -131,10 +159,10 @@ def run_cluster(root: Path, label: str, args, out: Path) -> list[dict]:
                     time.sleep(1.0)  # the probe sees the loop settle between payloads
         finally:
             stop.set()
-            samples = mine.recv() if mine.poll(60) else []
+            health, ages = mine.recv() if mine.poll(60) else ([], [])
             p.join(timeout=10)
     for row in rows:
-        row.update(window_stats(row, samples))
+        row.update(window_stats(row, health, ages))
     return rows
 
 
