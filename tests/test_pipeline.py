@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},

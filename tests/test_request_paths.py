@@ -104,7 +104,6 @@ def test_timeout_in_queue(single):
                    timeout=60)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert r.json()["error"]["partial"] == {"text": "", "token_ids": []}
-    rid = r.headers.get("x-request-id") or r.json().get("request_id")
     release(single, hog)
     data = httpx.get(f"{single.url}/v1/requests", params={"state": "TIMED_OUT"}).json()["data"]
     mine = [d for d in data if d["input"]["prompt"] == "Wait in line"][0]
