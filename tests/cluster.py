@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -116,3 +117,12 @@ class Cluster:
                 p.kill()
                 p.wait()
         self.redis.stop()
+
+
+@contextlib.contextmanager
+def running(cluster: "Cluster"):
+    """A fixture's cluster: started, yielded, stopped whatever the tests did (`with running(Cluster(...)) as c`)."""
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, running
 from tests.conftest import CACHE_DIR
 from tests.sim_reference import SIM
 from tests.test_auth import KEY_A, KeyedCluster, _auth
@@ -18,20 +18,14 @@ SMALL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory, model_dir):
     env = {**SIM, "CONVEYOR_API_KEYS": KEY_A, "CONVEYOR_ADMIN_API_KEYS": ADMIN}
-    c = KeyedCluster(tmp_path_factory.mktemp("priority"), CACHE_DIR, env=env)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    with running(KeyedCluster(tmp_path_factory.mktemp("priority"), CACHE_DIR, env=env)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def open_cluster(tmp_path_factory, model_dir):
-    c = Cluster(tmp_path_factory.mktemp("priority-open"), CACHE_DIR, env=SIM)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    with running(Cluster(tmp_path_factory.mktemp("priority-open"), CACHE_DIR, env=SIM)) as c:
+        yield c
 
 
 def _priority(url: str, key: str | None, priority: int, path: str = "/generate") -> int:

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, running
 from tests.conftest import CACHE_DIR
 from tests.sim_reference import SIM
 from tests.waiting import wait_for
@@ -21,11 +21,8 @@ WRITE_TIMEOUT_S = 2
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir):
     env = {**SIM, "CONVEYOR_SIM_SPEEDUP": "50", "CONVEYOR_SSE_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)}
-    c = Cluster(tmp_path_factory.mktemp("slowclient"), CACHE_DIR, env=env)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    with running(Cluster(tmp_path_factory.mktemp("slowclient"), CACHE_DIR, env=env)) as c:
+        yield c
 
 
 def _stream_and_stop_reading(url: str) -> tuple[socket.socket, str]:
