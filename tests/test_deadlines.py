@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from services.scheduler import refusal
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from tests.scheduling import deliver, heartbeat, preprocessed_request, scheduler, state
 
@@ -117,3 +118,24 @@ def test_the_wait_to_start_is_priced_in_whole_steps_without_adding_prefill_again
     requests refused that were served in time)."""
     c = costs(0.1, prefill_s=0.01, seqs=4)
     assert abs(c.wait_to_start(Work(prefill_tokens=10_000, decode_tokens=400)) - 400 / 4 * 0.1) < 1e-9
+
+
+def test_a_queued_request_is_refused_once_slower_steps_mean_it_cannot_start_in_time(redis_server, redis_client, names):
+    """Judged on arrival with fast steps it could start in time; then the machine got busy (the overload benchmark's
+    CPU hogs): judged again each second with the latest costs, it is refused then (429 with Retry-After), not held
+    until its timeout gives a 504."""
+    from shared.events import decode
+
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=0.01, decode_s_per_token=0.01))
+    long = preprocessed_request(redis_server, names, max_tokens=2000, timeout_s=3000)
+    late = preprocessed_request(redis_server, names, timeout_s=60)
+    for ev in (long, late):
+        deliver(s, names.preprocessed_stream(0), ev)
+    assert state(redis_client, names, late.request_id) == "QUEUED"  # 2,000 steps of 10 ms: 20 s, within its 60
+    s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=1.0, decode_s_per_token=1.0))
+    refusal.refuse_those_too_late(s)
+    assert state(redis_client, names, late.request_id) == "FAILED" and late.request_id not in s.queue
+    assert state(redis_client, names, long.request_id) == "QUEUED"  # nothing ahead of it: it can start in time
+    (failed,) = [r for _, f in redis_client.xrange(late.reply_to) if (r := decode(f[b"e"])).request_id == late.request_id]
+    assert failed.reason == "overloaded" and failed.retry_after_s >= 1900

@@ -11,7 +11,6 @@ short before it is finished from what Redis holds (repair.py).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 
@@ -22,7 +21,7 @@ from services.scheduler.recovery import (GatewayWatch, QueueRecords, decode_queu
                                          requeue_undelivered)
 from services.scheduler.repair import HeldUnknown, PlacementSweep
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
-from services.scheduler import batch
+from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
@@ -122,6 +121,7 @@ class SchedulerService:
             self.live.refresh(self.r, {"queued": len(self.queue)})
             self.sync()
             self.recover_lost()
+            refusal.refuse_those_too_late(self)
         if telemetry.enabled():  # each request in its own spans, its writes timed inside them
             self.bus.process_all(deliveries, self.dispatch)
         else:
@@ -177,7 +177,7 @@ class SchedulerService:
         batched); or adopt a redelivered request that is QUEUED already."""
         if res.applied:
             item = self.queue.push(ev)
-            if item is not None and self.refuse_if_too_late(item):
+            if item is not None and refusal.refuse_if_too_late(self, item):
                 return
             if item is not None and ev.adaptive_deadline:
                 self.set_adaptive_deadline(item, client)
@@ -185,27 +185,6 @@ class SchedulerService:
                 self.records.put(ev.request_id, encode_queued(item), None if client is self.r else client)
         elif res.previous == State.QUEUED:
             self.adopt_queued(ev)
-
-    def refuse_if_too_late(self, item) -> bool:
-        """A request the work queued ahead of it keeps from even starting before its deadline is refused now (429
-        with Retry-After at the gateway), not held for its whole timeout only to time out: the adaptive deadline's
-        work model prices that wait. Without measured costs (no heartbeat yet) nothing is refused."""
-        costs = Costs.of([w.hb for w in self._live_views()])
-        if costs is None:
-            return False
-        wait = costs.wait_to_start(self.queue.work_ahead_of(item))
-        left = item.event.deadline - time.time()
-        if wait <= left:
-            return False
-        self.queue.remove(item.request_id)
-        ev = item.event
-        refusal = Failed(request_id=ev.request_id, reason="overloaded", service="scheduler",
-                         retry_after_s=max(1, math.ceil(wait - left)), traceparent=ev.traceparent,
-                         message=f"the server is overloaded: the work queued ahead of this request needs about "
-                                 f"{wait:.0f} s, longer than its {max(0.0, left):.0f} s left; retry later")
-        self._try(ev.request_id, State.FAILED, "overloaded", [Publish(ev.reply_to, refusal)])
-        logger.info("refused %s: %.0f s of work ahead, %.0f s left", ev.request_id, wait, left)
-        return True
 
     def adopt_queued(self, ev: Preprocessed) -> None:
         """A redelivered event of a QUEUED request: either a scheduler died between the transition and storing

@@ -85,10 +85,14 @@ class RequestQueue:
     def expired(self, now: float) -> list[QueuedRequest]:
         return [q for q in self._live.values() if q.deadline <= now]
 
+    def in_order(self) -> list[QueuedRequest]:
+        """Every queued request, in the order it would be placed."""
+        return sorted(self._live.values())
+
     def work_ahead(self) -> dict[str, Work]:
         """For every queued request, the work queued ahead of it (one pass in queue order)."""
         out, prefill, decode = {}, 0, 0
-        for q in sorted(self._live.values()):
+        for q in self.in_order():
             out[q.request_id] = Work(prefill, decode)
             own = q.work()
             prefill, decode = prefill + own.prefill_tokens, decode + own.decode_tokens
