@@ -243,6 +243,37 @@ def redis_memory(url: str) -> dict:
         r.close()
 
 
+def key_census(url: str, names) -> dict:
+    """Redis's keys by family (a request's keys by layer, the request id elided), how many of them have no TTL, and
+    the bytes of every key that is not a request's (streams, indexes): what a step in DBSIZE or used_memory is made
+    of. SCAN: a benchmark's look, never a server's."""
+    r = redis.Redis.from_url(url, socket_timeout=10)
+    try:
+        keys = [k.decode() for k in r.scan_iter(count=5000)]
+        families: Counter = Counter()
+        shared_keys = []
+        for k in keys:
+            if ":req:" in k:
+                families["req:" + k.rsplit(":", 1)[-1]] += 1
+            else:
+                shared_keys.append(k)
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.ttl(k)
+        no_ttl = Counter()
+        for k, ttl in zip(keys, pipe.execute()):
+            if ttl == -1:
+                no_ttl["req:" + k.rsplit(":", 1)[-1] if ":req:" in k else "shared"] += 1
+        pipe = r.pipeline(transaction=False)
+        for k in shared_keys:
+            pipe.memory_usage(k)
+        sizes = {k.removeprefix(names.ns + ":"): b or 0 for k, b in zip(shared_keys, pipe.execute())}
+        return {"families": dict(families), "no_ttl": dict(no_ttl),
+                "shared_bytes": dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:25])}
+    finally:
+        r.close()
+
+
 def vllm_installed() -> bool:
     return (VLLM_VENV / "bin" / "vllm").exists() and PEERS_SCRIPT.exists()
 

@@ -34,10 +34,12 @@ import httpx
 import psutil
 
 from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, percentile, print_table,
-                               redis_memory, rss_by_role, stamp, write_json)
+                               key_census, redis_memory, rss_by_role, stamp, write_json)
 from shared.redis_server import RedisServer
+from shared.settings import CommonSettings
 
 MIB = 1 << 20
+NAMES = CommonSettings().names()  # the cluster's keys: the default namespace, as `conveyor up` uses
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits.",
            "Tell me a fun fact about octopuses.", "Why is the sky blue?", "Give three tips for a job interview."]
 
@@ -159,6 +161,7 @@ def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: s
         sample["latency"] = {"p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99), "n": len(latencies)}
     try:
         sample["redis"] = redis_memory(redis_srv.url)
+        sample["census"] = key_census(redis_srv.url, NAMES)
     except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the soak goes on
         sample["redis_error"] = repr(e)
     return sample
