@@ -81,8 +81,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         app.state.max_len = info.max_len
-        app.state.core = GatewayCore(settings, async_client(settings, settings.redis_pool_size,
-                                                                   settings.redis_pool_timeout_s), load_tokenizer(info.model_dir),
+        client = async_client(settings, settings.redis_pool_size, settings.redis_pool_timeout_s)
+        app.state.core = GatewayCore(settings, client, load_tokenizer(info.model_dir),
                                      settings.model_name or model_display_name(settings.model))
         await app.state.core.start()
         # Everything loaded so far (the tokenizer, the app) lives as long as the process: keep it out of the cyclic

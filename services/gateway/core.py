@@ -162,8 +162,8 @@ class GatewayCore:
         rid = request_id or uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
         timeout = req.timeout or self.s.request_timeout_s
-        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
-                            min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            top_k=max(0, req.top_k), min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
                             min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                             frequency_penalty=req.frequency_penalty, logprobs=req.logprobs, constraint=constraint)

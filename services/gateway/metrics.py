@@ -15,9 +15,9 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.gateway.outcome import ending
 from shared import liveness
 from shared.constants import Names
-from shared.events import event_type
 from shared.lifecycle import TERMINAL, State, parse_history
 
 logger = logging.getLogger(__name__)
@@ -82,8 +82,12 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        h = lambda name, doc: Histogram(f"conveyor:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
-        c = lambda name, doc, labels=(): Counter(f"conveyor:{name}", doc, labels, registry=self.registry)
+        def h(name: str, doc: str) -> Histogram:
+            return Histogram(f"conveyor:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        def c(name: str, doc: str, labels=()) -> Counter:
+            return Counter(f"conveyor:{name}", doc, labels, registry=self.registry)
+
         self.ttft = h("time_to_first_token_seconds", "receipt to first token sent to the client")
         self.itl = h("inter_token_latency_seconds", "time between two deliveries of tokens to a client")
         self.e2e = h("e2e_request_latency_seconds", "receipt to final answer")
@@ -99,8 +103,7 @@ class GatewayMetrics:
 
     def observe_end(self, end, m: dict, token_times: list[float], n_tokens: int) -> None:
         """Called exactly once per request, by the gateway holding its client, with its terminal event."""
-        kind = event_type(end)
-        reason = getattr(end, "finish_reason", None) or getattr(end, "reason", "") or getattr(end, "where", "")
+        how = ending(end)
         for gap in (b - a for a, b in zip(token_times, token_times[1:])):
             self.itl.observe(gap)
         for hist, key in ((self.ttft, "ttft"), (self.e2e, "e2e"), (self.queue, "queue_wait"),
@@ -108,15 +111,12 @@ class GatewayMetrics:
             if m.get(key) is not None:
                 hist.observe(m[key])
         self.generation_tokens.inc(n_tokens)
-        if kind == "completed":
+        if how.outcome.ok:
             self.prompt_tokens.inc(getattr(end, "prompt_tokens", 0))
-            self.success.labels(reason).inc()
-        elif kind == "failed":
-            self.failure.labels(reason).inc()
-        elif kind == "timed_out":
-            self.timeouts.inc()
-        elif kind == "cancelled":
-            self.cancellations.labels(reason).inc()
+        if how.outcome.counter is None:  # no ending reached the request: nothing to count
+            return
+        counter = getattr(self, how.outcome.counter)
+        (counter.labels(how.reason) if how.outcome.labelled else counter).inc()
 
     async def render(self, r, names: Names) -> bytes:
         cluster = CollectorRegistry()

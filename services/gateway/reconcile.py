@@ -22,7 +22,8 @@ import logging
 
 import redis
 
-from shared.events import Cancelled, Completed, Failed, TimedOut, TokenDelta
+from services.gateway.outcome import ending_from_context
+from shared.events import Failed, TokenDelta
 from shared.lifecycle import TERMINAL, State
 
 logger = logging.getLogger(__name__)
@@ -94,25 +95,5 @@ async def repair_silent(core) -> None:
 
 
 async def _ending(core, rid: str):
-    snap = await core.store.aread(core.r, rid)
-    if snap is None or snap.state is None:
-        return None
-    meta, out = snap.layers.get("meta", {}), snap.layers.get("output", {})
-    reason = str(meta.get("reason") or "")
-    if snap.state == State.FINISHED:
-        kv, inp, ex = snap.layers.get("kv", {}), snap.layers.get("input", {}), snap.layers.get("exec", {})
-        return Completed(request_id=rid, worker_id=str(ex.get("worker_id") or ""),
-                         finish_reason=str(out.get("finish_reason") or reason or "stop"),
-                         prompt_tokens=int(inp.get("prompt_tokens") or 0),
-                         output_tokens=int(out.get("output_tokens") or 0),
-                         cached_tokens=int(kv.get("cached_tokens") or 0),
-                         num_preemptions=int(out.get("num_preemptions") or 0))
-    if snap.state == State.FAILED:
-        return Failed(request_id=rid, reason=reason or "internal", service="gateway",
-                      message=str(meta.get("message") or f"the request failed ({reason or 'internal'})"))
-    if snap.state == State.CANCELLED:
-        return Cancelled(request_id=rid, reason=reason or "client_cancel", service="gateway")
-    history = snap.history
-    where = history[-1].get("from", "") if history else ""
-    return TimedOut(request_id=rid, where=where, service="gateway")
-
+    """The ending the request's context calls for (services.gateway.outcome reads it from its state)."""
+    return ending_from_context(rid, await core.store.aread(core.r, rid))

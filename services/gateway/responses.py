@@ -11,14 +11,14 @@ import redis
 from fastapi import Request
 
 from services.gateway.core import GatewayCore
-from services.gateway.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
-                                     RequestTimedOut, Unavailable)
+from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
 from services.gateway import logprobs as lp_shapes
 from services.gateway.metrics import request_metrics
+from services.gateway.outcome import ending
 from services.gateway.render import sse_events
 from services.gateway.stop_finish import finish_at_stop
-from shared.events import Cancelled, Completed, Failed, TimedOut
+from shared.events import TimedOut
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +75,14 @@ async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
 async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bool = True) -> dict:
     """The success body, or raise the GatewayError the terminal event calls for. with_logprobs=False: a stream's
     end, whose log probabilities went out with its chunks."""
-    end = handle.ended
+    end, how = handle.ended, ending(handle.ended)
     partial = {"text": handle.full_text, "token_ids": handle.token_ids}
     ids = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
     extra = {"partial": partial, "request_id": handle.request_id}
     metrics = handle.metrics = await request_metrics(core, handle)
-    if isinstance(end, Completed):
+    if how.outcome.ok:
         body = {"request_id": handle.request_id, "text": handle.full_text, "token_ids": handle.token_ids,
-                "finish_reason": end.finish_reason,
+                "finish_reason": how.reason,
                 "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": len(handle.token_ids),
                           "total_tokens": end.prompt_tokens + len(handle.token_ids),
                           "cached_tokens": end.cached_tokens},
@@ -94,21 +94,7 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
         except redis.RedisError as e:  # bookkeeping after the end: the client still gets the finished answer
             logger.warning("request %s: output layer not written (%r)", handle.request_id, e)
         return body
-    if isinstance(end, Failed):
-        if end.reason in ("invalid", "too_long"):
-            raise InvalidRequest(end.message, end.param or None, end.reason, headers=ids)
-        if end.reason in ("worker_lost", "state_lost"):
-            raise Unavailable(end.message, None, end.reason, extra=extra, headers=ids)
-        if end.reason == "overloaded":  # refused by the scheduler before it could start: nothing ran
-            raise Overloaded(end.message, None, end.reason, headers={**ids, "Retry-After": str(end.retry_after_s)})
-        raise RequestFailed(end.message, None, end.reason, extra=extra, headers=ids)
-    if isinstance(end, TimedOut):
-        raise RequestTimedOut(f"the request did not finish within its timeout (it was {end.where})", "timeout",
-                              "timeout", extra=extra, headers=ids)
-    if isinstance(end, Cancelled):
-        raise RequestCancelled(f"the request was cancelled ({end.reason})", None, end.reason,
-                               extra=extra, headers=ids)
-    raise RequestFailed(f"unexpected end event {type(end).__name__}", None, "internal")
+    raise how.error(extra, ids, getattr(end, "retry_after_s", 0))
 
 
 async def collect(core: GatewayCore, handle: RequestHandle, request: Request, with_logprobs: bool = True) -> dict:
@@ -167,6 +153,5 @@ async def final_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) ->
     try:
         body = await final_body(core, handle, with_logprobs=False)
     except GatewayError as e:
-        reason = {504: "timeout", 499: "cancelled"}.get(e.status, "error")
-        return {**out, "finish_reason": reason, "error": e.body()["error"]}
+        return {**out, "finish_reason": ending(handle.ended).finish_reason, "error": e.body()["error"]}
     return {**out, "finish_reason": body["finish_reason"], "usage": body["usage"], "metrics": body["metrics"]}

@@ -3,9 +3,9 @@
 Every schema is compiled here (shared/grammar.py) before the request is created, so a bad one is a 400 naming
 its field and never reaches a worker. That is up to 128 tools' schemas (~1 s for a 1 MB body): the endpoint runs
 plan_chat off the event loop (render.off_loop, plan_weight), and a schema found valid before is not compiled
-again (grammar.check: agents send the same tools every turn). The result, an OutputPlan, says what the worker enforces (a Constraint on
-Sampling), what the tokenizer renders into the prompt (the tools) and how the answer is shaped (text or
-tool calls).
+again (grammar.check: agents send the same tools every turn). The result, an OutputPlan, says what the worker
+enforces (a Constraint on Sampling), what the tokenizer renders into the prompt (the tools) and how the answer is
+shaped (text or tool calls).
 """
 
 from __future__ import annotations

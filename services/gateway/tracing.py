@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
+from services.gateway.outcome import ending
 from shared import telemetry
-from shared.events import Cancelled, Completed, Failed, TimedOut
 
 
 @dataclass
@@ -121,23 +121,15 @@ def _outcome(root: Span, stream: Span, handle) -> None:
     for k, v in (handle.metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             root.set_attribute(f"conveyor.metrics.{k}", v)
-    if isinstance(end, Completed):
-        root.set_attributes({"gen_ai.response.finish_reasons": [end.finish_reason],
+    how = ending(end)
+    if how.outcome.ok:
+        root.set_attributes({"gen_ai.response.finish_reasons": [how.reason],
                              "gen_ai.usage.input_tokens": end.prompt_tokens,
-                             "conveyor.cached_tokens": end.cached_tokens, "http.response.status_code": 200})
+                             "conveyor.cached_tokens": end.cached_tokens,
+                             "http.response.status_code": how.outcome.status})
         if telemetry.capture_content():
             root.set_attribute("gen_ai.completion", handle.full_text)
         return
-    if isinstance(end, Failed):
-        reason, message = end.reason, end.message
-    elif isinstance(end, Cancelled):
-        reason, message = end.reason, f"cancelled ({end.reason})"
-    elif isinstance(end, TimedOut):
-        reason, message = "timeout", f"timed out while {end.where}"
-    elif end is None:
-        reason, message = "client_disconnect", "the client went away"
-    else:
-        reason = message = type(end).__name__
-    root.set_attribute("gen_ai.response.finish_reasons", [reason])
+    root.set_attribute("gen_ai.response.finish_reasons", [how.reason])
     for span in (stream, root):
-        telemetry.set_error(span, reason, message)
+        telemetry.set_error(span, how.reason, how.span_message)
