@@ -45,8 +45,9 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
                 if chunk.end is not None:
                     return
                 if handle.stop_matched is not None:  # a stop string ended the output: settle it here, now
-                    yield await finish_at_stop(core, handle)
-                    return
+                    if (end := await finish_at_stop(core, handle)) is not None:
+                        yield end
+                        return
                 continue
             if handle.client_gone and not asked_cancel:
                 asked_cancel = True

@@ -4,6 +4,12 @@ Only the gateway sees text, so only it can tell that a stop string completed. It
 request FINISHED ("stop_string") and, in the same atomic step, asks the scheduler to stop
 the worker, which frees the request's blocks; the worker's own later FINISHED is refused as
 already settled. The client's response ends right there, with finish_reason "stop".
+
+FINISHED is allowed from DECODING only. A request the worker preempted (or is moving) after the
+step that completed the stop string is left to run on until it decodes again, and is settled
+then: cancelling it instead left it CANCELLED in Redis while the client got "stop" and
+Prometheus a success (services/gateway/outcome.py: one ending, one row, for everyone). Its
+tokens after the stop string are never shown; its deadline still bounds the wait.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ SETTLE_ATTEMPTS = 5
 SETTLE_BACKOFF_S = 0.01
 
 
-async def finish_at_stop(core, handle: RequestHandle) -> Chunk:
-    """Settle the request as stopped and return the terminal chunk for the client."""
+async def finish_at_stop(core, handle: RequestHandle) -> Chunk | None:
+    """Settle the request as stopped and return the terminal chunk for the client; None while it cannot be settled
+    yet (not decoding): the caller drives it on and calls again with its next output (or gets its ending)."""
     rid = handle.request_id
-    await _settle(core, handle)
+    if not await _settle(core, handle):
+        return None
     prompt_tokens, cached = await _prompt_counts(core, rid)
     end = Completed(request_id=rid, worker_id="", finish_reason="stop", prompt_tokens=prompt_tokens,
                     output_tokens=len(handle.token_ids), cached_tokens=cached, num_preemptions=0)
@@ -37,7 +45,8 @@ async def finish_at_stop(core, handle: RequestHandle) -> Chunk:
     return handle.finish(end)
 
 
-async def _settle(core, handle: RequestHandle) -> None:
+async def _settle(core, handle: RequestHandle) -> bool:
+    """True once the request is settled (by this FINISHED, or by its own ending just before)."""
     rid = handle.request_id
     stop_worker = [Publish(core.names.control_stream, CancelRequested(request_id=rid, reason="stop_string"))]
     for attempt in range(SETTLE_ATTEMPTS):
@@ -49,11 +58,10 @@ async def _settle(core, handle: RequestHandle) -> None:
         if not res.applied:  # it ended on its own meanwhile (length, eos): nothing left to stop
             logger.info("request %s matched a stop string but was already %s", rid,
                         res.previous.value if res.previous else "gone")
-        return
-    # Still not DECODING (preempted, or being moved to another worker): FINISHED is not allowed
-    # from there, so stop the work as a cancel; the client still gets its text and "stop".
-    logger.info("request %s matched a stop string while not decoding; cancelling the rest", rid)
-    await core.cancel(rid, "stop_string", handle.reply_to)
+        return True
+    logger.info("request %s matched a stop string while not decoding (preempted or moving): settled once it "
+                "decodes again", rid)
+    return False
 
 
 async def _prompt_counts(core, rid: str) -> tuple[int, int]:
