@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admission import OpenRequestLimit
 from services.gateway.auth import ApiKeyAuth, owned_snapshot
-from services.gateway.choices_native import generate_choices
 from services.gateway.core import GatewayCore
 from services.gateway import log_redaction
 from services.gateway.dashboard import router as dashboard_router
@@ -21,15 +20,12 @@ from services.gateway.introspection import cancel_owned
 from services.gateway.introspection import router as introspection_router
 from services.gateway.errors import (BodyTooLarge, GatewayError, Unavailable, error_response, gateway_error_handler,
                                      http_error_handler, validation_error_handler)
-from services.gateway.intake import accept
 from services.gateway.openai_api import GENERATION_ERRORS
 from services.gateway.openai_api import router as openai_router
 from services.gateway.openai_schemas import error_responses, sse_or_json
 from services.gateway.openapi_doc import install as install_openapi
-from services.gateway.render import json_response
-from services.gateway.responses import collect, handle_weight, stream
+from services.gateway import native_serve
 from services.gateway.schemas import GenerateRequest
-from services.gateway.sse import SseResponse
 from shared.model_files import model_display_name, resolve_model_dir
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
@@ -113,15 +109,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/generate", responses={**sse_or_json(None, "the output (JSON, or SSE with stream)"),
                                       **GENERATION_ERRORS})
     async def generate(body: GenerateRequest, request: Request):
-        core: GatewayCore = request.app.state.core
-        if body.n > 1:  # one request of its own per choice (choices.py)
-            return await generate_choices(request, body)
-        handle = await accept(request, body)
-        headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
-        if body.stream:
-            return SseResponse(stream(core, handle, request), core.s.sse_write_timeout_s, headers=headers)
-        out = await collect(core, handle, request)
-        return await json_response(lambda: out, handle_weight(handle), headers)
+        return await native_serve.generate(request, body)  # one request of its own per choice, n = 1 included (choices.py)
 
     @app.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def get_request(request_id: str, request: Request):

@@ -1,4 +1,6 @@
-"""A request with n > 1 choices (OpenAI's `n`): one request of its own per choice, the n tied by a group id.
+"""A request's choices (OpenAI's `n`), driven together: one request of its own per choice, the n tied by a group id.
+
+Every request is driven here, n = 1 as a group of one (created without a group: its context is a plain request's).
 
 Each choice lives a request's whole life: its own id, context, dashboard row, metrics and trace (its spans under the
 first choice's root span, so one trace holds the request). The first choice's id is the request's: the response
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from fastapi import Request
 
@@ -29,7 +32,7 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import GatewayError
 from services.gateway.handle import Chunk, RequestHandle
 from services.gateway.intake import accept
-from services.gateway.responses import drive, final_body
+from services.gateway.responses import drive, final_body, watch_disconnect
 from services.gateway.schemas import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ async def accept_choices(request: Request, body: GenerateRequest, n: int, defaul
                          extra_meta: dict | None = None, **output) -> Choices:
     """Create the n choices, the first first (its trace holds the others'); all or none (raises GatewayError).
     output: intake.accept's constraint and tools, the same for every choice."""
+    if n == 1:  # a group of one: no group id, no seed offset
+        return Choices([await accept(request, body, default_max_tokens, extra_meta, **output)])
     core: GatewayCore = request.app.state.core
     ids = [uuid.uuid4().hex for _ in range(n)]
     handles: list[RequestHandle] = []
@@ -92,19 +97,24 @@ async def members(core: GatewayCore, meta: dict, request_id: str) -> list[str]:
 
 @dataclass
 class ChoiceRun:
-    """The choices driven together: one task per choice puts its chunks on one queue, read in arrival order. One
-    watcher of the client for all (receive() answers the disconnect once): it wakes every choice, whose drive
-    loop then cancels it."""
+    """The choices driven together: one task per choice puts its chunks on one queue, read in arrival order (a
+    group of one is read straight from its drive: no task, no queue). One watcher of the client for all
+    (receive() answers the disconnect once): it wakes every choice, whose drive loop then cancels it."""
 
     core: GatewayCore
     choices: Choices
     request: Request
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    only: AsyncIterator[Chunk] | None = None  # the drive of a group of one
 
     def __post_init__(self) -> None:
-        self.tasks = [asyncio.ensure_future(self._pump(i, h)) for i, h in enumerate(self.choices.handles)]
-        self.tasks.append(asyncio.ensure_future(self._watch()))
+        handles = self.choices.handles
+        if len(handles) == 1:
+            self.only = drive(self.core, handles[0], self.request, watch=False)
+        else:
+            self.tasks = [asyncio.ensure_future(self._pump(i, h)) for i, h in enumerate(handles)]
+        self.tasks.append(asyncio.ensure_future(watch_disconnect(self.request, handles)))
 
     async def _pump(self, index: int, handle: RequestHandle) -> None:
         try:
@@ -113,15 +123,10 @@ class ChoiceRun:
         except Exception as e:  # to the reader, who raises it; a cancellation (close) just ends the task
             self.queue.put_nowait((index, e))
 
-    async def _watch(self) -> None:
-        while (await self.request.receive())["type"] != "http.disconnect":
-            continue
-        for h in self.choices.handles:
-            h.client_gone = True
-            h.wake()
-
     async def next(self) -> tuple[int, Chunk]:
         """The next chunk of any choice, with the choice's index."""
+        if self.only is not None:
+            return 0, await anext(self.only)
         index, item = await self.queue.get()
         if isinstance(item, Exception):
             raise item
@@ -129,7 +134,7 @@ class ChoiceRun:
 
     def close(self, failed: bool) -> None:
         """Stop driving; choices not ended are cancelled (in tasks of their own), every handle released. failed: a
-        choice ended the request (else the handler was cancelled or errored: as for n = 1, the client left). No
+        choice ended the request (else the handler was cancelled or errored: the client left). No
         await: this runs in a handler that may be being cancelled."""
         for t in self.tasks:
             t.cancel()
@@ -140,15 +145,17 @@ class ChoiceRun:
             self.core.release(h)
 
 
-async def first_outcome(core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk) -> dict | None:
+async def first_outcome(core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk,
+                        with_logprobs: bool = True) -> dict | None:
     """A choice's native body once it ended (None while it has not); raises the GatewayError of one that did not
-    complete (the caller then closes the run, which cancels its siblings)."""
+    complete (the caller then closes the run, which cancels its siblings). with_logprobs: responses.final_body's."""
     if chunk.end is None:
         return None
-    return await final_body(core, run.choices.handles[index])  # raises for a failure, a timeout, a cancel
+    return await final_body(core, run.choices.handles[index], with_logprobs)  # raises unless it completed
 
 
-async def collect_choices(core: GatewayCore, choices: Choices, request: Request) -> list[dict]:
+async def collect_choices(core: GatewayCore, choices: Choices, request: Request,
+                          with_logprobs: bool = True) -> list[dict]:
     """Every choice's native body (text, finish_reason, usage), in choice order; or the first error."""
     run = ChoiceRun(core, choices, request)
     bodies: dict[int, dict] = {}
@@ -157,7 +164,7 @@ async def collect_choices(core: GatewayCore, choices: Choices, request: Request)
         while len(bodies) < len(choices.handles):
             index, chunk = await run.next()
             try:
-                body = await first_outcome(core, run, index, chunk)
+                body = await first_outcome(core, run, index, chunk, with_logprobs)
             except GatewayError:
                 failed = True
                 raise

@@ -2,7 +2,7 @@
 
 Point the official `openai` client (or LangChain, or curl) at the gateway's /v1 and nothing
 else changes. Each request becomes the native GenerateRequest and goes the same way as
-/generate (intake.accept, then responses.drive); openai_stream gives it OpenAI's shape.
+/generate (intake.accept, then choices.ChoiceRun); openai_serve gives it OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from services.gateway.choices_openai import serve_choices
+from services.gateway.openai_serve import serve
 from services.gateway.errors import InvalidRequest, NotFound
-from services.gateway.intake import accept
 from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                              CompletionResponse, ModelCard, ModelList, OpenAIRequest,
                                              error_responses, sse_or_json)
-from services.gateway.openai_stream import Shape, start_stream
-from services.gateway.render import json_response, off_loop
-from services.gateway.responses import collect, handle_weight
+from services.gateway.render import off_loop
 from services.gateway.schemas import GenerateRequest, Message
 from services.gateway.structured_output import OutputPlan, plan_chat, plan_weight
 from services.gateway.tool_calls import turn_text
@@ -104,18 +101,7 @@ async def _serve(request: Request, body: OpenAIRequest, native: GenerateRequest,
     meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
             "client_request_id": body.request_id}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if (body.n or 1) > 1:  # one request of its own per choice (choices.py)
-        return await serve_choices(request, native, body.n, chat, meta, include_usage, default_max_tokens, plan)
-    handle = await accept(request, native, default_max_tokens, extra_meta=meta, constraint=plan.constraint,
-                          tools=plan.tools_json)
-    core = request.app.state.core
-    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}", int(time.time()), core.model_name,
-                  include_usage, core.token_strings if native.logprobs is not None else None, plan)
-    headers = {"X-Request-Id": handle.request_id, "traceparent": handle.trace.traceparent}
-    if native.stream:
-        return await start_stream(request, core, handle, shape, headers)
-    body = await collect(core, handle, request, with_logprobs=False)
-    return await json_response(lambda: shape.body(body, handle.logprobs), handle_weight(handle), headers)
+    return await serve(request, native, body.n or 1, chat, meta, include_usage, default_max_tokens, plan)
 
 
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})

@@ -1,31 +1,21 @@
-"""Shaping one request's output as OpenAI answers: a JSON body, or chunks over Server-Sent Events.
+"""Shaping one choice's output as OpenAI answers: a JSON body, or chunks over Server-Sent Events.
 
-The request is driven by the same code as /generate (responses.drive, final_body); only the
-shape differs. A stream starts once the first output (or the end) is known, so a request that
-fails before producing anything (prompt too long, timed out in the queue) gets its own HTTP
-status instead of a 200 followed by an error event. After that, an error ends the stream with
-`data: {"error": {...}}` (the official client raises it), then `data: [DONE]` as always.
+The request is driven by the same code as /generate (choices.ChoiceRun, responses.final_body); only the shape
+differs. openai_serve puts a request's choices together.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
-from fastapi import Request
 
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.handle import Chunk
 from services.gateway import logprobs as lp_shapes
 from services.gateway.logprobs import CompletionLogprobs, TokenStrings
 from services.gateway.openai_tools import ToolShaper, message
-from services.gateway.render import sse_events
-from services.gateway.responses import chunk_weight, drive, final_body, sse
 from services.gateway.structured_output import OutputPlan
-from services.gateway.sse import SseResponse
-from shared.events import Completed
 from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -106,21 +96,6 @@ class Shape:
         return {**self._head(obj), "choices": [], "usage": openai_usage(usage)}
 
 
-async def start_stream(request: Request, core: GatewayCore, handle: RequestHandle, shape: Shape,
-                       headers: dict) -> SseResponse:
-    """Wait for the first output or the end, then answer with an SSE stream (or raise the error)."""
-    chunks = drive(core, handle, request)
-    try:
-        first = await chunks.__anext__()
-        if first.end is not None and not isinstance(first.end, Completed):
-            await final_body(core, handle, with_logprobs=False)  # raises the GatewayError this ending calls for
-    except BaseException:
-        _close(core, handle)
-        await chunks.aclose()
-        raise
-    return SseResponse(_events(core, handle, shape, first, chunks), core.s.sse_write_timeout_s, headers=headers)
-
-
 def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[dict]:
     """The stream chunks of one piece of output: its text (or, answering with tools, the tool-call deltas it
     completes) with the log probabilities of its tokens (whose text may still be held back)."""
@@ -143,37 +118,3 @@ def end_chunks(shape: Shape, tools: ToolShaper | None, finish: str) -> list[dict
     if tools is not None:
         finish = tools.finish_reason(finish)
     return [shape.chunk(finish_reason=finish)]
-
-
-async def _events(core: GatewayCore, handle: RequestHandle, shape: Shape, first: Chunk,
-                  rest: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
-    try:
-        if shape.chat:
-            yield sse(shape.chunk(role=True))
-        tools = ToolShaper(shape.plan) if shape.with_tools else None
-        chunk = first
-        while True:
-            if data := await sse_events(lambda: text_chunks(shape, tools, chunk), chunk_weight(chunk)):
-                yield data
-            if chunk.end is not None:
-                break
-            chunk = await rest.__anext__()
-        try:
-            body = await final_body(core, handle, with_logprobs=False)
-        except GatewayError as e:
-            yield sse(e.body())
-        else:
-            for out in end_chunks(shape, tools, body["finish_reason"]):
-                yield sse(out)
-            if shape.include_usage:
-                yield sse(shape.usage_chunk(body["usage"]))
-        yield sse("[DONE]")
-    finally:
-        _close(core, handle)  # before any await: a cancelled handler's next await raises at once
-        await rest.aclose()
-
-
-def _close(core: GatewayCore, handle: RequestHandle) -> None:
-    if handle.ended is None:  # the client went away before the end: stop the work (in a task of its own)
-        core.abandon(handle, "client_disconnect")
-    core.release(handle)

@@ -1,4 +1,8 @@
-"""Driving one request to its end and shaping what the client gets (JSON or SSE)."""
+"""Driving one request (one choice) to its end, and what its ending gives /generate: a body or a final event.
+
+choices.ChoiceRun drives every request's choices, one or more, with `drive`; native_serve and openai_serve
+shape what they give the client.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ from services.gateway.handle import Chunk, RequestHandle
 from services.gateway import logprobs as lp_shapes
 from services.gateway.metrics import request_metrics
 from services.gateway.outcome import ending
-from services.gateway.render import sse_events
 from services.gateway.stop_finish import finish_at_stop
 from shared.events import TimedOut
 
@@ -33,9 +36,9 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
     A waiting request sleeps until output arrives, its client leaves (a watcher task wakes it) or its deadline's
     backstop is due: no periodic poll. (A poll of the client every half second cost a gateway holding 5,000
     waiting streams 10,000 wakeups a second, half of its time.) watch=False: the caller watches the client (the
-    choices of an n > 1 request share one connection, whose disconnect receive() answers only once)."""
+    choices of a request share one connection, whose disconnect receive() answers only once: choices.ChoiceRun)."""
     asked_cancel = asked_timeout = False
-    watcher = asyncio.ensure_future(_watch_disconnect(request, handle)) if watch else None
+    watcher = asyncio.ensure_future(watch_disconnect(request, [handle])) if watch else None
     try:
         while True:
             grace = DEADLINE_GRACE_S * (2 if asked_timeout else 1)
@@ -64,13 +67,14 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
             watcher.cancel()
 
 
-async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
+async def watch_disconnect(request: Request, handles: list[RequestHandle]) -> None:
     """Wait for the client to leave (its body is read: receive() now only answers http.disconnect, when the
-    connection closes or the response is complete), then wake the request's handler."""
+    connection closes or the response is complete), then wake the handler of each of its requests' choices."""
     while (await request.receive())["type"] != "http.disconnect":
         continue
-    handle.client_gone = True
-    handle.wake()
+    for handle in handles:
+        handle.client_gone = True
+        handle.wake()
 
 
 async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bool = True) -> dict:
@@ -98,17 +102,6 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
     raise how.error(extra, ids, getattr(end, "retry_after_s", 0))
 
 
-async def collect(core: GatewayCore, handle: RequestHandle, request: Request, with_logprobs: bool = True) -> dict:
-    try:
-        async for _chunk in drive(core, handle, request):
-            pass
-        return await final_body(core, handle, with_logprobs)
-    finally:
-        if handle.ended is None:  # the handler was cancelled (client gone, shutdown) before the end
-            core.abandon(handle, "client_disconnect")
-        core.release(handle)
-
-
 def sse(data: dict | str) -> bytes:
     """One light SSE event (a heavy one goes through render.sse_events, which writes the same bytes)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -123,22 +116,6 @@ def chunk_weight(chunk: Chunk) -> int:
 def handle_weight(handle: RequestHandle) -> int:
     """How heavy a request's whole answer is to build and encode (render.HEAVY)."""
     return len(handle.token_ids) + lp_shapes.weight(handle.logprobs)
-
-
-async def stream(core: GatewayCore, handle: RequestHandle, request: Request) -> AsyncIterator[bytes]:
-    """SSE: one event per text delta (with its token ids), then one final event, then [DONE]."""
-    try:
-        async for chunk in drive(core, handle, request):
-            if chunk.end is None:
-                if chunk.token_ids or chunk.text:
-                    yield await sse_events(lambda: [delta_event(core, handle, chunk)], chunk_weight(chunk))
-                continue
-            yield sse(await final_event(core, handle, chunk))
-            yield sse("[DONE]")
-    finally:
-        if handle.ended is None:  # the client went away mid-stream: no await here (this task is being cancelled)
-            core.abandon(handle, "client_disconnect")
-        core.release(handle)
 
 
 def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:

@@ -1,11 +1,13 @@
-"""OpenAI's shape of a request with n > 1 choices (choices.py drives them): one body with n choices, or one
-stream whose chunks each carry their choice's `index`.
+"""OpenAI's answer for any n (choices.py drives the choices): one body with n choices, or one stream whose chunks
+each carry their choice's `index` (openai_stream.Shape builds each one; n = 1 is a group of one).
 
 Non-stream: the choices in index order, `usage` for the whole request (prompt once, completion tokens summed).
-Stream: as for n = 1 (openai_stream.py) it answers once the first output of any choice (or the end) is known, so a
-request whose choices fail before any output (a prompt too long fails them all alike) gets that error's status.
-Then each choice's text deltas as they come, interleaved, each chunk naming its choice; a choice's finish_reason in
-a chunk of its own when it ends; the usage chunk (stream_options.include_usage) once all have ended; [DONE].
+Stream: it answers once the first output of any choice (or the end) is known, so a request whose choices fail before
+any output (a prompt too long, timed out in the queue) gets that error's own HTTP status instead of a 200 followed
+by an error event. Then each choice's text deltas as they come, interleaved, each chunk naming its choice; a
+choice's finish_reason in a chunk of its own when it ends; the usage chunk (stream_options.include_usage) once all
+have ended; [DONE]. An error after the start ends the stream with `data: {"error": {...}}` (the official client
+raises it), its siblings cancelled, then `data: [DONE]` as always.
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ def _at(out: dict, index: int) -> dict:
 
 def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> dict:
     """The non-stream answer from the choices' native bodies (and their handles' log probabilities)."""
-    out = shapes[0].body(bodies[0])
-    out["choices"] = [_at(shapes[i].body(b, choices.handles[i].logprobs), i)["choices"][0]
-                      for i, b in enumerate(bodies)]
+    outs = [_at(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
+    out = outs[0]
+    out["choices"] = [o["choices"][0] for o in outs]
     out["usage"] = openai_usage(merged_usage(bodies))
     return out
 
 
-async def serve_choices(request: Request, native: GenerateRequest, n: int, chat: bool, meta: dict,
-                        include_usage: bool, default_max_tokens: int | None, plan: OutputPlan = OutputPlan()):
+async def serve(request: Request, native: GenerateRequest, n: int, chat: bool, meta: dict, include_usage: bool,
+                default_max_tokens: int | None, plan: OutputPlan = OutputPlan()):
     core: GatewayCore = request.app.state.core
     choices = await accept_choices(request, native, n, default_max_tokens, meta, constraint=plan.constraint,
                                    tools=plan.tools_json)
@@ -58,7 +60,8 @@ async def serve_choices(request: Request, native: GenerateRequest, n: int, chat:
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await _start_stream(request, core, choices, shapes, headers)
-    bodies = await collect_choices(core, choices, request)
+    # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
+    bodies = await collect_choices(core, choices, request, with_logprobs=False)
     return await json_response(lambda: choices_body(shapes, choices, bodies),
                                sum(handle_weight(h) for h in choices.handles), headers)
 
@@ -70,7 +73,7 @@ async def _start_stream(request: Request, core: GatewayCore, choices: Choices, s
     try:
         first = await run.next()
         if first[1].end is not None and not isinstance(first[1].end, Completed):
-            await first_outcome(core, run, *first)  # raises the GatewayError this ending calls for
+            await first_outcome(core, run, *first, with_logprobs=False)  # raises the GatewayError of this ending
     except BaseException as e:
         run.close(isinstance(e, GatewayError))
         raise
@@ -94,7 +97,7 @@ async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                                         chunk_weight(chunk)):
                 yield data
             try:
-                body = await first_outcome(core, run, index, chunk)
+                body = await first_outcome(core, run, index, chunk, with_logprobs=False)
             except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()
                 failed = True
                 yield sse(e.body())
