@@ -1,4 +1,4 @@
-"""One table decides a request's outcome (services/gateway/outcome.py): the HTTP status and error, a native
+"""One table decides a request's outcome (services/gateway/session/outcome.py): the HTTP status and error, a native
 stream's finish_reason, the Prometheus counter and the span's status all come from the same row, so no two can
 disagree about how a request ended."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import GatewayError
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.outcome import FAILED_ROWS, OUTCOMES, ending, ending_from_context
+from services.gateway.edge.errors import GatewayError
+from services.gateway.session.metrics import GatewayMetrics
+from services.gateway.session.outcome import FAILED_ROWS, OUTCOMES, ending, ending_from_context
 from shared.context_store import Snapshot
 from shared.events import Cancelled, Completed, Failed, TimedOut
 from shared.lifecycle import TERMINAL, State

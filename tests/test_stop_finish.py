@@ -1,5 +1,5 @@
 """A stop string ends a request the same way for everyone: the state Redis settles, the client's answer, the
-Prometheus counter and the span all read one row of the outcome table (services/gateway/outcome.py), however the
+Prometheus counter and the span all read one row of the outcome table (services/gateway/session/outcome.py), however the
 request was placed when its stop string completed (a worker can preempt it between two steps)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from services.gateway.handle import RequestHandle
-from services.gateway.outcome import ending
-from services.gateway.responses import drive, final_body
-from services.gateway.stop_strings import TextStream
-from services.gateway.tracing import start_trace
+from services.gateway.session.handle import RequestHandle
+from services.gateway.session.outcome import ending
+from services.gateway.session.drive import drive, final_body
+from services.gateway.text.stop_strings import TextStream
+from services.gateway.session.tracing import start_trace
 from shared.context_store import ContextStore
 from shared.events import Sampling, TokenDelta
 from shared.lifecycle import Lifecycle, Owner, State

@@ -11,21 +11,21 @@ from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.admission import OpenRequestLimit
-from services.gateway.auth import ApiKeyAuth, owned_snapshot
-from services.gateway.core import GatewayCore
-from services.gateway import log_redaction
-from services.gateway.dashboard import router as dashboard_router
-from services.gateway.introspection import cancel_owned
-from services.gateway.introspection import router as introspection_router
-from services.gateway.errors import (BodyTooLarge, GatewayError, Unavailable, error_response, gateway_error_handler,
-                                     http_error_handler, validation_error_handler)
-from services.gateway.openai_api import GENERATION_ERRORS
-from services.gateway.openai_api import router as openai_router
-from services.gateway.openai_schemas import error_responses, sse_or_json
-from services.gateway.openapi_doc import install as install_openapi
-from services.gateway import native_serve
-from services.gateway.schemas import GenerateRequest
+from services.gateway.session.admission import OpenRequestLimit
+from services.gateway.edge.auth import ApiKeyAuth, owned_snapshot
+from services.gateway.session.core import GatewayCore
+from services.gateway.edge import log_redaction
+from services.gateway.ops.dashboard import router as dashboard_router
+from services.gateway.ops.introspection import cancel_owned
+from services.gateway.ops.introspection import router as introspection_router
+from services.gateway.edge.errors import (BodyTooLarge, GatewayError, Unavailable, error_response,
+                                          gateway_error_handler, http_error_handler, validation_error_handler)
+from services.gateway.openai.routes import GENERATION_ERRORS
+from services.gateway.openai.routes import router as openai_router
+from services.gateway.openai.schemas import error_responses, sse_or_json
+from services.gateway.edge.openapi_doc import install as install_openapi
+from services.gateway.native import stream as native_serve
+from services.gateway.session.request import GenerateRequest
 from shared.model_files import model_display_name, resolve_model_dir
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
@@ -109,7 +109,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/generate", responses={**sse_or_json(None, "the output (JSON, or SSE with stream)"),
                                       **GENERATION_ERRORS})
     async def generate(body: GenerateRequest, request: Request):
-        return await native_serve.generate(request, body)  # one request of its own per choice, n = 1 included (choices.py)
+        return await native_serve.generate(request, body)  # a request of its own per choice, n = 1 too (groups.py)
 
     @app.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
     async def get_request(request_id: str, request: Request):

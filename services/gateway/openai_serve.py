@@ -17,17 +17,18 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, first_outcome, merged_usage
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.handle import Chunk
-from services.gateway.openai_stream import Shape, end_chunks, openai_usage, text_chunks
-from services.gateway.openai_tools import ToolShaper
-from services.gateway.render import json_response, sse_events
-from services.gateway.responses import chunk_weight, handle_weight, sse
-from services.gateway.schemas import GenerateRequest
-from services.gateway.structured_output import OutputPlan
-from services.gateway.sse import SseResponse
+from services.gateway.session.groups import (ChoiceRun, Choices, accept_choices, collect_choices, first_outcome,
+                                            merged_usage)
+from services.gateway.session.core import GatewayCore
+from services.gateway.edge.errors import GatewayError
+from services.gateway.session.handle import Chunk
+from services.gateway.openai.stream import Shape, end_chunks, openai_usage, text_chunks
+from services.gateway.openai.tools import ToolShaper
+from services.gateway.text.render import json_response, sse_events
+from services.gateway.session.drive import chunk_weight, handle_weight, sse
+from services.gateway.session.request import GenerateRequest
+from services.gateway.openai.structured_output import OutputPlan
+from services.gateway.edge.sse import SseResponse
 from shared.events import Completed
 
 

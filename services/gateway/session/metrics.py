@@ -15,7 +15,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.gateway.outcome import ending
+from services.gateway.session.outcome import ending
 from shared import liveness
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State, parse_history

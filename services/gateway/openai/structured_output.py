@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from services.gateway.errors import InvalidRequest
-from services.gateway.render import HEAVY
-from services.gateway.tool_calls import Tool, auto_grammar, call_schema, check_tools, chosen
+from services.gateway.edge.errors import InvalidRequest
+from services.gateway.text.render import HEAVY
+from services.gateway.openai.tool_calls import Tool, auto_grammar, call_schema, check_tools, chosen
 from shared.events import Constraint
 from shared.grammar import ANY_OBJECT, GrammarError, KIND_JSON_SCHEMA, KIND_LARK, check
 

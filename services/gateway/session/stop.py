@@ -8,7 +8,7 @@ already settled. The client's response ends right there, with finish_reason "sto
 FINISHED is allowed from DECODING only. A request the worker preempted (or is moving) after the
 step that completed the stop string is left to run on until it decodes again, and is settled
 then: cancelling it instead left it CANCELLED in Redis while the client got "stop" and
-Prometheus a success (services/gateway/outcome.py: one ending, one row, for everyone). Its
+Prometheus a success (services/gateway/session/outcome.py: one ending, one row, for everyone). Its
 tokens after the stop string are never shown; its deadline still bounds the wait.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.gateway.handle import Chunk, RequestHandle
+from services.gateway.session.handle import Chunk, RequestHandle
 from shared.errors import InvalidTransition
 from shared.events import CancelRequested, Completed
 from shared.lifecycle import Publish, State

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
-from services.gateway.outcome import ending
+from services.gateway.session.outcome import ending
 from shared import telemetry
 
 

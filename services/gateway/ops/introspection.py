@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from services.gateway.auth import owned_snapshot, visible_owner
-from services.gateway.choices import members
-from services.gateway.core import GatewayCore
+from services.gateway.edge.auth import owned_snapshot, visible_owner
+from services.gateway.session.groups import members
+from services.gateway.session.core import GatewayCore
 from shared.lifecycle import TERMINAL, State
 
 router = APIRouter()

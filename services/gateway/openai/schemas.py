@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.gateway.schemas import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Shallow, Stop, shallow
+from services.gateway.session.request import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Shallow, Stop, shallow
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -99,7 +99,7 @@ class ChatCompletionRequest(OpenAIRequest):
                                      description="with logprobs: the N most likely alternatives of each token")
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(
-        None, description="function tools (services/gateway/tool_calls.py)")
+        None, description="function tools (services/gateway/openai/tool_calls.py)")
     tool_choice: str | Annotated[dict[str, Any], Shallow] | None = Field(
         None, description="none | auto | required | a named function")
     parallel_tool_calls: bool | None = None

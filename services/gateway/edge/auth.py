@@ -20,7 +20,7 @@ import logging
 from http.cookies import CookieError, SimpleCookie
 from typing import Sequence
 
-from services.gateway.errors import NotFound, Unauthorized, error_response
+from services.gateway.edge.errors import NotFound, Unauthorized, error_response
 
 logger = logging.getLogger(__name__)
 

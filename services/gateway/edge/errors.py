@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.schemas import MAX_NESTING
+from services.gateway.session.request import MAX_NESTING
 
 
 class GatewayError(Exception):

@@ -24,8 +24,8 @@ import time
 
 import redis
 
-from services.gateway.auth import STATE_KEY
-from services.gateway.errors import Overloaded, Unavailable, error_response
+from services.gateway.edge.auth import STATE_KEY
+from services.gateway.edge.errors import Overloaded, Unavailable, error_response
 from shared.context_store import WaitingBounds, WaitingFull
 from shared.events import Event
 

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.gateway.stop_strings import TextStream
+from services.gateway.text.stop_strings import TextStream
 from shared.events import AnyEvent, TokenDelta
 from shared.logprobs import TokenLogprob, unpack
 
@@ -51,7 +51,7 @@ class RequestHandle:
     epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
     client_gone: bool = False  # its client closed the connection (set by the handler's disconnect watcher)
     _backlog: deque = field(default_factory=deque)  # taken from the queue, not yet returned as a chunk
-    # Order of delivery (a Redis Cluster can skip tokens: services.gateway.reconcile): the output index the next
+    # Order of delivery (a Redis Cluster can skip tokens: services.gateway.session.reconcile): the output index the next
     # delta should start at; what arrived after a gap, held until the gap is filled; whether a fill runs.
     expected: int = 0
     held: list = field(default_factory=list)

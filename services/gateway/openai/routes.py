@@ -14,14 +14,14 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from services.gateway.openai_serve import serve
-from services.gateway.errors import InvalidRequest, NotFound
-from services.gateway.openai_schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+from services.gateway.edge.errors import InvalidRequest, NotFound
+from services.gateway.openai.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                              CompletionResponse, ModelCard, ModelList, OpenAIRequest,
                                              error_responses, sse_or_json)
-from services.gateway.render import off_loop
-from services.gateway.schemas import GenerateRequest, Message
-from services.gateway.structured_output import OutputPlan, plan_chat, plan_weight
-from services.gateway.tool_calls import turn_text
+from services.gateway.text.render import off_loop
+from services.gateway.session.request import GenerateRequest, Message
+from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
+from services.gateway.openai.tool_calls import turn_text
 
 router = APIRouter(tags=["OpenAI-compatible"])
 

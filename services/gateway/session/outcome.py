@@ -4,7 +4,7 @@ How a request ended (its terminal event, or none when its client left first) dec
 HTTP status and error the client gets, the finish_reason of a native stream's last event, the Prometheus counter
 and its label, and the span's status. Each of those is read from OUTCOMES, through `ending` (after vLLM v1's
 _FINISHED_REASON_MAP: one frozen mapping, everything else derived), so no two of them can disagree; the way back,
-from a state Redis holds to the event it calls for (a Redis Cluster's repair, services.gateway.reconcile), is
+from a state Redis holds to the event it calls for (a Redis Cluster's repair, services.gateway.session.reconcile), is
 `ending_from_context` below the table.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from services.gateway.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
+from services.gateway.edge.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
                                      RequestTimedOut, Unavailable)
 from shared.context_store import Snapshot
 from shared.events import AnyEvent, Cancelled, Completed, Failed, TimedOut

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from services.gateway.auth import caller, is_admin
-from services.gateway.errors import InvalidRequest
-from services.gateway.handle import RequestHandle
-from services.gateway.schemas import GenerateRequest
+from services.gateway.edge.auth import caller, is_admin
+from services.gateway.edge.errors import InvalidRequest
+from services.gateway.session.handle import RequestHandle
+from services.gateway.session.request import GenerateRequest
 from shared.events import Constraint
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from services.gateway.core import GatewayCore
-from services.gateway.introspection import ids_in_states
-from services.gateway.metrics import LIVE_STATES, lifecycle_intervals
+from services.gateway.session.core import GatewayCore
+from services.gateway.ops.introspection import ids_in_states
+from services.gateway.session.metrics import LIVE_STATES, lifecycle_intervals
 
 _META = ("state", "state_since", "created_at", "owner")
 

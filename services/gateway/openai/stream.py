@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-from services.gateway.handle import Chunk
-from services.gateway import logprobs as lp_shapes
-from services.gateway.logprobs import CompletionLogprobs, TokenStrings
-from services.gateway.openai_tools import ToolShaper, message
-from services.gateway.structured_output import OutputPlan
+from services.gateway.session.handle import Chunk
+from services.gateway.text import logprobs as lp_shapes
+from services.gateway.text.logprobs import CompletionLogprobs, TokenStrings
+from services.gateway.openai.tools import ToolShaper, message
+from services.gateway.openai.structured_output import OutputPlan
 from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from services.gateway.auth import OPEN_PATHS
-from services.gateway.openai_schemas import ErrorResponse
+from services.gateway.edge.auth import OPEN_PATHS
+from services.gateway.openai.schemas import ErrorResponse
 
 UNBOUNDED_PATHS = ("/health", "/ready")  # OpenRequestLimit lets these through under any load
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}

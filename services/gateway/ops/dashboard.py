@@ -9,7 +9,7 @@
   GET    /dashboard/api/requests/{id}       one request: layers, history, intervals, trace link
   DELETE /dashboard/api/requests/{id}       cancel it
 
-Key rules are those of /v1/requests (services/gateway/auth.py): a key sees its own requests, an admin key all.
+Key rules are those of /v1/requests (services/gateway/edge/auth.py): a key sees its own requests, an admin key all.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
-from services.gateway.auth import (DASHBOARD_PREFIX, KEY_COOKIE, bearer_token, is_admin, owned_snapshot,
+from services.gateway.edge.auth import (DASHBOARD_PREFIX, KEY_COOKIE, bearer_token, is_admin, owned_snapshot,
                                    visible_owner)
-from services.gateway.core import GatewayCore
-from services.gateway.dashboard_data import detail, read_rows, snapshot
-from services.gateway.errors import InvalidRequest, NotFound
-from services.gateway.feed_hub import sse
-from services.gateway.introspection import cancel_owned
-from services.gateway.sse import SseResponse
+from services.gateway.session.core import GatewayCore
+from services.gateway.ops.dashboard_data import detail, read_rows, snapshot
+from services.gateway.edge.errors import InvalidRequest, NotFound
+from services.gateway.session.feed_hub import sse
+from services.gateway.ops.introspection import cancel_owned
+from services.gateway.edge.sse import SseResponse
 from shared.lifecycle import TERMINAL, State
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import logging
 
 import redis
 
-from services.gateway.outcome import ending_from_context
+from services.gateway.session.outcome import ending_from_context
 from shared.events import Failed, TokenDelta
 from shared.lifecycle import TERMINAL, State
 
@@ -95,5 +95,5 @@ async def repair_silent(core) -> None:
 
 
 async def _ending(core, rid: str):
-    """The ending the request's context calls for (services.gateway.outcome reads it from its state)."""
+    """The ending the request's context calls for (services.gateway.session.outcome reads it from its state)."""
     return ending_from_context(rid, await core.store.aread(core.r, rid))

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.errors import InvalidRequest
+from services.gateway.edge.errors import InvalidRequest
 from shared.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, check
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name

@@ -28,12 +28,12 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.handle import Chunk, RequestHandle
-from services.gateway.intake import accept
-from services.gateway.responses import drive, final_body, watch_disconnect
-from services.gateway.schemas import GenerateRequest
+from services.gateway.session.core import GatewayCore
+from services.gateway.edge.errors import GatewayError
+from services.gateway.session.handle import Chunk, RequestHandle
+from services.gateway.session.intake import accept
+from services.gateway.session.drive import drive, final_body, watch_disconnect
+from services.gateway.session.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.text.detokenizer import IncrementalDetokenizer
 
 
 class _Automaton:

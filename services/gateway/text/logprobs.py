@@ -20,7 +20,7 @@ import logging
 import re
 from typing import Sequence
 
-from services.gateway.render import exact, sliced
+from services.gateway.text.render import exact, sliced
 from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)

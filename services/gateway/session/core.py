@@ -15,16 +15,16 @@ import uuid
 import redis
 from prometheus_client import Gauge
 
-from services.gateway import reconcile
-from services.gateway.admission import Admission
-from services.gateway.errors import Unavailable
-from services.gateway.feed_hub import FeedHub
-from services.gateway.handle import RequestHandle
-from services.gateway.logprobs import TokenStrings
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.schemas import GenerateRequest
-from services.gateway.stop_strings import TextStream
-from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
+from services.gateway.session import reconcile
+from services.gateway.session.admission import Admission
+from services.gateway.edge.errors import Unavailable
+from services.gateway.session.feed_hub import FeedHub
+from services.gateway.session.handle import RequestHandle
+from services.gateway.text.logprobs import TokenStrings
+from services.gateway.session.metrics import GatewayMetrics
+from services.gateway.session.request import GenerateRequest
+from services.gateway.text.stop_strings import TextStream
+from services.gateway.session.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
 from shared.context_store import ContextStore
 from shared.errors import FatalError, InvalidTransition
@@ -97,7 +97,7 @@ class GatewayCore:
         self._background: set[asyncio.Task] = set()  # cancels of abandoned requests (kept referenced)
         self._loop_ok: dict[str, float] = {}  # loop name -> monotonic time of its last good round
         # Wall time up to which the reply stream has been read: every event published before it has been routed.
-        # Behind the clock when the reader lags; what services.gateway.reconcile measures silence against.
+        # Behind the clock when the reader lags; what services.gateway.session.reconcile measures silence against.
         self.replies_read_to = 0.0
         Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
               registry=self.metrics.registry).set_function(lambda: len(self.handles))
@@ -163,8 +163,8 @@ class GatewayCore:
         t0, now = time.perf_counter(), time.time()
         timeout = req.timeout or self.s.request_timeout_s
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            top_k=max(0, req.top_k), min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
-                            min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
+                            top_k=max(0, req.top_k), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                            seed=req.seed, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                             frequency_penalty=req.frequency_penalty, logprobs=req.logprobs, constraint=constraint)
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None

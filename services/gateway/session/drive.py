@@ -14,13 +14,13 @@ from typing import AsyncIterator
 import redis
 from fastapi import Request
 
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.handle import Chunk, RequestHandle
-from services.gateway import logprobs as lp_shapes
-from services.gateway.metrics import request_metrics
-from services.gateway.outcome import ending
-from services.gateway.stop_finish import finish_at_stop
+from services.gateway.session.core import GatewayCore
+from services.gateway.edge.errors import GatewayError
+from services.gateway.session.handle import Chunk, RequestHandle
+from services.gateway.text import logprobs as lp_shapes
+from services.gateway.session.metrics import request_metrics
+from services.gateway.session.outcome import ending
+from services.gateway.session.stop import finish_at_stop
 from shared.events import TimedOut
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from services.gateway.structured_output import OutputPlan
-from services.gateway.tool_calls import Call, CallParser
+from services.gateway.openai.structured_output import OutputPlan
+from services.gateway.openai.tool_calls import Call, CallParser
 
 logger = logging.getLogger(__name__)
 

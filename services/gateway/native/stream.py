@@ -15,12 +15,12 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from services.gateway.choices import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
-from services.gateway.core import GatewayCore
-from services.gateway.render import json_response, sse_events
-from services.gateway.responses import chunk_weight, delta_event, final_event, handle_weight, sse
-from services.gateway.schemas import GenerateRequest
-from services.gateway.sse import SseResponse
+from services.gateway.session.groups import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
+from services.gateway.session.core import GatewayCore
+from services.gateway.text.render import json_response, sse_events
+from services.gateway.session.drive import chunk_weight, delta_event, final_event, handle_weight, sse
+from services.gateway.session.request import GenerateRequest
+from services.gateway.edge.sse import SseResponse
 
 
 async def generate(request: Request, body: GenerateRequest):
