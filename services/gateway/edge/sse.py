@@ -10,6 +10,7 @@ as for a client that disconnected) and the connection is closed by the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from starlette.responses import StreamingResponse
@@ -43,3 +44,9 @@ class SseResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()  # its finally cancels the request and releases everything it held
+
+
+def sse(data: dict | str) -> bytes:
+    """One light SSE event (a heavy one goes through text.render.sse_events, which writes the same bytes)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()

@@ -1,45 +1,45 @@
-"""/generate's answer for any n (choices.py drives the choices): the native shapes.
+"""/generate's Server-Sent Events for any n (session.drive.ChoiceRun drives the choices).
 
-n = 1: the choice's own body, {"request_id", "text", "token_ids", "finish_reason", "usage", "metrics"}; or SSE, one
-event per text delta, then one final event, then [DONE].
-n > 1: {"request_id" (the first choice's), "choices": [{"index", "request_id", "text", "token_ids",
-"finish_reason", "usage", "metrics"}, ...], "usage"} with the request's usage (prompt once, completions summed).
-SSE: each choice's deltas and final event as n = 1's with "choice": its index; once every choice ended,
-{"request_id", "usage"} for the request; then [DONE]. A choice that fails ends the stream with its final event
-(its error), its siblings cancelled.
+n = 1: one event per text delta ({"request_id", "index", "text", "token_ids"}, with "logprobs" when asked for),
+then one final event (its finish_reason, usage and metrics, or its error), then [DONE].
+n > 1: each choice's deltas and final event as n = 1's with "choice": its index; once every choice ended,
+{"request_id", "usage"} for the request (prompt once, completions summed); then [DONE]. A choice that fails ends the
+stream with its final event (its error), its siblings cancelled.
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from fastapi import Request
+from services.gateway.edge.errors import GatewayError
+from services.gateway.edge.sse import sse
+from services.gateway.session.drive import ChoiceRun, chunk_weight, final_body, merged_usage
+from services.gateway.session.outcome import ending
+from services.gateway.text import logprobs as lp_shapes
+from services.gateway.text.render import sse_events
 
-from services.gateway.session.groups import ChoiceRun, Choices, accept_choices, collect_choices, merged_usage
-from services.gateway.session.core import GatewayCore
-from services.gateway.text.render import json_response, sse_events
-from services.gateway.session.drive import chunk_weight, delta_event, final_event, handle_weight, sse
-from services.gateway.session.request import GenerateRequest
-from services.gateway.edge.sse import SseResponse
+if TYPE_CHECKING:
+    from fastapi import Request
 
-
-async def generate(request: Request, body: GenerateRequest):
-    core: GatewayCore = request.app.state.core
-    choices = await accept_choices(request, body, body.n)
-    primary = choices.primary
-    headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
-    if body.stream:
-        return SseResponse(_stream(core, choices, request), core.s.sse_write_timeout_s, headers=headers)
-    bodies = await collect_choices(core, choices, request)
-    return await json_response(lambda: _body(choices, bodies), sum(handle_weight(h) for h in choices.handles),
-                               headers)
+    from services.gateway.session.core import GatewayCore
+    from services.gateway.session.handle import Choices, Chunk, RequestHandle
 
 
-def _body(choices: Choices, bodies: list[dict]) -> dict:
-    if len(bodies) == 1:  # a request of one choice answers with that choice's body
-        return bodies[0]
-    return {"request_id": choices.primary.request_id, "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
-            "usage": merged_usage(bodies)}
+def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
+    """/generate's SSE event of one text delta: its text, token ids and (when asked for) their log probabilities."""
+    event = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": chunk.token_ids}
+    if chunk.logprobs is not None:
+        event["logprobs"] = lp_shapes.native_sliced(core.token_strings, chunk.token_ids, chunk.logprobs)
+    return event
+
+
+async def final_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
+    out = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": []}
+    try:
+        body = await final_body(core, handle, with_logprobs=False)
+    except GatewayError as e:
+        return {**out, "finish_reason": ending(handle.ended).finish_reason, "error": e.body()["error"]}
+    return {**out, "finish_reason": body["finish_reason"], "usage": body["usage"], "metrics": body["metrics"]}
 
 
 def _of(event: dict, index: int, n: int) -> dict:
@@ -47,7 +47,8 @@ def _of(event: dict, index: int, n: int) -> dict:
     return {**event, "choice": index} if n > 1 else event
 
 
-async def _stream(core: GatewayCore, choices: Choices, request: Request) -> AsyncIterator[bytes]:
+async def stream(core: GatewayCore, choices: Choices, request: Request) -> AsyncIterator[bytes]:
+    """The request's events as its choices' chunks come (the module's docstring has their order)."""
     run = ChoiceRun(core, choices, request)
     n, finals = len(choices.handles), {}
     failed = False

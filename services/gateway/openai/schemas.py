@@ -195,35 +195,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # some errors add context (partial output, live services)
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-_ERROR_DOC = {
-    400: "invalid request", 401: "no or bad API key", 404: "unknown model or request",
-    413: "body too large", 429: "overloaded (see Retry-After)", 503: "not ready", 504: "timed out",
-}
-
-
-def error_responses(*codes: int) -> dict:
-    """OpenAPI `responses` entries for these error statuses (all share the error shape)."""
-    return {c: {"model": ErrorResponse, "description": _ERROR_DOC[c]} for c in codes}
-
-
-def sse_or_json(model: type[BaseModel] | None, description: str) -> dict:
-    """A 200 that is JSON (`model`) or, with "stream": true, Server-Sent Events."""
-    entry: dict = {"description": description,
-                   "content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE events"}}}}
-    if model is not None:
-        entry["model"] = model
-    return {200: entry}

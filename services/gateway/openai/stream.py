@@ -1,22 +1,37 @@
-"""Shaping one choice's output as OpenAI answers: a JSON body, or chunks over Server-Sent Events.
+"""OpenAI's shapes of a choice's output (Shape: a JSON body, or stream chunks), and the stream of a request's
+choices, for any n (session.drive.ChoiceRun drives them, as for /generate; only the shape differs).
 
-The request is driven by the same code as /generate (choices.ChoiceRun, responses.final_body); only the shape
-differs. openai_serve puts a request's choices together.
+A stream answers once the first output of any choice (or the end) is known, so a request whose choices fail before
+any output (a prompt too long, timed out in the queue) gets that error's own HTTP status instead of a 200 followed
+by an error event. Then each choice's text deltas as they come, interleaved, each chunk naming its choice's
+`index`; a choice's finish_reason in a chunk of its own when it ends; the usage chunk
+(stream_options.include_usage) once all have ended; [DONE]. An error after the start ends the stream with
+`data: {"error": {...}}` (the official client raises it), its siblings cancelled, then `data: [DONE]` as always.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
-
-from services.gateway.session.handle import Chunk
-from services.gateway.text import logprobs as lp_shapes
-from services.gateway.text.logprobs import CompletionLogprobs, TokenStrings
+from services.gateway.edge.errors import GatewayError
+from services.gateway.edge.sse import SseResponse, sse
 from services.gateway.openai.tools import ToolShaper, message
-from services.gateway.openai.structured_output import OutputPlan
-from shared.logprobs import TokenLogprob
+from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage
+from services.gateway.session.outcome import ending
+from services.gateway.text import logprobs as lp_shapes
+from services.gateway.text.logprobs import CompletionLogprobs
+from services.gateway.text.render import sse_events
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from services.gateway.openai.structured_output import OutputPlan
+    from services.gateway.session.core import GatewayCore
+    from services.gateway.session.handle import Choices, Chunk
+    from services.gateway.text.logprobs import TokenStrings
+    from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +133,60 @@ def end_chunks(shape: Shape, tools: ToolShaper | None, finish: str) -> list[dict
     if tools is not None:
         finish = tools.finish_reason(finish)
     return [shape.chunk(finish_reason=finish)]
+
+
+def at_index(out: dict, index: int) -> dict:
+    """A one-choice body or chunk built by Shape, for choice `index`."""
+    for choice in out["choices"]:
+        choice["index"] = index
+    return out
+
+
+async def start_stream(request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape],
+                       headers: dict) -> SseResponse:
+    """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
+    run = ChoiceRun(core, choices, request)
+    try:
+        first = await run.next()
+        if first[1].end is not None and not ending(first[1].end).outcome.ok:
+            await first_outcome(core, run, *first, with_logprobs=False)  # raises the GatewayError of this ending
+    except BaseException as e:
+        run.close(isinstance(e, GatewayError))
+        raise
+    return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
+
+
+async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
+                  first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
+    n, shape = len(run.choices.handles), shapes[0]
+    tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
+    bodies: dict[int, dict] = {}
+    failed = False
+    try:
+        if shape.chat:
+            for i in range(n):
+                yield sse(at_index(shape.chunk(role=True), i))
+        index, chunk = first
+        while True:
+            if data := await sse_events(lambda: [at_index(out, index)
+                                                 for out in text_chunks(shapes[index], tools[index], chunk)],
+                                        chunk_weight(chunk)):
+                yield data
+            try:
+                body = await first_outcome(core, run, index, chunk, with_logprobs=False)
+            except GatewayError as e:  # one outcome for the request: its siblings are cancelled by close()
+                failed = True
+                yield sse(e.body())
+                break
+            if body is not None:
+                bodies[index] = body
+                for out in end_chunks(shapes[index], tools[index], body["finish_reason"]):
+                    yield sse(at_index(out, index))
+                if len(bodies) == n:
+                    if shape.include_usage:
+                        yield sse(shape.usage_chunk(merged_usage([bodies[i] for i in range(n)])))
+                    break
+            index, chunk = await run.next()
+        yield sse("[DONE]")
+    finally:
+        run.close(failed)  # before any await: a cancelled handler's next await raises at once

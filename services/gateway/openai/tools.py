@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import logging
 
-from services.gateway.openai.structured_output import OutputPlan
+from typing import TYPE_CHECKING
+
 from services.gateway.openai.tool_calls import Call, CallParser
+
+if TYPE_CHECKING:
+    from services.gateway.openai.structured_output import OutputPlan
 
 logger = logging.getLogger(__name__)
 

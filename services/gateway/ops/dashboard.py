@@ -17,20 +17,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from services.gateway.edge.auth import (DASHBOARD_PREFIX, KEY_COOKIE, bearer_token, is_admin, owned_snapshot,
-                                   visible_owner)
-from services.gateway.session.core import GatewayCore
-from services.gateway.ops.dashboard_data import detail, read_rows, snapshot
+                                        visible_owner)
+from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
-from services.gateway.session.feed_hub import sse
-from services.gateway.ops.introspection import cancel_owned
 from services.gateway.edge.sse import SseResponse
+from services.gateway.ops.dashboard_data import detail, read_rows, snapshot
+from services.gateway.ops.introspection import cancel_owned
+from services.gateway.session.feed_hub import sse
 from shared.lifecycle import TERMINAL, State
+
+if TYPE_CHECKING:
+    from services.gateway.session.core import GatewayCore
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,6 @@ STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "charts.js": "text/javascript"}
 KEEPALIVE_S = 10.0  # an SSE comment this often keeps proxies from closing an idle stream
 MAX_ROW_IDS = 200  # ids one /rows call may ask about (the rows on screen, and new rows not yet counted)
-
-
-def _core(request: Request) -> GatewayCore:
-    return request.app.state.core
 
 
 @router.get("")
@@ -79,8 +79,8 @@ async def static(name: str):
 
 
 @router.get("/api/config")
-async def config(request: Request):
-    return {"trace_url_template": _core(request).s.trace_url_template, "admin": is_admin(request),
+async def config(request: Request, core: Core):
+    return {"trace_url_template": core.s.trace_url_template, "admin": is_admin(request),
             "states": [s.value for s in State], "terminal": sorted(s.value for s in TERMINAL),
             "max_row_ids": MAX_ROW_IDS}
 
@@ -109,27 +109,25 @@ async def _stream(core: GatewayCore, owner: str | None):
 
 
 @router.get("/api/events")
-async def events(request: Request):
-    core = _core(request)
+async def events(request: Request, core: Core):
     return SseResponse(_stream(core, visible_owner(request)), core.s.sse_write_timeout_s,
                        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 @router.get("/api/rows")
-async def rows(request: Request, ids: str = Query(..., description="comma-separated request ids")):
+async def rows(request: Request, core: Core, ids: str = Query(..., description="comma-separated request ids")):
     wanted = [i for i in ids.split(",") if i]
     if not wanted or len(wanted) > MAX_ROW_IDS or any(len(i) > 64 or not i.isalnum() for i in wanted):
         raise InvalidRequest(f"ids must be 1 to {MAX_ROW_IDS} comma-separated request ids", "ids", "invalid_ids")
-    return {"rows": await read_rows(_core(request), wanted, visible_owner(request))}
+    return {"rows": await read_rows(core, wanted, visible_owner(request))}
 
 
 @router.get("/api/requests/{request_id}")
-async def request_detail(request_id: str, request: Request):
-    core = _core(request)
+async def request_detail(request_id: str, request: Request, core: Core):
     snap = await owned_snapshot(core, request, request_id)
     return detail(snap.to_dict(), core.s.trace_url_template)
 
 
 @router.delete("/api/requests/{request_id}")
-async def cancel(request_id: str, request: Request):
-    return await cancel_owned(_core(request), request, request_id)
+async def cancel(request_id: str, request: Request, core: Core):
+    return await cancel_owned(core, request, request_id)

@@ -6,11 +6,16 @@ index when it may see only its own requests), and each row is a handful of HMGET
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from services.gateway.session.core import GatewayCore
 from services.gateway.ops.introspection import ids_in_states
-from services.gateway.session.metrics import LIVE_STATES, lifecycle_intervals
+from services.gateway.session.metrics import LIVE_STATES
+from services.gateway.session.timing import lifecycle_intervals
+
+if TYPE_CHECKING:
+    from services.gateway.session.core import GatewayCore
 
 _META = ("state", "state_since", "created_at", "owner")
 

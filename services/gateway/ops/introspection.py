@@ -1,14 +1,21 @@
-"""Looking into the cluster: Prometheus metrics and the list of requests by state."""
+"""Looking into the cluster: Prometheus metrics, the list of requests by state, one request's context
+(GET /v1/requests/{id}) and its cancel (DELETE)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from services.gateway.edge.auth import owned_snapshot, visible_owner
+from services.gateway.edge.deps import Core
+from services.gateway.edge.openapi_doc import error_responses
 from services.gateway.session.groups import members
-from services.gateway.session.core import GatewayCore
 from shared.lifecycle import TERMINAL, State
+
+if TYPE_CHECKING:
+    from services.gateway.session.core import GatewayCore
 
 router = APIRouter()
 
@@ -31,18 +38,16 @@ async def ids_in_states(core: GatewayCore, owner: str | None, states: list[State
 
 
 @router.get("/metrics", response_class=Response)
-async def metrics(request: Request) -> Response:
-    core: GatewayCore = request.app.state.core
+async def metrics(core: Core) -> Response:
     body = await core.metrics.render(core.ops_r, core.names)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/requests")
-async def list_requests(request: Request, state: State | None = None, limit: int = Query(20, ge=1, le=100),
-                        offset: int = Query(0, ge=0)):
+async def list_requests(request: Request, core: Core, state: State | None = None,
+                        limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0)):
     """Requests in one state (default: every live state), oldest first, with their layers. With API keys
     set, a caller sees only its own requests (an admin key: every request)."""
-    core: GatewayCore = request.app.state.core
     states = [state] if state is not None else [s for s in State if s not in TERMINAL]
     ids = await ids_in_states(core, visible_owner(request), states)
     data = []
@@ -64,3 +69,14 @@ async def cancel_owned(core: GatewayCore, request: Request, request_id: str) -> 
     after = await core.store.aread(core.ops_r, request_id)
     return {"request_id": request_id, "cancelled": cancelled,
             "state": after.state.value if after and after.state else None}
+
+
+@router.get("/v1/requests/{request_id}", responses=error_responses(401, 404))
+async def get_request(request_id: str, request: Request, core: Core):
+    snap = await owned_snapshot(core, request, request_id)
+    return snap.to_dict()
+
+
+@router.delete("/v1/requests/{request_id}", responses=error_responses(401, 404))
+async def cancel_request(request_id: str, request: Request, core: Core):
+    return await cancel_owned(core, request, request_id)

@@ -11,9 +11,8 @@ Fairness: with API keys set, each key's waiting requests are also in a set of th
 script, removed by the lifecycle when they leave the waiting states), bounded by
 `max_waiting_requests_per_key` in the same step, so one key cannot take every waiting slot.
 
-The gateway also bounds the HTTP requests it serves at once, in all and per API key (OpenRequestLimit) and, when a
-service the pipeline needs has no live instance, answers 503 instead of queueing work that
-nobody would pick up.
+When a service the pipeline needs has no live instance, the gateway answers 503 instead of queueing work that
+nobody would pick up. (It also bounds the HTTP requests it serves at once: services.gateway.edge.middleware.)
 """
 
 from __future__ import annotations
@@ -24,23 +23,13 @@ import time
 
 import redis
 
-from services.gateway.edge.auth import STATE_KEY
-from services.gateway.edge.errors import Overloaded, Unavailable, error_response
+from services.gateway.edge.errors import Overloaded, Unavailable
 from shared.context_store import WaitingBounds, WaitingFull
 from shared.events import Event
 
 logger = logging.getLogger(__name__)
 
 READY_CACHE_S = 1.0  # a positive readiness check is trusted this long (it reads the liveness hashes)
-UNLIMITED_PATHS = ("/health", "/ready")  # probes must answer under any load
-# The dashboard's page and short reads too: a saturated gateway is when it is needed. Its event stream is not
-# exempt: each one holds a connection for as long as the page is open.
-DASHBOARD_PREFIX, DASHBOARD_STREAM = "/dashboard", "/dashboard/api/events"
-
-
-def unlimited(path: str) -> bool:
-    """Requests the open-request limit lets through whatever the load."""
-    return path in UNLIMITED_PATHS or (path.startswith(DASHBOARD_PREFIX) and path != DASHBOARD_STREAM)
 
 
 class Admission:
@@ -93,42 +82,3 @@ class Admission:
             raise Unavailable(f"not ready: no live {', '.join(missing)}", None, "not_ready",
                               extra={"live": found}, headers=self._retry())
         self._ready_until = time.monotonic() + READY_CACHE_S
-
-
-class OpenRequestLimit:
-    """ASGI middleware: at most `limit` HTTP requests in progress, and at most `per_key_limit` of one API key
-    (its id is in the scope's state, put there by ApiKeyAuth, which runs first); more get 429 at once."""
-
-    def __init__(self, app, limit: int, retry_after_s: int, per_key_limit: int | None = None):
-        self.app, self.limit, self.retry_after_s, self.per_key_limit = app, limit, retry_after_s, per_key_limit
-        self.open = 0
-        self.open_by_key: dict[str, int] = {}  # only keys with requests open: bounded by `limit`
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or unlimited(scope.get("path", "")):
-            return await self.app(scope, receive, send)
-        key = (scope.get("state") or {}).get(STATE_KEY) or ""
-        busy = None
-        if self.open >= self.limit:
-            busy = Overloaded(f"the gateway is serving {self.open} requests (limit {self.limit}); retry after "
-                              f"{self.retry_after_s} s", None, "too_many_open_requests")
-        elif key and self.per_key_limit is not None and self.open_by_key.get(key, 0) >= self.per_key_limit:
-            busy = Overloaded(f"this API key has {self.open_by_key[key]} requests open on this gateway (limit "
-                              f"{self.per_key_limit}, CONVEYOR_MAX_OPEN_REQUESTS_PER_KEY); retry after "
-                              f"{self.retry_after_s} s", None, "too_many_open_requests_for_key")
-        if busy is not None:
-            busy.headers = {"Retry-After": str(self.retry_after_s)}
-            return await error_response(busy)(scope, receive, send)
-        self.open += 1
-        if key:
-            self.open_by_key[key] = self.open_by_key.get(key, 0) + 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.open -= 1
-            if key:
-                left = self.open_by_key[key] - 1
-                if left:
-                    self.open_by_key[key] = left
-                else:
-                    del self.open_by_key[key]

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import redis
 from prometheus_client import Gauge
@@ -22,7 +23,6 @@ from services.gateway.session.feed_hub import FeedHub
 from services.gateway.session.handle import RequestHandle
 from services.gateway.text.logprobs import TokenStrings
 from services.gateway.session.metrics import GatewayMetrics
-from services.gateway.session.request import GenerateRequest
 from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
@@ -36,6 +36,9 @@ from shared.epoch import DatasetEpoch
 from shared.redis_client import async_client, sync_client
 from shared.runtime import Liveness, LivenessThread, instance_id
 from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from services.gateway.session.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,9 @@ async def cancel_until_done(tasks, timeout_s: float) -> set:
 
 
 class GatewayCore:
-    def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str):
+    def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str, max_len: int = 0):
         self.s = settings
+        self.max_len = max_len  # the model's context window in tokens (0: unknown, a core without a model)
         self.r = client  # request traffic: a bounded pool that a burst can hold entirely
         # The background loops have connections of their own: queued behind a burst's requests for a pooled
         # connection, the liveness refresh fell behind the liveness TTL and the scheduler cancelled every request
@@ -154,8 +158,8 @@ class GatewayCore:
                      group_id: str = "", group_size: int = 1, constraint: Constraint | None = None,
                      tools: str = "") -> RequestHandle:
         """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
-        n > 1 request comes with its id and its group's (choices.py); constraint and tools: what
-        structured_output.plan_chat decided (already checked)."""
+        n > 1 request comes with its id and its group's (intake.accept_choices); constraint and tools: what
+        openai.structured_output.plan_chat decided (already checked)."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
                               headers={"Retry-After": "1"})

@@ -1,27 +1,30 @@
-"""Driving one request (one choice) to its end, and what its ending gives /generate: a body or a final event.
+"""Driving a request's choices to their end: one choice's chunks (`drive`), its ending's native body (`final_body`),
+and a request's choices, one or more, driven together (`ChoiceRun`).
 
-choices.ChoiceRun drives every request's choices, one or more, with `drive`; native_serve and openai_serve
-shape what they give the client.
+Every API drives its requests here, whatever n; native.stream and openai.stream only shape what the client gets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
 
 import redis
-from fastapi import Request
 
-from services.gateway.session.core import GatewayCore
 from services.gateway.edge.errors import GatewayError
-from services.gateway.session.handle import Chunk, RequestHandle
-from services.gateway.text import logprobs as lp_shapes
-from services.gateway.session.metrics import request_metrics
-from services.gateway.session.outcome import ending
+from services.gateway.session.outcome import CLIENT_GONE, SIBLING_FAILED, ending
 from services.gateway.session.stop import finish_at_stop
+from services.gateway.session.timing import request_metrics
+from services.gateway.text import logprobs as lp_shapes
 from shared.events import TimedOut
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from services.gateway.session.core import GatewayCore
+    from services.gateway.session.handle import Choices, Chunk, RequestHandle
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
     A waiting request sleeps until output arrives, its client leaves (a watcher task wakes it) or its deadline's
     backstop is due: no periodic poll. (A poll of the client every half second cost a gateway holding 5,000
     waiting streams 10,000 wakeups a second, half of its time.) watch=False: the caller watches the client (the
-    choices of a request share one connection, whose disconnect receive() answers only once: choices.ChoiceRun)."""
+    choices of a request share one connection, whose disconnect receive() answers only once: ChoiceRun)."""
     asked_cancel = asked_timeout = False
     watcher = asyncio.ensure_future(watch_disconnect(request, [handle])) if watch else None
     try:
@@ -54,7 +57,7 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
                 continue
             if handle.client_gone and not asked_cancel:
                 asked_cancel = True
-                await core.cancel(handle.request_id, "client_disconnect", handle.reply_to)
+                await core.cancel(handle.request_id, CLIENT_GONE, handle.reply_to)
             elif handle.remaining() < -grace:
                 # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
                 # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
@@ -102,12 +105,6 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
     raise how.error(extra, ids, getattr(end, "retry_after_s", 0))
 
 
-def sse(data: dict | str) -> bytes:
-    """One light SSE event (a heavy one goes through render.sse_events, which writes the same bytes)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n".encode()
-
-
 def chunk_weight(chunk: Chunk) -> int:
     """How heavy the events of a chunk are to build and encode (render.HEAVY)."""
     return len(chunk.token_ids) + lp_shapes.weight(chunk.logprobs)
@@ -118,18 +115,91 @@ def handle_weight(handle: RequestHandle) -> int:
     return len(handle.token_ids) + lp_shapes.weight(handle.logprobs)
 
 
-def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
-    """/generate's SSE event of one text delta: its text, token ids and (when asked for) their log probabilities."""
-    event = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": chunk.token_ids}
-    if chunk.logprobs is not None:
-        event["logprobs"] = lp_shapes.native_sliced(core.token_strings, chunk.token_ids, chunk.logprobs)
-    return event
+@dataclass
+class ChoiceRun:
+    """The choices driven together: one task per choice puts its chunks on one queue, read in arrival order (a
+    group of one is read straight from its drive: no task, no queue). One watcher of the client for all
+    (receive() answers the disconnect once): it wakes every choice, whose drive loop then cancels it."""
+
+    core: GatewayCore
+    choices: Choices
+    request: Request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    only: AsyncIterator[Chunk] | None = None  # the drive of a group of one
+
+    def __post_init__(self) -> None:
+        handles = self.choices.handles
+        if len(handles) == 1:
+            self.only = drive(self.core, handles[0], self.request, watch=False)
+        else:
+            self.tasks = [asyncio.ensure_future(self._pump(i, h)) for i, h in enumerate(handles)]
+        self.tasks.append(asyncio.ensure_future(watch_disconnect(self.request, handles)))
+
+    async def _pump(self, index: int, handle: RequestHandle) -> None:
+        try:
+            async for chunk in drive(self.core, handle, self.request, watch=False):
+                self.queue.put_nowait((index, chunk))
+        except Exception as e:  # to the reader, who raises it; a cancellation (close) just ends the task
+            self.queue.put_nowait((index, e))
+
+    async def next(self) -> tuple[int, Chunk]:
+        """The next chunk of any choice, with the choice's index."""
+        if self.only is not None:
+            return 0, await anext(self.only)
+        index, item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return index, item
+
+    def close(self, failed: bool) -> None:
+        """Stop driving; choices not ended are cancelled (in tasks of their own), every handle released. failed: a
+        choice ended the request (else the handler was cancelled or errored: the client left). No
+        await: this runs in a handler that may be being cancelled."""
+        for t in self.tasks:
+            t.cancel()
+        gone = not failed or any(h.client_gone for h in self.choices.handles)
+        for h in self.choices.handles:
+            if h.ended is None:
+                self.core.abandon(h, CLIENT_GONE if gone else SIBLING_FAILED)
+            self.core.release(h)
 
 
-async def final_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
-    out = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": []}
+async def first_outcome(core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk,
+                        with_logprobs: bool = True) -> dict | None:
+    """A choice's native body once it ended (None while it has not); raises the GatewayError of one that did not
+    complete (the caller then closes the run, which cancels its siblings). with_logprobs: final_body's."""
+    if chunk.end is None:
+        return None
+    return await final_body(core, run.choices.handles[index], with_logprobs)  # raises unless it completed
+
+
+async def collect_choices(core: GatewayCore, choices: Choices, request: Request,
+                          with_logprobs: bool = True) -> list[dict]:
+    """Every choice's native body (text, finish_reason, usage), in choice order; or the first error."""
+    run = ChoiceRun(core, choices, request)
+    bodies: dict[int, dict] = {}
+    failed = False
     try:
-        body = await final_body(core, handle, with_logprobs=False)
-    except GatewayError as e:
-        return {**out, "finish_reason": ending(handle.ended).finish_reason, "error": e.body()["error"]}
-    return {**out, "finish_reason": body["finish_reason"], "usage": body["usage"], "metrics": body["metrics"]}
+        while len(bodies) < len(choices.handles):
+            index, chunk = await run.next()
+            try:
+                body = await first_outcome(core, run, index, chunk, with_logprobs)
+            except GatewayError:
+                failed = True
+                raise
+            if body is not None:
+                bodies[index] = body
+        return [bodies[i] for i in range(len(choices.handles))]
+    finally:
+        run.close(failed)
+
+
+def merged_usage(bodies: list[dict]) -> dict:
+    """The request's usage: its prompt once, the completion tokens of every choice (as OpenAI and vLLM count
+    them); cached tokens are the prompt's that the first prefill of it found cached (the smallest of the choices:
+    the others reuse what that prefill computed)."""
+    prompt = bodies[0]["usage"]["prompt_tokens"]
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "cached_tokens": min(b["usage"].get("cached_tokens", 0) for b in bodies)}

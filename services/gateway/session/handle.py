@@ -11,10 +11,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from services.gateway.text.stop_strings import TextStream
 from shared.events import AnyEvent, TokenDelta
 from shared.logprobs import TokenLogprob, unpack
+
+if TYPE_CHECKING:
+    from services.gateway.text.stop_strings import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class RequestHandle:
     ended: AnyEvent | None = None
     ended_at: float | None = None
     metrics: dict | None = None  # per-request metrics, computed once the terminal event arrived
-    trace: object = None  # its spans (services.gateway.tracing.RequestTrace)
+    trace: object = None  # its spans (services.gateway.session.tracing.RequestTrace)
     epoch: str | None = None  # Redis dataset it was created in (services fail it if that dataset is lost)
     client_gone: bool = False  # its client closed the connection (set by the handler's disconnect watcher)
     _backlog: deque = field(default_factory=deque)  # taken from the queue, not yet returned as a chunk
@@ -160,3 +163,14 @@ class RequestHandle:
     @property
     def full_text(self) -> str:
         return "".join(self.text)
+
+
+@dataclass
+class Choices:
+    """The handles of one request's choices, index i = choice i (one, unless the request asked for n > 1)."""
+
+    handles: list[RequestHandle]
+
+    @property
+    def primary(self) -> RequestHandle:
+        return self.handles[0]

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from services.gateway.edge.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled, RequestFailed,
-                                     RequestTimedOut, Unavailable)
+from services.gateway.edge.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled,
+                                          RequestFailed, RequestTimedOut, Unavailable)
 from shared.context_store import Snapshot
 from shared.events import AnyEvent, Cancelled, Completed, Failed, TimedOut
 from shared.lifecycle import State
+
+
+# Why the gateway cancels a request it holds: its client left, or a sibling choice ended the request first.
+CLIENT_GONE, SIBLING_FAILED = "client_disconnect", "choice_failed"
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def ending(end: AnyEvent | None) -> Ending:
         return Ending(OUTCOMES["cancelled"], end.reason, f"the request was cancelled ({end.reason})",
                       f"cancelled ({end.reason})")
     if end is None:
-        return Ending(OUTCOMES["client_gone"], "client_disconnect", "the client went away", "the client went away")
+        return Ending(OUTCOMES["client_gone"], CLIENT_GONE, "the client went away", "the client went away")
     name = type(end).__name__  # a defect: no other event ends a request
     return Ending(OUTCOMES["failed"], "internal", f"unexpected end event {name}", name)
 

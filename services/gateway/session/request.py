@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 
 INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
-MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (choices.py)
+MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (groups.py)
 MAX_LOGPROBS = 20  # most alternatives per token (the engine's limit, OpenAI's top_logprobs limit)
 # Levels a free-form JSON value (a tool, its schema, a response format, a tool call) may nest. Python's own code
 # (json.dumps, deepcopy) recurses once a level, and a value as deep as its parser allows (~950) overflowed the

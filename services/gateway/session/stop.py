@@ -17,10 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.gateway.session.handle import Chunk, RequestHandle
+from typing import TYPE_CHECKING
+
 from shared.errors import InvalidTransition
 from shared.events import CancelRequested, Completed
 from shared.lifecycle import Publish, State
+
+if TYPE_CHECKING:
+    from services.gateway.session.handle import Chunk, RequestHandle
 
 logger = logging.getLogger(__name__)
 

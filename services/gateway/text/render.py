@@ -9,7 +9,7 @@ The loop serves every request, /health, the reply reader and the keep-alive; n=1
   by one C call (which holds the GIL for its ~2 ms), then dropped. Built whole, the objects of one such body make
   the cyclic collector's full passes (which hold the GIL) last 0.7 s and more, and take ~1 GB;
 - msgspec encodes those slices ~7x faster than json.dumps.
-Bytes are what they were: light bodies go through json.dumps exactly as JSONResponse and responses.sse did; a
+Bytes are what they were: light bodies go through json.dumps exactly as JSONResponse and edge.sse.sse do; a
 heavy body is written piece by piece in the same form (separators, ensure_ascii=False), its floats as Python
 writes them (ExactFloat: msgspec writes 1e-05 as 0.00001, a different text of the same number).
 """
@@ -202,7 +202,7 @@ async def json_response(build: Callable[[], Any], weight: int, headers: dict | N
 
 
 async def sse_events(build: Callable[[], list], weight: int) -> bytes:
-    """The SSE bytes of build()'s events (dicts, or "[DONE]"), as responses.sse writes them one by one."""
+    """The SSE bytes of build()'s events (dicts, or "[DONE]"), as edge.sse.sse writes them one by one."""
     if weight < HEAVY:
         return b"".join(_event(e, encode) for e in build())
     return await off_loop(lambda: b"".join(_event(e, encode_heavy) for e in build()), weight)
