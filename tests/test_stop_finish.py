@@ -9,13 +9,14 @@ import time
 
 import pytest
 
+from services.gateway.edge.errors import GatewayError
 from services.gateway.session.handle import RequestHandle
 from services.gateway.session.outcome import ending
 from services.gateway.session.drive import drive, final_body
 from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import start_trace
 from shared.context_store import ContextStore
-from shared.events import Sampling, TokenDelta
+from shared.events import Sampling, TimedOut, TokenDelta
 from shared.lifecycle import Lifecycle, Owner, State
 from shared.tokenization import load_tokenizer
 from tests.factories import request_received
@@ -90,3 +91,44 @@ def test_a_stop_string_matched_while_preempted_ends_the_request_alike_in_redis_f
     assert meta[b"reason"] == b"stop_string"
     assert metrics.registry.get_sample_value("conveyor:request_success_total", {"finished_reason": "stop"}) == 1
     assert metrics.registry.get_sample_value("conveyor:cancellations_total", {"reason": "stop_string"}) is None
+
+
+def test_a_request_preempted_after_its_stop_string_that_times_out_meanwhile_is_a_timeout_for_everyone(
+        redis_server, redis_client, names, tokenizer):
+    """Waiting for the worker to take the request up again is bounded by its deadline: if the deadline comes first,
+    the request's ending is the timeout Redis settled, for the client and Prometheus too."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    states = (State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED)
+
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        rid = _created(redis_client, names, states)
+        h = _handle(core, rid, tokenizer)
+        chunks = []
+
+        async def consume():
+            async for chunk in drive(core, h, None, watch=False):
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        try:
+            h.deliver(TokenDelta(rid, 0, tuple(ids)))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # not settled while preempted: it waits
+            scheduler = Lifecycle(redis_client, names, "scheduler", 60)
+            assert scheduler.transition(rid, State.TIMED_OUT, "deadline").applied
+            h.deliver(TimedOut(request_id=rid, where="PREEMPTED", service="scheduler"))
+            await asyncio.wait_for(task, 10)
+            with pytest.raises(GatewayError) as raised:
+                await final_body(core, h)
+        finally:
+            task.cancel()
+            core.release(h)
+            await core.r.aclose()
+        return rid, raised.value, chunks[-1].end, core.metrics
+
+    rid, error, end, metrics = asyncio.run(run())
+    assert error.status == 504 and error.extra["partial"]["text"] == TEXT[:TEXT.index(STOP)]
+    assert redis_client.hget(names.layer(rid, "meta"), "state").decode() == ending(end).outcome.state.value
+    assert metrics.registry.get_sample_value("conveyor:timeouts_total") == 1
+    assert metrics.registry.get_sample_value("conveyor:request_success_total", {"finished_reason": "stop"}) is None
