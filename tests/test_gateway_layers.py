@@ -8,7 +8,9 @@ import ast
 import functools
 from pathlib import Path
 
-GATEWAY = Path(__file__).resolve().parents[1] / "services" / "gateway"
+# The checkout's services/gateway, wherever in tests/ this file sits (its tier's folder, or tests/ itself).
+GATEWAY = next(p / "services" / "gateway" for p in Path(__file__).resolve().parents
+               if (p / "services" / "gateway").is_dir())
 PACKAGE = "services.gateway"
 MAX_DEPTH = 5  # import edges from the app down to the deepest leaf
 CORE_LAYERS = ("session", "text")
