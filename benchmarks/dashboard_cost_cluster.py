@@ -18,7 +18,7 @@ import redis
 
 from benchmarks.common import ROOT, ConveyorUp, raise_fd_limit, stamp, write_json
 from benchmarks.control_plane import client_loop, prompts
-from services.gateway.metrics import LIVE_STATES
+from services.gateway.session.metrics import LIVE_STATES
 from shared.constants import Names
 
 CLUSTER_ENV = {

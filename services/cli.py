@@ -19,7 +19,7 @@ def run_service(name: str) -> int:
 
     if name == "gateway":
         from services.gateway.app import create_app
-        from services.gateway.server import serve
+        from services.gateway.edge.server import serve
 
         cfg = s.GatewaySettings()
         setup_logging(cfg.log_level)

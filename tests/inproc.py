@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from services.gateway.core import GatewayCore
-from services.gateway.schemas import GenerateRequest
+from services.gateway.session.core import GatewayCore
+from services.gateway.session.request import GenerateRequest
 from shared.constants import Names
 from shared.runtime import Liveness
 from shared.settings import GatewaySettings

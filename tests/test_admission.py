@@ -8,8 +8,8 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from services.gateway.core import GatewayCore
-from services.gateway.errors import Overloaded
+from services.gateway.session.core import GatewayCore
+from services.gateway.edge.errors import Overloaded
 from shared.settings import GatewaySettings
 from tests.inproc import calls, mark_live, small
 

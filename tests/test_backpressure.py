@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from services.gateway.admission import OpenRequestLimit
+from services.gateway.edge.middleware import OpenRequestLimit
 from shared.constants import Names
 from shared.liveness import read_live
 from tests.cluster import Cluster

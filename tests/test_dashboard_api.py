@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from services.gateway.feed_hub import RESET, Subscriber
+from services.gateway.session.feed_hub import RESET, Subscriber
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.sse_reader import SseReader

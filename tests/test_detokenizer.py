@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.text.detokenizer import IncrementalDetokenizer
 from shared.tokenization import load_tokenizer
 from tests.openai_fixtures import MODEL
 

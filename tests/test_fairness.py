@@ -9,8 +9,8 @@ import pydantic
 import pytest
 
 from services.gateway.app import create_app
-from services.gateway.auth import key_id
-from services.gateway.errors import Overloaded
+from services.gateway.edge.auth import key_id
+from services.gateway.edge.errors import Overloaded
 from shared.lifecycle import Lifecycle, State
 from shared.settings import GatewaySettings
 from tests.inproc import gateway_core, mark_live, small

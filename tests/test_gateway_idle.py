@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from services.gateway.handle import RequestHandle
-from services.gateway.responses import drive
-from services.gateway.stop_strings import TextStream
+from services.gateway.session.handle import RequestHandle
+from services.gateway.session.drive import drive
+from services.gateway.text.stop_strings import TextStream
 from shared.events import Cancelled, Completed
 from shared.tokenization import load_tokenizer
 

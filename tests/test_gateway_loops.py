@@ -9,11 +9,11 @@ import time
 import pytest
 import redis
 
-from services.gateway.core import GatewayCore, cancel_until_done
-from services.gateway.errors import Unavailable
-from services.gateway.handle import RequestHandle
+from services.gateway.session.core import GatewayCore, cancel_until_done
+from services.gateway.edge.errors import Unavailable
+from services.gateway.session.handle import RequestHandle
 from shared.constants import EVENT_FIELD
-from services.gateway import reconcile
+from services.gateway.session import reconcile
 from shared.context_store import ContextStore
 from shared.events import Completed, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Owner, State
@@ -21,7 +21,7 @@ from tests.factories import request_received
 from shared.liveness import read_live
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
-from services.gateway.tracing import start_trace
+from services.gateway.session.tracing import start_trace
 from shared.events import Sampling
 from tests.inproc import gateway_core, mark_live, small
 
@@ -308,8 +308,8 @@ def test_a_finished_generation_is_answered_when_redis_fails_after_its_end(redis_
     Redis failing then must not turn the finished answer into a 500 (or a stream without its end)."""
     from transformers import AutoTokenizer
 
-    from services.gateway.responses import final_body
-    from services.gateway.stop_strings import TextStream
+    from services.gateway.session.drive import final_body
+    from services.gateway.text.stop_strings import TextStream
 
     async def run():
         core = gateway_core(redis_server.url, names, socket_timeout_s=1.0)

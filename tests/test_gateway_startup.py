@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from services.gateway import server
+from services.gateway.edge import server
 from services.gateway.app import create_app
 from shared.settings import GatewaySettings
 from tests.conftest import CACHE_DIR

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from services.gateway.handle import RequestHandle
-from services.gateway.stop_strings import TextStream
+from services.gateway.session.handle import RequestHandle
+from services.gateway.text.stop_strings import TextStream
 from shared.events import Completed, TokenDelta
 from shared.tokenization import load_tokenizer
 

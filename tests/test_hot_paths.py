@@ -10,9 +10,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from services.gateway.auth import ApiKeyAuth, key_id
-from services.gateway.introspection import router as introspection_router
-from services.gateway.metrics import cluster_figures
+from services.gateway.edge.auth import ApiKeyAuth, key_id
+from services.gateway.ops.introspection import router as introspection_router
+from services.gateway.session.metrics import cluster_figures
 from services.scheduler.service import SchedulerService
 from shared.constants import LAYERS
 from shared.context_store import ContextJanitor

@@ -8,7 +8,7 @@ import math
 import msgspec
 import pytest
 
-from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat, native
+from services.gateway.text.logprobs import CompletionLogprobs, TokenStrings, chat, native
 from shared.events import TokenDelta, TokenGenerated, decode, encode
 from shared.logprobs import TokenLogprob, pack, unpack
 from shared.tokenization import load_tokenizer

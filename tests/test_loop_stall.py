@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from services.gateway import logprobs as gateway_logprobs
+from services.gateway.text import logprobs as gateway_logprobs
 from services.gateway.app import create_app
 from shared import grammar
 from shared.events import Completed, TokenDelta

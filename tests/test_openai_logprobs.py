@@ -36,7 +36,7 @@ def hf_logprobs(hf_reference):
 
 
 def _token_bytes(tok, tid: int) -> bytes:
-    from services.gateway.logprobs import TokenStrings
+    from services.gateway.text.logprobs import TokenStrings
 
     return TokenStrings(tok).raw(tid)
 

@@ -9,10 +9,10 @@ import asyncio
 import httpx
 from fastapi import FastAPI
 
-from services.gateway.errors import Unavailable
-from services.gateway.introspection import router as introspection_router
-from services.gateway.schemas import GenerateRequest
-from services.gateway.core import GatewayCore
+from services.gateway.edge.errors import Unavailable
+from services.gateway.ops.introspection import router as introspection_router
+from services.gateway.session.request import GenerateRequest
+from services.gateway.session.core import GatewayCore
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
 from tests.inproc import mark_live

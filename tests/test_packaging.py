@@ -29,7 +29,7 @@ def test_the_wheel_carries_every_cpu_kernel_source(wheel_names):
 
 
 def test_the_wheel_carries_the_dashboard_files(wheel_names):
-    static = {p.relative_to(ROOT).as_posix() for p in (ROOT / "services/gateway/static").iterdir()}
+    static = {p.relative_to(ROOT).as_posix() for p in (ROOT / "services/gateway/ops/static").iterdir()}
     assert static <= wheel_names, sorted(static - wheel_names)
 
 

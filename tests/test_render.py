@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from services.gateway import render
-from services.gateway.logprobs import CompletionLogprobs, TokenStrings, chat, chat_sliced, native, native_sliced
+from services.gateway.text import render
+from services.gateway.text.logprobs import CompletionLogprobs, TokenStrings, chat, chat_sliced, native, native_sliced
 from shared.logprobs import TokenLogprob
 from shared.tokenization import load_tokenizer
 

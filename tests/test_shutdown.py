@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from services.gateway.server import EXIT_STUCK
+from services.gateway.edge.server import EXIT_STUCK
 from tests.cluster import Cluster
 from tests.conftest import CACHE_DIR
 from tests.sim_reference import SIM
@@ -56,7 +56,7 @@ def test_gateway_sigterm_with_requests_in_flight(tmp_path, model_dir):
 
 def test_stuck_gateway_shutdown_is_ended_by_the_watchdog_with_stacks_in_the_log():
     code = ("import asyncio, threading\n"
-            "from services.gateway.server import GracefulServer\n"
+            "from services.gateway.edge.server import GracefulServer\n"
             "async def main():\n"
             "    GracefulServer._arm_watchdog(asyncio.get_running_loop(), 0.5)\n"
             "    await asyncio.Event().wait()  # a shutdown that never ends\n"

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from services.gateway.stop_strings import StopMatcher, TextStream
+from services.gateway.text.stop_strings import StopMatcher, TextStream
 from shared.tokenization import load_tokenizer
 from tests.openai_fixtures import MODEL, request_id, snapshot, worker_idle
 from tests.waiting import wait_for

@@ -15,7 +15,7 @@ from shared import telemetry
 from shared.constants import EVENT_FIELD, GROUP_TOKENIZER
 from shared.events import decode
 from shared.settings import TokenizerSettings
-from services.gateway.schemas import GenerateRequest, Message
+from services.gateway.session.request import GenerateRequest, Message
 from tests.conftest import CACHE_DIR
 from tests.inproc import gateway_core, mark_live
 

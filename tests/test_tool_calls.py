@@ -1,5 +1,5 @@
 """Tool calls at the gateway, without a cluster: the call schema, the streaming parser, auto-mode parsing and the
-checks of tools and response_format (services/gateway/tool_calls.py, structured_output.py, openai_tools.py)."""
+checks of tools and response_format (services/gateway/openai/tool_calls.py, structured_output.py, openai_tools.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import llguidance
 import pytest
 
-from services.gateway.errors import InvalidRequest
-from services.gateway.openai_schemas import ChatCompletionRequest
-from services.gateway.openai_tools import ToolShaper, message
-from services.gateway.structured_output import plan_chat
-from services.gateway.tool_calls import CallParser, Tool, call_schema
+from services.gateway.edge.errors import InvalidRequest
+from services.gateway.openai.schemas import ChatCompletionRequest
+from services.gateway.openai.tools import ToolShaper, message
+from services.gateway.openai.structured_output import plan_chat
+from services.gateway.openai.tool_calls import CallParser, Tool, call_schema
 from shared.grammar import grammar_for
 
 CALLS = ('[{"name": "get_weather", "arguments": {"city": "Par}is\\\\", "q": "a\\"b", "n": [1, {"a": 2}]}}, '

@@ -2,7 +2,7 @@
 
 A chat template that takes `tools` (it mentions them) renders them its own way. One that does not (SmolLM2's)
 gets them from here, in a system turn: the functions' definitions and the one call format the gateway reads back
-(services/gateway/tool_calls.py): a JSON array of {"name", "arguments"} and nothing else. The grammar holds the
+(services/gateway/openai/tool_calls.py): a JSON array of {"name", "arguments"} and nothing else. The grammar holds the
 model to that format whatever the prompt says (with "auto", to it or text); the prompt is what makes a call
 likely when one is not forced.
 """

@@ -1,0 +1,1 @@
+"""The native API: POST /generate (JSON, or Server-Sent Events)."""

@@ -1,0 +1,197 @@
+"""OpenAI's request and response bodies (completions, chat completions, models), plus vLLM's extras.
+
+Requests are validated strictly, like the native API. Every field an OpenAI client may send is
+known: the ones Conveyor cannot honour (n > 1, logit_bias, echo, tools...) are refused with a
+400 naming them, never silently ignored. Response models document the answers (and let the API
+fuzzer check them); the handlers build plain dicts of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.gateway.session.request import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Shallow, Stop, shallow
+
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = Field(None, description="send one last chunk with the usage (and no choices)")
+
+
+class OpenAIRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = STRICT
+
+    model: str = Field(..., min_length=1, max_length=256, description="must be the served model (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="most new tokens")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (default 1)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per request (prompt prefilled once)")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                           "token already in the output (0 = off)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's logit "
+                                            "once per time it is already in the output (0 = off)")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: null or {}")
+    user: str | None = Field(None, max_length=256, description="end-user id, recorded with the request")
+    # vLLM's extra sampling and scheduling fields
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=64)
+    ignore_eos: bool | None = None
+    priority: int | None = Field(None, ge=-1000, le=1000, description="lower is served first")
+    request_id: str | None = Field(None, min_length=1, max_length=128, description="caller's id, recorded")
+    # Conveyor's
+    timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each output token's log probability "
+                                 "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)")
+    echo: bool | None = Field(None, description="not supported: false")
+    suffix: str | None = Field(None, description="not supported: null")
+    best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str = Field(max_length=1_000_000)
+
+
+class ChatMessageIn(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(..., description="text, or a list of text parts (null: an "
+                                                 "assistant turn of tool calls)")
+    name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
+    tool_calls: Annotated[list[dict[str, Any]], Shallow] | None = Field(None, max_length=128,
+                                                                        description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool turn: the call it answers")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
+
+    @model_validator(mode="after")
+    def _shallow(self):
+        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
+        return self
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessageIn] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="most new tokens (wins over max_tokens)")
+    logprobs: bool | None = Field(None, description="each output token's log probability in choices[].logprobs")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: the N most likely alternatives of each token")
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(
+        None, description="function tools (services/gateway/openai/tool_calls.py)")
+    tool_choice: str | Annotated[dict[str, Any], Shallow] | None = Field(
+        None, description="none | auto | required | a named function")
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = Field(None, max_length=64)
+
+
+# ---- responses ----
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="each output token as text (`bytes:\\xNN...` for part of a character)")
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(description="per token: its alternatives and itself")
+    text_offset: list[int] = Field(description="per token: the character offset of its text in the output")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None = Field(description="the token's exact UTF-8 bytes")
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

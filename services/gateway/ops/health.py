@@ -1,0 +1,30 @@
+"""Probes: GET /health (the process lives) and GET /ready (Redis answers and every service kind has a live
+instance). Both are let through the open-request limit under any load (edge.middleware.UNLIMITED_PATHS)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from redis.exceptions import RedisError
+
+from services.gateway.edge.deps import Core
+from services.gateway.edge.errors import Unavailable
+from services.gateway.edge.openapi_doc import error_responses
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/ready", responses=error_responses(401, 503))
+async def ready(core: Core):
+    try:
+        found = await core.ready(core.ops_r)  # the ops pool: a saturated request pool must not fail the probe
+    except (RedisError, OSError) as e:  # any Redis failure means not ready
+        raise Unavailable(f"redis unreachable: {e}", None, "redis_unavailable") from e
+    missing = [s for s, n in found.items() if n == 0]
+    if missing:
+        raise Unavailable(f"no live {', '.join(missing)}", None, "not_ready", extra={"live": found})
+    return {"status": "ready", "live": found}

@@ -1,0 +1,383 @@
+"""The gateway's link to the bus: submit requests, route replies to their handles, cancel.
+
+One reply stream per gateway process; a single reader task drains it and hands each event
+to the request's handle. Entries are acknowledged once handed over: their only consumer
+is this process, which holds the client connections they are for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import redis
+from prometheus_client import Gauge
+
+from services.gateway.session import reconcile
+from services.gateway.session.admission import Admission
+from services.gateway.edge.errors import Unavailable
+from services.gateway.session.feed_hub import FeedHub
+from services.gateway.session.handle import RequestHandle
+from services.gateway.text.logprobs import TokenStrings
+from services.gateway.session.metrics import GatewayMetrics
+from services.gateway.text.stop_strings import TextStream
+from services.gateway.session.tracing import active, finish_trace, published, refused, reply_processed, start_trace
+from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
+from shared.context_store import ContextStore
+from shared.errors import FatalError, InvalidTransition
+from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
+                           SchemaError, TimedOut, TokenGenerated, decode)
+from shared.lifecycle import Lifecycle, Publish, State
+from shared import liveness
+from shared.epoch import DatasetEpoch
+from shared.redis_client import async_client, sync_client
+from shared.runtime import Liveness, LivenessThread, instance_id
+from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from services.gateway.session.request import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
+# The liveness entry is refreshed by a thread (shared.runtime.LivenessThread) while the event loop moved within
+# this long: a stall of seconds is not a dead gateway, an event loop stuck for a minute is.
+LOOP_DEAD_S = 60.0
+REPLY_READ = 256  # reply stream entries read at a time
+LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
+# Reads that look into the cluster (/ready, /v1/requests, /metrics, the dashboard's API) have a pool of their own:
+# they are exempt from the open-request limit (a saturated gateway is when they are needed), so on the request
+# pool a flood of them could hold every connection requests are created with. Here they wait for each other only.
+OPS_CONNECTIONS = 4
+OPS_POOL_TIMEOUT_S = 30.0
+
+
+async def cancel_until_done(tasks, timeout_s: float) -> set:
+    """Cancel tasks until they end (or timeout_s passes); returns those still running. A cancellation that
+    lands inside redis-py's blocking read can be absorbed there, so one cancel() is not always enough."""
+    loop = asyncio.get_running_loop()
+    deadline, pending = loop.time() + timeout_s, {t for t in tasks if not t.done()}
+    while pending and loop.time() < deadline:
+        for t in pending:
+            t.cancel()
+        _done, pending = await asyncio.wait(pending, timeout=0.1)
+    return pending
+
+
+class GatewayCore:
+    def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str, max_len: int = 0):
+        self.s = settings
+        self.max_len = max_len  # the model's context window in tokens (0: unknown, a core without a model)
+        self.r = client  # request traffic: a bounded pool that a burst can hold entirely
+        # The background loops have connections of their own: queued behind a burst's requests for a pooled
+        # connection, the liveness refresh fell behind the liveness TTL and the scheduler cancelled every request
+        # of this (live) gateway as orphaned, and tokens waited in Redis while their clients waited for them.
+        self.loop_r = async_client(settings, LOOP_CONNECTIONS, settings.redis_pool_timeout_s)
+        self.ops_r = async_client(settings, OPS_CONNECTIONS, OPS_POOL_TIMEOUT_S)
+        self.names = settings.names()
+        self.id = instance_id(settings, "gateway")
+        self.token = uuid.uuid4().hex  # this process's mark in its liveness entry: another under its id is refused
+        self._loop_moved = time.monotonic()  # set by the event loop's keep-alive round; read by the liveness thread
+        self.liveness = LivenessThread(sync_client(settings), Liveness(self.names, "gateway", self.id,
+                                                                       settings.heartbeat_interval_s,
+                                                                       settings.liveness_ttl_s),
+                                       lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S,
+                                       info={"token": self.token})
+        self.reply_to = self.names.reply_stream(self.id)
+        self.tokenizer = tokenizer
+        self.token_strings = TokenStrings(tokenizer)  # log probabilities' token strings and bytes
+        self.model_name = model_name
+        self.lifecycle = Lifecycle(client, self.names, "gateway", settings.context_ttl_s)
+        self.store = ContextStore(client, self.names, int(settings.request_timeout_s) + settings.context_ttl_s)
+        self.handles: dict[str, RequestHandle] = {}
+        self.metrics = GatewayMetrics()
+        self.draining = False  # set on SIGTERM: no new requests, /ready says 503
+        self.admission = Admission(self)
+        self.epoch = DatasetEpoch(self.names)
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # cancels of abandoned requests (kept referenced)
+        self._loop_ok: dict[str, float] = {}  # loop name -> monotonic time of its last good round
+        # Wall time up to which the reply stream has been read: every event published before it has been routed.
+        # Behind the clock when the reader lags; what services.gateway.session.reconcile measures silence against.
+        self.replies_read_to = 0.0
+        Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
+              registry=self.metrics.registry).set_function(lambda: len(self.handles))
+        # The dashboards' one reader of the lifecycle feed, with a connection of its own (its XREAD blocks).
+        self.feed_hub = FeedHub(lambda: async_client(settings, 1, settings.redis_pool_timeout_s), self.names,
+                                settings.read_block_ms, settings.dashboard_queue_events)
+        Gauge("conveyor:gateway_dashboard_connections", "dashboards connected to this gateway's event stream",
+              registry=self.metrics.registry).set_function(lambda: len(self.feed_hub.subscribers))
+
+    async def start(self) -> None:
+        await self._claim_id()
+        await self._ensure_group()
+        await self.epoch.acheck(self.r)
+        self.liveness.start()
+        self._tasks = [asyncio.create_task(self._read_replies(), name="replies"),
+                       asyncio.create_task(self._keep_alive(), name="liveness")]
+
+    async def _claim_id(self) -> None:
+        """Take this gateway's liveness entry, or refuse to start (FatalError) while a live gateway holds its id:
+        two under one id read each other's replies, and once one stops the scheduler cancels the other's requests
+        as orphaned. An entry a dead predecessor left (never refreshed again) is waited out: at most its TTL."""
+        ttl, first_seen = self.s.liveness_ttl_s, None
+        deadline = time.monotonic() + 2 * ttl + self.s.heartbeat_interval_s
+        while (held := await liveness.claim(self.loop_r, self.names, "gateway", self.id, ttl, self.token)) is not None:
+            at = liveness.entry_at(held)
+            refreshed = first_seen is not None and at != first_seen
+            if refreshed or time.monotonic() > deadline:
+                raise FatalError(f"CONVEYOR_INSTANCE_ID {self.id!r} is held by a live gateway (its liveness entry "
+                                 f"was refreshed {time.time() - at:.1f} s ago): give each gateway its own id, or "
+                                 f"leave the setting empty for a made-up one")
+            if first_seen is None:
+                logger.warning("gateway id %s has a live entry: waiting up to %.1f s to see whether its holder is "
+                               "alive", self.id, ttl)
+                first_seen = at
+            await asyncio.sleep(min(0.1, self.s.heartbeat_interval_s))
+
+    async def stop(self) -> None:
+        await self.feed_hub.stop()
+        pending = await cancel_until_done(self._tasks, 5.0)
+        if pending:  # a task that ignores cancellation must not hold the process up
+            logger.error("background tasks did not stop: %s", [t.get_name() for t in pending])
+        await asyncio.to_thread(self.liveness.stop)
+        try:
+            async with asyncio.timeout(5.0):
+                await liveness.remove(self.loop_r, self.names, "gateway", self.id)
+        except (redis.ConnectionError, redis.TimeoutError, TimeoutError) as e:
+            logger.warning("could not remove the liveness key (it expires by itself): %r", e)
+        await self.loop_r.aclose()
+        await self.ops_r.aclose()
+        logger.info("gateway core stopped")
+
+    async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
+                     extra_meta: dict | None = None, route: str = "/generate", request_id: str = "",
+                     group_id: str = "", group_size: int = 1, constraint: Constraint | None = None,
+                     tools: str = "") -> RequestHandle:
+        """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
+        n > 1 request comes with its id and its group's (intake.accept_choices); constraint and tools: what
+        openai.structured_output.plan_chat decided (already checked)."""
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
+                              headers={"Retry-After": "1"})
+        rid = request_id or uuid.uuid4().hex  # 128 random bits
+        t0, now = time.perf_counter(), time.time()
+        timeout = req.timeout or self.s.request_timeout_s
+        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            top_k=max(0, req.top_k), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                            seed=req.seed, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
+                            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs, constraint=constraint)
+        messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
+        rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
+        ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
+                             sampling=sampling, priority=req.priority, deadline=now + timeout,
+                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp,
+                             group_id=group_id, group_size=group_size, tools=tools)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
+        handle.trace = rt
+        handle.epoch = self.epoch.known
+        handle.logprobs = [] if req.logprobs is not None else None
+        self.handles[rid] = handle  # before publishing: the first reply may come back at once
+        meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
+                "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",
+                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": rt.traceparent,
+                "owner": owner, **(extra_meta or {})}
+        input_ = {"prompt": req.prompt, "messages": [m.model_dump() for m in req.messages] if req.messages else None,
+                  "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}, "stop": stops}
+        try:
+            await self.admission.create(rid, meta, input_, ev)
+        except BaseException as e:
+            self.handles.pop(rid, None)
+            refused(rt, e)
+            raise
+        handle.created()
+        published(rt, rid, self.names.received_stream(self.names.partition(rid)))
+        return handle
+
+    def release(self, handle: RequestHandle) -> None:
+        """Forget a request whose client has its answer (or left); its Prometheus figures move here, once."""
+        if self.handles.pop(handle.request_id, None) is not None:
+            finish_trace(handle)
+            if handle.ended is not None:
+                self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times,
+                                         len(handle.token_ids))
+
+    def abandon(self, handle: RequestHandle, reason: str) -> None:
+        """The client left before the end: forget the handle now, and cancel the work in a task of its own.
+        (Called from a handler being cancelled: an await there would be cancelled too, and the handle,
+        its detokenizer and its spans would be kept for ever.)"""
+        tp = getattr(handle.trace, "traceparent", "")
+        self.release(handle)
+        task = asyncio.get_running_loop().create_task(self.cancel(handle.request_id, reason, handle.reply_to, tp),
+                                                      name=f"cancel-{handle.request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._cancel_done)
+
+    def _cancel_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("cancelling an abandoned request failed: %r", task.exception())
+
+    async def cancel(self, request_id: str, reason: str, reply_to: str, traceparent: str = "") -> bool:
+        """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""
+        tp = traceparent or getattr(getattr(self.handles.get(request_id), "trace", None), "traceparent", "")
+        publish = [Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway",
+                                               traceparent=tp)),
+                   Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
+                                                                      traceparent=tp))]
+        try:
+            with active(self.handles.get(request_id)):
+                res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
+        except InvalidTransition:
+            return False
+        return res.applied
+
+    async def time_out(self, handle: RequestHandle) -> bool:
+        """Backstop when no service reported the deadline: settle TIMED_OUT here. True when a terminal event
+        is on its way to the handle (this one, or the one that settled it first); False when none will come
+        (the context is gone, or Redis is away)."""
+        tp = getattr(handle.trace, "traceparent", "")
+        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, where="gateway",
+                                                     service="gateway", traceparent=tp)),
+                   Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout",
+                                                                      traceparent=tp))]
+        try:
+            with active(handle):
+                res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            logger.warning("cannot settle %s as timed out: %s", handle.request_id, e)
+            return False
+        return res.previous is not None
+
+    async def _read_replies(self) -> None:
+        """Drain this gateway's reply stream for ever: no error ends it (a lost group is made again). A reader
+        that died would leave /ready at 503 while /health says 200, and every request here without its tokens."""
+        while True:
+            try:
+                try:
+                    await self._read_replies_once()
+                except redis.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    logger.warning("reply stream group gone (%s): Redis lost its data; creating it again", e)
+                    await self._on_data_loss()  # may fail as well (Redis still away): retried like any round
+                self._loop_ok["replies"] = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive anything (see the docstring)
+                await self._pause("reply stream read", e)
+
+    async def _read_replies_once(self) -> None:
+        started = time.time()
+        reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
+                                             block=self.s.read_block_ms)
+        self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._route(fields, entry_id)
+            if entries:  # this gateway is the stream's only reader: what it acknowledged can go
+                pipe = self.loop_r.pipeline(transaction=False)
+                pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
+                pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
+                await pipe.execute()
+
+    @staticmethod
+    async def _pause(what: str, e: Exception) -> None:
+        if isinstance(e, redis.RedisError):
+            logger.warning("%s failed (%r); retrying", what, e)
+        else:  # not Redis being away: a defect, logged with where it happened
+            logger.exception("%s failed unexpectedly; retrying", what)
+        await asyncio.sleep(0.5)
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.loop_r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def _on_data_loss(self) -> None:
+        """Redis lost its data: make the reply group again, and answer every request created before the loss
+        at once (its context, queue entry and placement are gone: nothing would ever end it)."""
+        await self._ensure_group()
+        await self.epoch.acheck(self.loop_r)
+        for handle in [h for h in self.handles.values() if h.epoch != self.epoch.known]:
+            handle.deliver(Failed(request_id=handle.request_id, reason="state_lost", service="gateway",
+                                  message="Redis lost the request's state (a restart without persistence or a "
+                                          "flush) while it was in flight; send it again"))
+
+    def _route(self, fields: dict, entry_id: bytes | str = "") -> None:
+        try:
+            ev = decode(fields[EVENT_FIELD])
+        except (SchemaError, KeyError) as e:
+            logger.error("undecodable reply entry dropped: %s", e)
+            return
+        if isinstance(ev, TokenGenerated):
+            for item in ev.items:
+                if (h := self.handles.get(item.request_id)) is not None:
+                    h.deliver(item)
+                    self._fill_if_held(h)
+        elif (h := self.handles.get(getattr(ev, "request_id", ""))) is not None:
+            reply_processed(h, ev, self.reply_to, GROUP_GATEWAY, self.id, entry_id)
+            h.deliver(ev)
+            self._fill_if_held(h)
+
+    def _fill_if_held(self, h: RequestHandle) -> None:
+        """Tokens came after a gap (possible on a Redis Cluster only): read the missing ones from the list."""
+        if h.held and not h.filling:
+            h.filling = True
+            task = asyncio.get_running_loop().create_task(reconcile.fill_gap(self, h))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _keep_alive(self) -> None:
+        """The loop's progress mark (the liveness thread's guard), the reply stream's TTL, and the dataset epoch,
+        every heartbeat interval, for ever: no error ends it."""
+        while True:
+            self._loop_moved = time.monotonic()
+            try:
+                await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
+                if await self.epoch.acheck(self.loop_r):
+                    await self._on_data_loss()
+                if self.names.cluster:  # on a single Redis an ending is published with its transition
+                    await reconcile.repair_silent(self)
+                self._loop_ok["liveness"] = time.monotonic()
+            except redis.RedisError as e:
+                logger.warning("liveness refresh failed: %r", e)
+            except Exception:  # noqa: BLE001 - see the docstring
+                logger.exception("liveness refresh failed unexpectedly")
+            await asyncio.sleep(self.s.heartbeat_interval_s)
+
+    def stalled_loops(self) -> list[str]:
+        """Background loops that are not running, or have not completed a round lately."""
+        now, limit = time.monotonic(), LOOP_STALE_S + self.s.heartbeat_interval_s
+        stalled = [t.get_name() for t in self._tasks if t.done()]
+        return stalled + [name for name, at in self._loop_ok.items() if now - at > limit and name not in stalled]
+
+    async def ready(self, client=None) -> dict:
+        """Live instances per service kind (raises Unavailable when this gateway is not ready). client: the
+        request pool for an admission's check (the default), the ops pool for the /ready probe."""
+        r = client or self.r
+        if self.draining:
+            raise Unavailable("the gateway is shutting down", None, "shutting_down")
+        await r.ping()
+        if stalled := self.stalled_loops():
+            raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
+                              "not_ready")
+        found = {}
+        for service in ("tokenizer", "scheduler", "worker"):
+            found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN
+        return found
+
+
+def _read_to(reply, started: float, count: int) -> float:
+    """The time a read of the reply stream has read it up to: the read's start when it took all there was (fewer
+    than `count` entries), else the time of the last entry it took (a stream id begins with it, in ms)."""
+    entries = reply[0][1] if reply else []
+    if len(entries) < count:
+        return started
+    last = entries[-1][0]
+    return int((last.decode() if isinstance(last, bytes) else last).split("-")[0]) / 1000
