@@ -27,7 +27,7 @@ from services.gateway.stop_strings import TextStream
 from services.gateway.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
 from shared.context_store import ContextStore
-from shared.errors import FatalError, InvalidTransition
+from shared.errors import FatalError
 from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
                            SchemaError, TimedOut, TokenGenerated, decode)
 from shared.lifecycle import Lifecycle, Publish, State
@@ -226,11 +226,8 @@ class GatewayCore:
                                                traceparent=tp)),
                    Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
                                                                       traceparent=tp))]
-        try:
-            with active(self.handles.get(request_id)):
-                res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
-        except InvalidTransition:
-            return False
+        with active(self.handles.get(request_id)):
+            res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
         return res.applied
 
     async def time_out(self, handle: RequestHandle) -> bool:

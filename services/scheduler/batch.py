@@ -20,7 +20,6 @@ from services.scheduler.recovery import Assignment
 from services.scheduler.repair import retake_behind
 from services.scheduler.routing import decision_fields
 from shared import telemetry
-from shared.errors import InvalidTransition
 from shared.events import Preprocessed
 from shared.lifecycle import TERMINAL, Owner, Publish, State, TransitionResult
 
@@ -45,12 +44,7 @@ def intake(svc, deliveries: list) -> None:
             if isinstance(raw, Exception):  # left pending: retried, then dead-lettered
                 logger.error("queueing %s failed: %r", d.event.request_id, raw)
                 continue
-            try:
-                res = svc.lifecycle.interpret(d.event.request_id, State.QUEUED, raw)
-            except InvalidTransition:
-                done.append(d)  # a redelivery of a request already placed
-                continue
-            svc.after_queued(d.event, res, writes)
+            svc.after_queued(d.event, svc.lifecycle.interpret(d.event.request_id, State.QUEUED, raw), writes)
             done.append(d)
         writes.execute()
         svc.bus.ack_all(done)
@@ -76,11 +70,7 @@ def send_all(svc, picks: list) -> None:
             logger.error("placing %s failed: %r", q.request_id, raw)
             svc.replicas.full = True
             continue
-        try:
-            res = svc.lifecycle.interpret(q.request_id, State.SCHEDULED, raw)
-        except InvalidTransition as e:  # another replica placed it already (its record drops the queue record)
-            logger.info("not placing %s: %s", q.request_id, e)
-            continue
+        res = svc.lifecycle.interpret(q.request_id, State.SCHEDULED, raw)
         if res.applied:
             sent.append(((q, worker, need, decision), out, res, later))
         else:
@@ -97,12 +87,9 @@ def send_one(svc, q, worker, need: int, decision) -> TransitionResult:
     stream = svc.names.worker_stream(worker.worker_id)
     with telemetry.publish_span(stream, ev.request_id) as pub:
         out = scheduled_event(q, worker.worker_id, telemetry.traceparent_of(pub, ev.traceparent))
-        try:  # exec (worker, attempt: the fencing token) is written by the same atomic step
-            res = svc.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
-                                           only_from=(State.QUEUED,), owner=owner(svc, worker.worker_id, q.attempt))
-        except InvalidTransition as e:  # another replica placed it already (its record drops the queue record)
-            logger.info("not placing %s: %s", ev.request_id, e)
-            return TransitionResult(False, None)
+        # exec (worker, attempt: the fencing token) is written by the same atomic step
+        res = svc.lifecycle.transition(ev.request_id, State.SCHEDULED, "", [Publish(stream, out)],
+                                       only_from=(State.QUEUED,), owner=owner(svc, worker.worker_id, q.attempt))
         telemetry.published(pub, res.entry_ids)
     if res.applied:
         record(svc, [((q, worker, need, decision), out, res)])
@@ -118,9 +105,11 @@ def owner(svc, worker_id: str, attempt: int) -> Owner:
 
 def refused(svc, q, res: TransitionResult) -> None:
     """A placement Redis refused. Fenced: Redis holds a later attempt than this replica's record (repair.py takes
-    that one). Ended or gone: its queue record is dropped. QUEUED or on a worker: another replica's (it drops the
-    record when it records its placement)."""
-    if res.fenced:
+    that one). Ended or gone: its queue record is dropped. Refused (on a worker, or not yet QUEUED): another
+    replica's placement (it drops the record when it records its placement)."""
+    if res.refused:
+        logger.info("not placing %s: it is %s", q.request_id, res.previous.value)
+    elif res.fenced:
         retake_behind(svc, q)
     elif res.previous is None or res.previous in TERMINAL:
         svc.records.drop([q.request_id])

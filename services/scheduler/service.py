@@ -31,7 +31,6 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
                            TimedOut)
@@ -166,15 +165,14 @@ class SchedulerService:
         self.replicas.sync()
 
     def on_preprocessed(self, ev: Preprocessed) -> None:
-        try:  # only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing
-            res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
-        except InvalidTransition:
-            return  # a redelivery of a request already placed
+        # Only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing.
+        res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
         self.after_queued(ev, res, self.r)
 
     def after_queued(self, ev: Preprocessed, res: TransitionResult, client) -> None:
         """After the QUEUED transition: queue it here and store its record (through client: a pipeline when
-        batched); or adopt a redelivered request that is QUEUED already."""
+        batched); or adopt a redelivered request that is QUEUED already. Refused (a redelivery of a request placed
+        since) or ended: nothing to do."""
         if res.applied:
             item = self.queue.push(ev)
             if item is not None and refusal.refuse_if_too_late(self, item):
@@ -265,11 +263,10 @@ class SchedulerService:
     def _try(self, request_id: str, to: State, reason: str, publish, **kw) -> bool:
         """A transition that may find the request elsewhere than the caller believed (another replica or a
         redelivery moved it): that is a no-op, never an error that would stop the scheduler."""
-        try:
-            return self.lifecycle.transition(request_id, to, reason, publish, **kw).applied
-        except InvalidTransition as e:
-            logger.info("%s", e)
-            return False
+        res = self.lifecycle.transition(request_id, to, reason, publish, **kw)
+        if res.refused:
+            logger.info("request %s: not moved to %s, it is %s", request_id, to.value, res.previous.value)
+        return res.applied
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
@@ -320,10 +317,9 @@ class SchedulerService:
         self.queue.remove(rid)
         fail = Failed(request_id=rid, reason="internal", service="scheduler",
                       message=f"the scheduler could not process this request ({why})")
-        try:
-            self.lifecycle.transition(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
-        except InvalidTransition as e:
-            logger.error("cannot fail dead-lettered %s: %s", rid, e)
+        res = self.lifecycle.transition(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
+        if not res.applied:
+            logger.error("cannot fail dead-lettered %s: %s", rid, res.status.value)
 
     def expire_deadlines(self) -> None:
         now = time.time()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
 
 import jinja2
 
@@ -20,7 +19,6 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
 from shared.events import Failed, Preprocessed, RequestReceived
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
@@ -136,7 +134,7 @@ class TokenizerService:
             with telemetry.publish_span(stream, ev.request_id) as pub:
                 out = self._preprocessed(ev, ids, telemetry.traceparent_of(pub, ev.traceparent))
                 res = self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
-                telemetry.published(pub, res.entry_ids if res else ())
+                telemetry.published(pub, res.entry_ids)
 
     def handle_batch(self, deliveries: list[Delivery]) -> None:
         """Every request of a tick in one pipeline (input layers and transitions with their events), acknowledged
@@ -152,9 +150,7 @@ class TokenizerService:
                 logger.error("preprocessing %s failed: %r", d.event.request_id, replies[plan[1]])
             else:
                 rid, (to, at, later) = d.event.request_id, plan
-                res = self._outcome(rid, to, lambda: self.lifecycle.interpret(rid, to, replies[at]))
-                if res is not None:
-                    applied.append((res, later))
+                applied.append((self._outcome(rid, to, self.lifecycle.interpret(rid, to, replies[at])), later))
                 done.append(d)
         self.lifecycle.complete(self.r, applied)  # before the acknowledgement: a failure leaves them pending
         self.bus.ack_all(done)
@@ -206,20 +202,16 @@ class TokenizerService:
         return Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param, service="tokenizer",
                       traceparent=traceparent)
 
-    def _outcome(self, request_id: str, to: State, transition: Callable[[], TransitionResult]):
-        """The transition's result (None when the request is already further along), logged when not applied."""
-        try:
-            res = transition()
-        except InvalidTransition as e:  # already further along: a redelivery
-            logger.info("skipping %s: %s", request_id, e)
-            return None
+    @staticmethod
+    def _outcome(request_id: str, to: State, res: TransitionResult) -> TransitionResult:
+        """The transition's result, logged when not applied (refused: already further along, a redelivery)."""
         if not res.applied:
             logger.info("request %s not moved to %s: it is %s", request_id, to.value,
                         res.previous.value if res.previous else "gone")
         return res
 
     def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
-        return self._outcome(request_id, to, lambda: self.lifecycle.transition(request_id, to, reason, publish))
+        return self._outcome(request_id, to, self.lifecycle.transition(request_id, to, reason, publish))
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")

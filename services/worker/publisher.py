@@ -19,7 +19,7 @@ import redis
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
-from shared.errors import FatalError, InvalidTransition
+from shared.errors import FatalError
 from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
@@ -295,10 +295,9 @@ class StepPublisher:
         scripts = [r for r in replies if isinstance(r, list)]
         done = []
         for (rid, to, later), raw in zip(queued, scripts):
-            try:
-                res = self.lifecycle.interpret(rid, to, raw)
-            except InvalidTransition as e:
-                logger.warning("%s", e)
+            res = self.lifecycle.interpret(rid, to, raw)
+            if res.refused:  # the engine's move does not fit the request's state: logged, never fatal
+                logger.warning("request %s: %s -> %s is not allowed", rid, res.previous.value, to.value)
                 continue
             if res.fenced and fenced is not None:
                 fenced.add(rid)
