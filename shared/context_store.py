@@ -54,10 +54,10 @@ end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 local n = tonumber(ARGV[6])
-redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
+redis.call('HSET', KEYS[1], 'state', '@RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
 for i = 11, 10 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 for i = 11 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
+redis.call('RPUSH', KEYS[6], cjson.encode({state='@RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
@@ -67,11 +67,11 @@ if owner ~= '' then
   redis.call('ZADD', KEYS[14], now, ARGV[2])
   redis.call('HSET', KEYS[15], ARGV[2], owner)
 end
-redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', 'RECEIVED',
+redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', '@RECEIVED',
   'reason', '', 'service', 'gateway', 'at', now, 'owner', owner, 'worker', '', 'attempt', '')
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
-"""
+""".replace("@RECEIVED", State.RECEIVED.value)
 
 
 # KEYS: meta, the layer[, exec]. ARGV: the fencing attempt ('' = none; else KEYS[3] is the exec layer), then

@@ -24,23 +24,9 @@ from typing import Collection, Sequence
 
 from shared import telemetry
 from shared.constants import EVENT_FIELD, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
-from shared.events import Event, encode
+from shared.events import Event, State, encode
 
 logger = logging.getLogger(__name__)
-
-
-class State(str, enum.Enum):
-    RECEIVED = "RECEIVED"  # gateway accepted it
-    PREPROCESSED = "PREPROCESSED"  # tokenizer produced the prompt's token ids
-    QUEUED = "QUEUED"  # in the scheduler's queue
-    SCHEDULED = "SCHEDULED"  # sent to a worker
-    PREFILLING = "PREFILLING"  # the worker is computing the prompt
-    DECODING = "DECODING"  # first token produced; generating
-    PREEMPTED = "PREEMPTED"  # blocks taken back; will recompute
-    FINISHED = "FINISHED"  # terminal: stop or length
-    FAILED = "FAILED"  # terminal: with a reason
-    CANCELLED = "CANCELLED"  # terminal: client, disconnect or shutdown
-    TIMED_OUT = "TIMED_OUT"  # terminal: deadline passed
 
 
 TERMINAL = frozenset({State.FINISHED, State.FAILED, State.CANCELLED, State.TIMED_OUT})
@@ -65,6 +51,12 @@ ALLOWED: dict[State, frozenset[State]] = {
 
 # How a transition changes the cluster-wide "waiting" set (requests not yet on a worker).
 _WAITING_EFFECT = {State.QUEUED: "1", State.SCHEDULED: "-1", **{t: "-1" for t in TERMINAL}}
+
+
+def lua_in(var: str, states: Collection[State]) -> str:
+    """A Lua condition true when `var` holds one of `states`: the scripts' state sets are written from this
+    module's sets, never typed again in Lua."""
+    return "(" + " or ".join(f"{var} == '{s.value}'" for s in sorted(states)) + ")"
 
 
 def predecessors(to: State) -> list[str]:
@@ -93,11 +85,11 @@ _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
-local terminal = cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT'
+local terminal = @TERMINAL(cur)
 local placed = nil
 if ARGV[11] ~= '' then
   placed = redis.call('HMGET', KEYS[3], 'attempt', 'placement', 'placed_entry')
-  if ARGV[14] ~= '' and placed[2] == ARGV[14] and not terminal and cur ~= 'QUEUED' then
+  if ARGV[14] ~= '' and placed[2] == ARGV[14] and not terminal and cur ~= '@QUEUED' then
     local again = {'again', cur, redis.call('HGET', KEYS[1], 'state_since') or '0'}
     if placed[3] then again[4] = cjson.decode(placed[3]) end
     return again
@@ -161,7 +153,7 @@ for k = first, #KEYS do
 end
 if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
-"""
+""".replace("@TERMINAL(cur)", lua_in("cur", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
 
 
 class Outcome(str, enum.Enum):

@@ -132,6 +132,7 @@ def trace_id(traceparent: str) -> str:
 
 def set_error(span: Span, reason: str, message: str = "") -> None:
     if span.is_recording():
+        reason = str(reason)  # a plain str for the exporters, from a Reason too
         span.set_status(Status(StatusCode.ERROR, message or reason))
         span.set_attribute("error.type", reason)
 
@@ -142,9 +143,10 @@ def transition_event(request_id: str, to: str, previous: str, at: float, reason:
     span = span if span is not None else trace.get_current_span()
     if not span.is_recording():
         return
-    attrs = {"conveyor.request_id": request_id, "conveyor.state": to, "conveyor.state.from": previous}
+    to = str(to)  # plain strs for the exporters, from a State or a Reason too
+    attrs = {"conveyor.request_id": request_id, "conveyor.state": to, "conveyor.state.from": str(previous)}
     if reason:
-        attrs["conveyor.reason"] = reason
+        attrs["conveyor.reason"] = str(reason)
     span.add_event(to, attrs, timestamp=int(at * 1e9) if at else None)
 
 

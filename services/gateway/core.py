@@ -235,8 +235,8 @@ class GatewayCore:
         is on its way to the handle (this one, or the one that settled it first); False when none will come
         (the context is gone, or Redis is away)."""
         tp = getattr(handle.trace, "traceparent", "")
-        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, where="gateway",
-                                                     service="gateway", traceparent=tp)),
+        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, service="gateway",
+                                                     traceparent=tp)),
                    Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout",
                                                                       traceparent=tp))]
         try:

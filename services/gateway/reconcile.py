@@ -114,5 +114,5 @@ async def _ending(core, rid: str):
         return Cancelled(request_id=rid, reason=reason or "client_cancel", service="gateway")
     history = snap.history
     where = history[-1].get("from", "") if history else ""
-    return TimedOut(request_id=rid, where=where, service="gateway")
+    return TimedOut(request_id=rid, state=State(where) if where else None, service="gateway")
 

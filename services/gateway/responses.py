@@ -55,7 +55,7 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
                 # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
                 # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
                 if asked_timeout or not await core.time_out(handle):
-                    yield handle.finish(TimedOut(request_id=handle.request_id, where="unknown", service="gateway"))
+                    yield handle.finish(TimedOut(request_id=handle.request_id, service="gateway"))
                     return
                 asked_timeout = True
     finally:
@@ -103,7 +103,8 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
             raise Overloaded(end.message, None, end.reason, headers={**ids, "Retry-After": str(end.retry_after_s)})
         raise RequestFailed(end.message, None, end.reason, extra=extra, headers=ids)
     if isinstance(end, TimedOut):
-        raise RequestTimedOut(f"the request did not finish within its timeout (it was {end.where})", "timeout",
+        where = end.state or end.service or "unknown"
+        raise RequestTimedOut(f"the request did not finish within its timeout (it was {where})", "timeout",
                               "timeout", extra=extra, headers=ids)
     if isinstance(end, Cancelled):
         raise RequestCancelled(f"the request was cancelled ({end.reason})", None, end.reason,

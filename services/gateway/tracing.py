@@ -133,7 +133,7 @@ def _outcome(root: Span, stream: Span, handle) -> None:
     elif isinstance(end, Cancelled):
         reason, message = end.reason, f"cancelled ({end.reason})"
     elif isinstance(end, TimedOut):
-        reason, message = "timeout", f"timed out while {end.where}"
+        reason, message = "timeout", f"timed out while {end.state or end.service or 'unknown'}"
     elif end is None:
         reason, message = "client_disconnect", "the client went away"
     else:

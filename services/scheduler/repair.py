@@ -33,7 +33,7 @@ from services.scheduler.recovery import (Assignment, QueueRecords, QueuedRecord,
 from services.scheduler.sync import ON_A_WORKER
 from shared.bus import plain_events
 from shared.constants import Names
-from shared.events import Failed, Heartbeat, Scheduled
+from shared.events import Failed, Heartbeat, Reason, Scheduled
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.settings import SchedulerSettings
 
@@ -194,13 +194,13 @@ class PlacementSweep:
         (or another replica's) changes nothing."""
         rec, rid, fence = f.record, f.request_id, {"fence": f.attempt, "only_from": (State.SCHEDULED,)}
         if f.attempt >= self.max_attempts:
-            fail = Failed(request_id=rid, reason="worker_lost", service="scheduler",
+            fail = Failed(request_id=rid, reason=Reason.WORKER_LOST, service="scheduler",
                           message=f"the request could not be placed after {f.attempt} attempts; giving up",
                           traceparent=rec.event.traceparent)
-            res = self.lifecycle.transition(rid, State.FAILED, "worker_lost", [Publish(rec.event.reply_to, fail)],
+            res = self.lifecycle.transition(rid, State.FAILED, Reason.WORKER_LOST, [Publish(rec.event.reply_to, fail)],
                                             **fence)
         else:
-            res = self.lifecycle.transition(rid, State.QUEUED, "lost_in_transit", (), **fence)
+            res = self.lifecycle.transition(rid, State.QUEUED, Reason.LOST_IN_TRANSIT, (), **fence)
         if res.refused:  # its worker moved it on meanwhile
             logger.info("not requeueing %s: it is %s", rid, res.previous.value)
         if not res.applied:

@@ -32,7 +32,7 @@ from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextStore
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
+from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled,
                            TimedOut)
 from shared.janitor import scheduler_janitor
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
@@ -240,10 +240,10 @@ class SchedulerService:
         (another attempt, or QUEUED already) and changes nothing. True when this call moved it."""
         fence = {"fence": sch.attempt, "only_from": only_from}
         if sch.attempt >= self.s.max_attempts:
-            fail = Failed(request_id=sch.request_id, reason="worker_lost", service="scheduler",
+            fail = Failed(request_id=sch.request_id, reason=Reason.WORKER_LOST, service="scheduler",
                           message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
                           traceparent=sch.traceparent)
-            return self._try(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)], **fence)
+            return self._try(sch.request_id, State.FAILED, Reason.WORKER_LOST, [Publish(sch.reply_to, fail)], **fence)
         if not self._try(sch.request_id, State.QUEUED, reason, (), **fence):
             return False  # settled or moved on meanwhile
         bs = self.s.block_size  # what it resumes from is prompt + outputs: the blocks to match are theirs
@@ -315,9 +315,9 @@ class SchedulerService:
         if not isinstance(rid, str) or not isinstance(reply_to, str):
             return
         self.queue.remove(rid)
-        fail = Failed(request_id=rid, reason="internal", service="scheduler",
+        fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="scheduler",
                       message=f"the scheduler could not process this request ({why})")
-        res = self.lifecycle.transition(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
+        res = self.lifecycle.transition(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])
         if not res.applied:
             logger.error("cannot fail dead-lettered %s: %s", rid, res.status.value)
 
@@ -330,9 +330,9 @@ class SchedulerService:
                 continue
             self.queue.remove(q.request_id)
             self.records.drop([q.request_id])
-            out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
+            out = TimedOut(request_id=q.request_id, state=State.QUEUED, service="scheduler",
                            traceparent=q.event.traceparent)
-            self._try(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)],
+            self._try(q.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(q.event.reply_to, out)],
                       only_from=(State.QUEUED,))
 
     def place(self) -> None:

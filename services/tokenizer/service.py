@@ -19,7 +19,7 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER
 from shared.context_store import ContextStore
-from shared.events import Failed, Preprocessed, RequestReceived
+from shared.events import Failed, Preprocessed, Reason, RequestReceived
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
@@ -56,7 +56,7 @@ class Preprocessor:
         except jinja2.TemplateError as e:
             # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
             # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
-            raise PromptError("invalid", "messages", f"messages: the model's chat template refuses them: {e}") from e
+            raise PromptError(Reason.INVALID, "messages", f"messages: the model's chat template refuses them: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
@@ -68,12 +68,12 @@ class Preprocessor:
             ids = self.tok.encode(ev.prompt or "")
             field = "prompt"
         if not ids:
-            raise PromptError("invalid", field, f"{field} tokenizes to no tokens")
+            raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
         if len(ids) >= self.max_len:
-            raise PromptError("too_long", field, f"{field} is {len(ids)} tokens; the context window is "
+            raise PromptError(Reason.TOO_LONG, field, f"{field} is {len(ids)} tokens; the context window is "
                               f"{self.max_len} tokens and at least 1 must be left for output")
         if len(ids) + ev.sampling.max_tokens > self.max_len:
-            raise PromptError("invalid", "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
+            raise PromptError(Reason.INVALID, "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
                               f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
                               f"{self.max_len - len(ids)}")
         return ids
@@ -185,7 +185,7 @@ class TokenizerService:
             raise
         except Exception as e:
             logger.exception("preprocessing %s failed; failing it alone", ev.request_id)
-            raise PromptError("internal", "", f"the tokenizer could not process this request "
+            raise PromptError(Reason.INTERNAL, "", f"the tokenizer could not process this request "
                               f"({type(e).__name__}: {str(e)[:200]})") from e
 
     def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
@@ -216,6 +216,6 @@ class TokenizerService:
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")
         if isinstance(rid, str) and isinstance(reply_to, str):
-            fail = Failed(request_id=rid, reason="internal", service="tokenizer",
+            fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="tokenizer",
                           message=f"the tokenizer could not process this request ({why})")
-            self._settle(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
+            self._settle(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])

@@ -69,7 +69,7 @@ class StepPublisher:
                  token_ttl_s: int):
         self.r = client
         self.token_ttl_s = token_ttl_s  # refreshed by every append: an ended request's list lasts as its context
-        self._deferred: list[tuple[str, str]] = []  # scheduling decisions not yet stamped (Redis was away)
+        self._deferred: list[tuple[str, State]] = []  # scheduling decisions not yet stamped (Redis was away)
         self.names = names
         self.worker_id = worker_id
         self.lifecycle = lifecycle
@@ -135,11 +135,11 @@ class StepPublisher:
             groups[self.names.partition(rid)].append(rid)
         return list(groups.values())
 
-    def publish_scheduled(self, transitions: list[tuple[str, str]], active: dict[str, Active]) -> None:
+    def publish_scheduled(self, transitions: list[tuple[str, State]], active: dict[str, Active]) -> None:
         """Stamp the step's scheduling decisions (PREFILLING, PREEMPTED) before its forward pass runs, so
         prefill_time and queue intervals measure what they say."""
         for rid, status in transitions:
-            if rid in active and status == "PREEMPTED":
+            if rid in active and status is State.PREEMPTED:
                 active[rid].num_preemptions += 1
         pipe = self.r.pipeline(transaction=False)
         queued = self._queue_transitions(pipe, transitions, active)
@@ -155,8 +155,8 @@ class StepPublisher:
         queued = []
         for rid, status in transitions:
             if rid in active and rid not in lost:
-                self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
-                queued.append((rid, State(status)))
+                self.lifecycle.queue(pipe, rid, status, fence=active[rid].attempt)
+                queued.append((rid, status))
         return queued
 
     def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> set[str]:
@@ -257,10 +257,10 @@ class StepPublisher:
             pipe, [(rid, st) for rid, st in self._deferred if rid in mine], active)]
         for rid, status in result.transitions:
             if rid in active and rid in mine:
-                if status == "DECODING":
+                if status is State.DECODING:
                     self._queue_kv(pipe, rid, kv_info(rid), self._fence(active[rid]))
-                self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
-                queued.append((rid, State(status), ()))
+                self.lifecycle.queue(pipe, rid, status, fence=active[rid].attempt)
+                queued.append((rid, status, ()))
         for out in result.outputs:
             a = active.get(out.request_id)
             if a is not None and out.finished and a.request_id in mine:
