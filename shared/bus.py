@@ -23,6 +23,7 @@ from msgspec import msgpack
 from shared import telemetry
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import AnyEvent, Event, SchemaError, decode, encode
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,11 @@ class Bus:
         """XADD, capped; a process's own stream also gets its TTL (a dead process's inbox must not live on)."""
         ttl = private_stream_ttl(self.names, stream)
         if not ttl:
-            return _s(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
+            return as_text(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
         pipe.expire(stream, ttl)
-        return _s(pipe.execute()[0])
+        return as_text(pipe.execute()[0])
 
     def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:
         """New entries of `streams` for this consumer; block_ms=0 means do not block."""
@@ -84,14 +85,14 @@ class Bus:
             replies = self._read_slots(groups, group, count, block)
         out: list[Delivery] = []
         for stream, entries in (x for reply in replies for x in reply or []):
-            out.extend(self._decode_entries(_s(stream), group, entries))
+            out.extend(self._decode_entries(as_text(stream), group, entries))
         return out
 
     def read_own_pending(self, stream: str, group: str, count: int = 1024) -> list[Delivery]:
         """This consumer's entries of `stream` read and not acknowledged (XREADGROUP from id 0): what a batch cut
         short by an error left, for a stream nothing else claims from (a process's own inbox)."""
         reply = self.r.xreadgroup(group, self.consumer, {stream: "0"}, count=count)
-        return [d for s, entries in reply or [] for d in self._decode_entries(_s(s), group, entries)]
+        return [d for s, entries in reply or [] for d in self._decode_entries(as_text(s), group, entries)]
 
     def _read_slots(self, groups: list[list[str]], group: str, count: int, block: int) -> list:
         """A cluster: one XREADGROUP cannot span hash slots. One non-blocking read per slot, pipelined (a round
@@ -169,7 +170,7 @@ class Bus:
         floors = []
         for g in groups:
             pending = self.r.xpending(stream, g["name"])
-            floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
+            floors.append(as_text(pending["min"]) if pending["pending"] else as_text(g["last-delivered-id"]))
         if floors:
             self.r.xtrim(stream, minid=min(floors, key=entry_key), approximate=False)
 
@@ -181,7 +182,7 @@ class Bus:
         pending = self.r.xpending_range(stream, group, min="-", max="+", count=count, idle=self.claim_idle_ms)
         for p in pending:
             if p["times_delivered"] >= self.max_deliveries:
-                self._dead_letter(stream, group, _s(p["message_id"]), f"delivered {p['times_delivered']} times")
+                self._dead_letter(stream, group, as_text(p["message_id"]), f"delivered {p['times_delivered']} times")
         if not pending:
             return []
         # Reply: [next-id, entries] (Redis 6.2) or [next-id, entries, deleted-ids] (7.0+).
@@ -194,7 +195,7 @@ class Bus:
     def _decode_entries(self, stream: str, group: str, entries) -> list[Delivery]:
         out = []
         for entry_id, fields in entries:
-            eid = _s(entry_id)
+            eid = as_text(entry_id)
             if fields is None:  # trimmed away while pending
                 self.r.xack(stream, group, eid)
                 continue
@@ -246,7 +247,7 @@ def plain_events(entries, what: str):
     """(entry id, event) of each entry of a plain XREAD (a stream every replica reads in full, no group: nothing
     to acknowledge or dead-letter); an entry that is not an event is logged and skipped."""
     for entry_id, fields in entries:
-        eid = _s(entry_id)
+        eid = as_text(entry_id)
         try:
             yield eid, decode(fields[EVENT_FIELD])
         except (SchemaError, KeyError) as e:
@@ -257,7 +258,3 @@ def entry_key(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a sortable (milliseconds, sequence) pair."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

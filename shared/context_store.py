@@ -24,6 +24,7 @@ from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import Event, encode
 from shared.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
 from shared.lifecycle import State, parse_history
+from shared.replies import as_text
 
 _json = msgspec.json.Encoder()
 
@@ -184,16 +185,16 @@ class ContextStore:
                                                  meta.get("owner") or "", b)
         keys, argv = self.create_args(request_id, meta, input_, event, b, elsewhere, stream)
         res = await self._create(keys=keys, args=argv)
-        status = _s(res[0])
+        status = as_text(res[0])
         if status in ("overloaded", "key_overloaded"):
-            raise WaitingFull(status, int(_s(res[1])))
-        if status == "exists" and meta.get("gateway") and _s(res[2]) == _json.encode(meta["gateway"]).decode():
+            raise WaitingFull(status, int(as_text(res[1])))
+        if status == "exists" and meta.get("gateway") and as_text(res[2]) == _json.encode(meta["gateway"]).decode():
             # Request ids are fresh random ones: our own id, created by our own gateway, is this very creation,
             # re-sent by the client's retry after its first reply was lost. Done once, as the first run did it.
-            return float(_s(res[1]))
+            return float(as_text(res[1]))
         if status != "ok":
             raise ValueError(f"request id {request_id} exists already")
-        return float(_s(res[1]))
+        return float(as_text(res[1]))
 
     def update(self, client, request_id: str, layer: str, fields: dict, fence: int | None = None):
         """HSET fields of one layer while the request's context exists, the layer taking meta's remaining TTL
@@ -216,7 +217,7 @@ class ContextStore:
         layer_maps, history = results[: len(LAYERS)], results[len(LAYERS)]
         if not layer_maps[0]:
             return None
-        layers = {name: {_s(k): msgspec.json.decode(v) if _looks_json(v) else _s(v) for k, v in m.items()}
+        layers = {name: {as_text(k): msgspec.json.decode(v) if _looks_json(v) else as_text(v) for k, v in m.items()}
                   for name, m in zip(LAYERS, layer_maps)}
         state = layers["meta"].get("state")
         return Snapshot(request_id, State(state) if state else None, layers, parse_history(history))
@@ -230,10 +231,6 @@ class ContextStore:
         pipe = client.pipeline(transaction=False)
         self.queue_read(pipe, request_id)
         return self.decode_read(request_id, await pipe.execute())
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _looks_json(v) -> bool:

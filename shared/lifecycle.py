@@ -25,6 +25,7 @@ from typing import Collection, Sequence
 from shared import telemetry
 from shared.constants import EVENT_FIELD, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import Event, State, encode
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -304,14 +305,15 @@ class Lifecycle:
         return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
-        status, cur = _s(raw[0]), _s(raw[1])
+        status, cur = as_text(raw[0]), as_text(raw[1])
         if status == "ok":
-            at = float(_s(raw[2]))
+            at = float(as_text(raw[2]))
             telemetry.transition_event(request_id, to.value, cur, at)  # on the caller's current span, if recording
-            return TransitionResult(Outcome.APPLIED, State(cur), at, tuple(_s(x) for x in raw[3:]))
+            return TransitionResult(Outcome.APPLIED, State(cur), at, tuple(as_text(x) for x in raw[3:]))
         if status == "again":  # its first run's reply was lost: the placement is made, its events with it
             logger.info("placement of %s re-sent: found made by its first run", request_id)
-            return TransitionResult(Outcome.AGAIN, State(cur), float(_s(raw[2])), tuple(_s(x) for x in raw[3:]))
+            ids = tuple(as_text(x) for x in raw[3:])
+            return TransitionResult(Outcome.AGAIN, State(cur), float(as_text(raw[2])), ids)
         if status == "missing":
             logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
             return TransitionResult(Outcome.MISSING, None)
@@ -326,15 +328,11 @@ class Lifecycle:
         return TransitionResult(Outcome.REFUSED, current)  # the caller judges: a race lost, or a bug to log
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _with_ids(res: TransitionResult, replies) -> TransitionResult:
     """The result with the entry ids of the events published after it (XADD replies; EXPIRE gives integers)."""
-    ids = tuple(_s(x) for x in replies if isinstance(x, (bytes, str)))
+    ids = tuple(as_text(x) for x in replies if isinstance(x, (bytes, str)))
     return dataclasses.replace(res, entry_ids=res.entry_ids + ids)
 
 
 def parse_history(raw: list) -> list[dict]:
-    return [json.loads(_s(x)) for x in raw]
+    return [json.loads(as_text(x)) for x in raw]

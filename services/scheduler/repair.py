@@ -36,6 +36,7 @@ from shared.constants import Names
 from shared.events import Failed, Heartbeat, Reason, Scheduled
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.settings import SchedulerSettings
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def read_placements(client, names: Names, rids: list[str]) -> list[Found]:
     out = []
     for i, rid in enumerate(rids):
         state, (attempt, worker), assigned, raw = got[4 * i:4 * i + 4]
-        out.append(Found(rid, _s(state) if state else None, int(attempt) if attempt else 0,
+        out.append(Found(rid, as_text(state) if state else None, int(attempt) if attempt else 0,
                          msgspec.json.decode(worker) if worker else "", bool(assigned),
                          decode_queued(raw) if raw else None))
     return out
@@ -148,7 +149,7 @@ class PlacementSweep:
             for p, skip in todo.items():
                 pipe.zrangebyscore(n.state_set(p, State.SCHEDULED.value), "-inf", cutoff, start=skip, num=BATCH,
                                    withscores=True)
-            found = [(p, [(_s(rid), since) for rid, since in ids]) for p, ids in zip(todo, pipe.execute())]
+            found = [(p, [(as_text(rid), since) for rid, since in ids]) for p, ids in zip(todo, pipe.execute())]
             pipe = self.r.pipeline(transaction=False)
             for p, ids in found:
                 for rid, _since in ids:
@@ -185,7 +186,7 @@ class PlacementSweep:
                     return entry_id, ev
             if len(entries) < PAGE:
                 return None
-            start = f"({_s(entries[-1][0])}"
+            start = f"({as_text(entries[-1][0])}"
         return None
 
     def _requeue(self, f: Found) -> int:
@@ -232,7 +233,3 @@ def retake_behind(svc, q) -> None:
         svc.records.put(q.request_id, encode_queued(item))
         logger.warning("%s was QUEUED with a record behind its attempt %d: queued again at %d", q.request_id,
                        f.attempt, f.attempt + 1)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
