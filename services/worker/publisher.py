@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from shared.backoff import backoff_s
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
@@ -101,7 +102,7 @@ class StepPublisher:
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since > REFUSED_FOR_S:
                         raise FatalError(f"Redis refused step {step}'s writes for {REFUSED_FOR_S:.0f} s: {e}") from e
-                delay = min(2.0, 0.05 * 2 ** attempt)
+                delay = backoff_s(attempt)
                 logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
                 time.sleep(delay)
         self._deferred = []
