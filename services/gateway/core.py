@@ -35,6 +35,7 @@ from shared import liveness
 from shared.epoch import DatasetEpoch
 from shared.redis_client import async_client, sync_client
 from shared.runtime import Liveness, LivenessThread, instance_id
+from shared.service_table import BUS_SERVICES
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -361,7 +362,7 @@ class GatewayCore:
             raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
                               "not_ready")
         found = {}
-        for service in ("tokenizer", "scheduler", "worker"):
+        for service in BUS_SERVICES:
             found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN
         return found
 
