@@ -109,9 +109,6 @@ class Bus:
         return [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
                                   block=max(1, block // len(groups)))]
 
-    def ack(self, d: Delivery) -> None:
-        self.r.xack(d.stream, d.group, d.entry_id)
-
     def ack_all(self, deliveries: list[Delivery]) -> None:
         """XACK many deliveries in one round trip (one XACK per stream and group takes all their ids)."""
         by_group: dict[tuple[str, str], list[str]] = {}
@@ -127,9 +124,11 @@ class Bus:
             pipe.execute()
 
     def process_all(self, deliveries: list[Delivery], handler: Callable[[Delivery], None]) -> None:
-        """process() each delivery, acknowledging the handled ones together at the end: one round trip a batch
+        """Run handler on each delivery, acknowledging the handled ones together at the end: one round trip a batch
         instead of one a delivery. If the process dies before that, they are delivered again (consumers are
-        idempotent), as one that died between its handler and its XACK would be."""
+        idempotent), as one that died between its handler and its XACK would be. A handler that raises leaves
+        its entry pending: it is retried after claim_idle_ms and dead-lettered after max_deliveries, so one bad
+        event never blocks the group. Redis errors propagate: the whole loop must back off, not this one entry."""
         done: list[Delivery] = []
         try:
             for d in deliveries:
@@ -138,15 +137,6 @@ class Bus:
         finally:
             if done:
                 self.ack_all(done)
-
-    def process(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
-        """Run handler, then XACK. A handler that raises leaves the entry pending: it is retried after
-        claim_idle_ms and dead-lettered after max_deliveries, so one bad event never blocks the group.
-        Redis errors propagate: the whole loop must back off, not this one entry."""
-        if not self._handle(d, handler):
-            return False
-        self.ack(d)
-        return True
 
     def _handle(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
         try:

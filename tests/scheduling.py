@@ -55,7 +55,7 @@ def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool
 
 
 def deliver(s: SchedulerService, stream: str, event) -> None:
-    s.bus.process(Delivery(stream, "scheduler", "0-1", event), s.dispatch)
+    s.bus.process_all([Delivery(stream, "scheduler", "0-1", event)], s.dispatch)
 
 
 def state(redis_client, names, rid: str) -> str:

@@ -118,7 +118,3 @@ class KvIndex:
         for w in alive or ():
             matched[w] = depth
         return matched
-
-    def blocks_of(self, worker_id: str) -> int:
-        h = self.holders.get(worker_id)
-        return len(h.blocks) if h is not None else 0
