@@ -31,6 +31,7 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextStore
+from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled,
                            TimedOut)
@@ -84,6 +85,8 @@ class SchedulerService:
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
         # scheduler has been in contact for a whole liveness TTL again (their heartbeats resume within it).
         self._contact_since, self._last_tick = float("-inf"), time.monotonic()
+        self.handlers = TypeDispatcher({Preprocessed: self.on_preprocessed, CancelRequested: self.on_cancel,
+                                        HandBack: self.on_hand_back})
 
     def run(self) -> None:
         stop = StopFlag()
@@ -146,16 +149,14 @@ class SchedulerService:
         self.ensure_groups()
 
     def dispatch(self, d: Delivery) -> None:
-        ev = d.event
-        if isinstance(ev, Preprocessed):
-            self.on_preprocessed(ev)
-        elif isinstance(ev, CancelRequested):
-            self.on_cancel(ev)
-        elif isinstance(ev, HandBack):
-            if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
-                self.assignments.drop([ev.scheduled])
+        if self.handlers.handles(d.event):
+            self.handlers(d.event)
         else:
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            logger.error("unexpected %s on %s", type(d.event).__name__, d.stream)
+
+    def on_hand_back(self, ev: HandBack) -> None:
+        if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
+            self.assignments.drop([ev.scheduled])
 
     def sync(self) -> None:
         """Align with what Redis holds: queued requests and placements are shared by every scheduler replica

@@ -23,6 +23,7 @@ from shared import telemetry
 from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER
 from shared.context_store import ContextStore
+from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Reason, Sampling,
                            Scheduled, TimedOut)
@@ -89,6 +90,8 @@ class WorkerService:
         self.step_time_avg = 0.0
         self.epoch = DatasetEpoch(self.names)
         self._epoch_checked = 0.0
+        self.handlers = TypeDispatcher({Scheduled: self.admit, CancelRequested: self.on_cancel,
+                                        KvResyncRequested: lambda _ev: self.kv_events.announce()})
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
@@ -145,16 +148,11 @@ class WorkerService:
         return [d for d in deliveries if d.entry_id not in done]
 
     def dispatch(self, d: Delivery) -> None:
-        ev = d.event
         self.last_read_id = d.entry_id
-        if isinstance(ev, Scheduled):
-            self.admit(ev)
-        elif isinstance(ev, CancelRequested):
-            self.drop(ev.request_id, ev.reason)
-        elif isinstance(ev, KvResyncRequested):
-            self.kv_events.announce()
+        if self.handlers.handles(d.event):
+            self.handlers(d.event)
         else:
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            logger.error("unexpected %s on %s", type(d.event).__name__, d.stream)
         # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
 
     def admit(self, ev: Scheduled) -> None:
@@ -215,6 +213,9 @@ class WorkerService:
                 self.active.pop(out.request_id, None)
         for rid in moved:  # placed elsewhere while this worker was away: not ours to finish
             self.drop(rid, Reason.MOVED)
+
+    def on_cancel(self, ev: CancelRequested) -> None:
+        self.drop(ev.request_id, ev.reason)
 
     def drop(self, request_id: str, why: str) -> None:
         """Stop a request here and forget it (cancelled, moved to another worker, or its data is gone)."""
