@@ -23,7 +23,6 @@ from services.scheduler.repair import HeldUnknown, PlacementSweep
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
-from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from services.scheduler.sync import ReplicaSync
 from shared import telemetry
@@ -85,8 +84,8 @@ class SchedulerService:
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
         # scheduler has been in contact for a whole liveness TTL again (their heartbeats resume within it).
         self._contact_since, self._last_tick = float("-inf"), time.monotonic()
-        self.handlers = TypeDispatcher({Preprocessed: self.on_preprocessed, CancelRequested: self.on_cancel,
-                                        HandBack: self.on_hand_back})
+        # Preprocessed requests are taken in together first (batch.intake); these one by one.
+        self.handlers = TypeDispatcher({CancelRequested: self.on_cancel, HandBack: self.on_hand_back})
 
     def run(self) -> None:
         stop = StopFlag()
@@ -124,10 +123,7 @@ class SchedulerService:
             self.sync()
             self.recover_lost()
             refusal.refuse_those_too_late(self)
-        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
-            self.bus.process_all(deliveries, self.dispatch)
-        else:
-            batch.intake(self, deliveries)
+        batch.intake(self, deliveries)
         self.expire_deadlines()
         self.place()
         self._last_tick = time.monotonic()
@@ -165,14 +161,9 @@ class SchedulerService:
         last sync (sync.py)."""
         self.replicas.sync()
 
-    def on_preprocessed(self, ev: Preprocessed) -> None:
-        # Only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing.
-        res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
-        self.after_queued(ev, res, self.r)
-
     def after_queued(self, ev: Preprocessed, res: TransitionResult, client) -> None:
-        """After the QUEUED transition: queue it here and store its record (through client: a pipeline when
-        batched); or adopt a redelivered request that is QUEUED already. Refused (a redelivery of a request placed
+        """After the QUEUED transition (batch.intake): queue it here and store its record (through client, a
+        pipeline); or adopt a redelivered request that is QUEUED already. Refused (a redelivery of a request placed
         since) or ended: nothing to do."""
         if res.applied:
             item = self.queue.push(ev)
@@ -337,10 +328,9 @@ class SchedulerService:
                       only_from=(State.QUEUED,))
 
     def place(self) -> None:
-        """Place queued requests in (priority, arrival) order while some live worker has room. Without tracing,
-        up to PLACE_BATCH placements go out together (batch.send_all); their room is reserved as they are chosen."""
+        """Place queued requests in (priority, arrival) order while some live worker has room: up to PLACE_BATCH
+        placements go out together (batch.send_all); their room is reserved as they are chosen."""
         live, picks = self._live_views(), []
-        traced = telemetry.enabled()
         while live and (head := self.queue.peek()) is not None and len(picks) < batch.PLACE_BATCH:
             need = blocks_needed(len(head.event.prompt_token_ids) + len(head.output_token_ids), live[0].hb.block_size)
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
@@ -349,15 +339,9 @@ class SchedulerService:
             decision = self.router.choose(head, fits, need, live[0].hb.block_size)  # placement.py: the policy
             best, reserve = self.workers[decision.worker_id], decision.new_blocks(need)
             self.queue.pop()
-            if not traced:
-                best.add_inflight(head.request_id, batch.RESERVED, reserve)
-                picks.append((head, best, reserve, decision))
-                continue
-            with schedule_span(head, best, fits, need, decision) as span:
-                queued_at = self.r.hget(self.names.layer(head.request_id, "meta"), "state_since") \
-                    if span.is_recording() else None
-                res = batch.send_one(self, head, best, reserve, decision)
-                queue_span(head, queued_at, res)
+            best.add_inflight(head.request_id, batch.RESERVED, reserve)
+            picks.append(batch.Pick(head, best, reserve, decision,
+                                    batch.pick_spans(self, head, best, fits, need, decision)))
         if picks:
             batch.send_all(self, picks)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 import jinja2
+from opentelemetry.trace import Span
 
 from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared import telemetry
@@ -56,7 +58,8 @@ class Preprocessor:
         except jinja2.TemplateError as e:
             # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
             # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
-            raise PromptError(Reason.INVALID, "messages", f"messages: the model's chat template refuses them: {e}") from e
+            raise PromptError(Reason.INVALID, "messages",
+                              f"messages: the model's chat template refuses them: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
@@ -77,6 +80,18 @@ class Preprocessor:
                               f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
                               f"{self.max_len - len(ids)}")
         return ids
+
+
+@dataclass
+class _Plan:
+    """One delivery of a batch: what its pipeline holds for it, and its spans (None with tracing off)."""
+
+    d: Delivery
+    process: Span | None = None
+    publish: Span | None = None
+    to: State | None = None  # its transition (None: not a request)
+    at: int = -1  # the index of the transition's reply in the pipeline
+    later: tuple[Publish, ...] = ()  # its events to publish after the transition (another slot's streams)
 
 
 class TokenizerService:
@@ -106,73 +121,75 @@ class TokenizerService:
         if self.live.due():
             deliveries += self.bus.sweep_all(self.streams, GROUP_TOKENIZER)
             self.live.refresh(self.r)
-        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
-            self.bus.process_all(deliveries, self.handle)
-        elif deliveries:
+        if deliveries:
             self.handle_batch(deliveries)
-
-    def handle(self, d: Delivery) -> None:
-        ev = d.event
-        if not isinstance(ev, RequestReceived):
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-            return
-        try:
-            with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
-                span.set_attribute("conveyor.request_id", ev.request_id)
-                try:
-                    ids = self._token_ids(ev)
-                except PromptError as e:
-                    telemetry.set_error(span, e.reason, str(e))
-                    raise
-                span.set_attribute("gen_ai.usage.input_tokens", len(ids))
-        except PromptError as e:
-            fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
-            self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
-        else:
-            self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-            stream = self.names.preprocessed_stream(self.names.partition(ev.request_id))
-            with telemetry.publish_span(stream, ev.request_id) as pub:
-                out = self._preprocessed(ev, ids, telemetry.traceparent_of(pub, ev.traceparent))
-                res = self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
-                telemetry.published(pub, res.entry_ids)
 
     def handle_batch(self, deliveries: list[Delivery]) -> None:
         """Every request of a tick in one pipeline (input layers and transitions with their events), acknowledged
-        together: a burst costs the tokenizer two round trips a tick, not three a request."""
+        together: a burst costs the tokenizer two round trips a tick, not three a request. Traced, each request
+        has its own spans all the same (process, tokenize, publish), open until its events are out."""
         pipe = self.r.pipeline(transaction=False)
-        planned = [(d, self._queue(pipe, d)) for d in deliveries]
-        replies = pipe.execute(raise_on_error=False)
-        done, applied = [], []
-        for d, plan in planned:
-            if plan is None:
-                done.append(d)  # not a request: logged, nothing to retry
-            elif isinstance(replies[plan[1]], Exception):  # left pending: retried, then dead-lettered
-                logger.error("preprocessing %s failed: %r", d.event.request_id, replies[plan[1]])
-            else:
-                rid, (to, at, later) = d.event.request_id, plan
-                applied.append((self._outcome(rid, to, self.lifecycle.interpret(rid, to, replies[at])), later))
-                done.append(d)
-        self.lifecycle.complete(self.r, applied)  # before the acknowledgement: a failure leaves them pending
+        plans = [self._queue(pipe, d) for d in deliveries]
+        try:
+            replies = pipe.execute(raise_on_error=False)
+            done, applied = [], []
+            for p in plans:
+                if p.to is None:
+                    done.append(p.d)  # not a request: logged, nothing to retry
+                elif isinstance(replies[p.at], Exception):  # left pending: retried, then dead-lettered
+                    logger.error("preprocessing %s failed: %r", p.d.event.request_id, replies[p.at])
+                else:
+                    rid = p.d.event.request_id
+                    with telemetry.current(p.publish or p.process):  # the transition's event goes on it
+                        res = self._outcome(rid, p.to, self.lifecycle.interpret(rid, p.to, replies[p.at]))
+                    applied.append((p, res))
+                    done.append(p.d)
+            # Before the acknowledgement: a failure leaves them pending.
+            results = self.lifecycle.complete(self.r, [(res, p.later) for p, res in applied])
+            for (p, _res), res in zip(applied, results):
+                if p.publish is not None:
+                    telemetry.published(p.publish, res.entry_ids)
+        finally:
+            for p in plans:
+                telemetry.end_all(p.publish, p.process)
         self.bus.ack_all(done)
 
-    def _queue(self, pipe, d: Delivery) -> tuple[State, int, tuple[Publish, ...]] | None:
-        """Queue the request's writes on pipe: (the transition, the index of its reply, the events to publish
-        after it), or None if no request."""
-        ev = d.event
+    def _queue(self, pipe, d: Delivery) -> _Plan:
+        """Queue the request's writes on pipe (its spans opened first, when tracing): the transition, the index of
+        its reply and the events to publish after it."""
+        ev, plan = d.event, _Plan(d, telemetry.start_process_span(d, self.id))
         if not isinstance(ev, RequestReceived):
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-            return None
-        try:
-            ids = self._token_ids(ev)
-        except PromptError as e:
-            later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
-                                         [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
-            return State.FAILED, len(pipe) - 1, later
-        self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-        out = self._preprocessed(ev, ids, ev.traceparent)
-        later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
-                                     [Publish(self.names.preprocessed_stream(self.names.partition(ev.request_id)), out)])
-        return State.PREPROCESSED, len(pipe) - 1, later
+            return plan
+        with telemetry.current(plan.process):
+            try:
+                ids = self._traced_token_ids(ev)
+            except PromptError as e:
+                fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
+                plan.later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
+                                                  [Publish(ev.reply_to, fail)])
+                plan.to, plan.at = State.FAILED, len(pipe) - 1
+                return plan
+            self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
+            stream = self.names.preprocessed_stream(self.names.partition(ev.request_id))
+            if plan.process is not None:
+                plan.publish = telemetry.start_publish_span(stream, ev.request_id)
+            out = self._preprocessed(ev, ids, telemetry.traceparent_of(plan.publish, ev.traceparent))
+        plan.later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
+        plan.to, plan.at = State.PREPROCESSED, len(pipe) - 1
+        return plan
+
+    def _traced_token_ids(self, ev: RequestReceived) -> list[int]:
+        """_token_ids in a `tokenize` span (a non-recording one with tracing off)."""
+        with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
+            span.set_attribute("conveyor.request_id", ev.request_id)
+            try:
+                ids = self._token_ids(ev)
+            except PromptError as e:
+                telemetry.set_error(span, e.reason, str(e))
+                raise
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+        return ids
 
     def _token_ids(self, ev: RequestReceived) -> list[int]:
         """The prompt's token ids, or PromptError: for the client's fault (invalid, too_long), and for any other
