@@ -165,7 +165,8 @@ def test_a_step_published_again_appends_its_tokens_once(redis_server, redis_clie
     ev = placed(redis_server, names, s)
     pub = StepPublisher(redis_client, names, WORKER, Lifecycle(redis_client, names, "worker", 60),
                         ContextStore(redis_client, names, 60), 60)
-    step = StepResult(outputs=[RequestOutput(ev.request_id, [42, 43], 0)], transitions=[(ev.request_id, State.PREFILLING)])
+    step = StepResult(outputs=[RequestOutput(ev.request_id, [42, 43], 0)],
+                      transitions=[(ev.request_id, State.PREFILLING)])
     for _ in range(2):  # the same step, as a retry sends it (the worker's record is extended only after success)
         active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
         assert pub.publish(1, step, active, lambda rid: None) == set()

@@ -10,11 +10,14 @@ import pytest
 
 from services.scheduler import assignments
 from services.scheduler.state import WorkerView
+from services.worker.engine.outputs import RequestOutput, StepResult
+from services.worker.publisher import Active, StepPublisher
 from shared import lifecycle
 from shared.events import (CancelRequested, Failed, KvResyncRequested, Reason, ResyncReason, State, TimedOut,
                            decode, encode)
-from shared.lifecycle import TERMINAL, lua_in
-from tests.scheduling import heartbeat
+from shared.context_store import ContextStore
+from shared.lifecycle import TERMINAL, Lifecycle, lua_in
+from tests.scheduling import WORKER, heartbeat, placed, scheduler
 
 
 @pytest.mark.parametrize("reason", list(Reason))
@@ -57,3 +60,18 @@ def test_a_draining_worker_has_no_free_slot_whatever_its_max_num_seqs():
     assert view.free_slots(4) == 0
     view.observe(heartbeat(max_num_seqs=8))
     assert view.free_slots(4) == 12
+
+
+def test_the_worker_knows_the_state_it_moved_a_request_to(redis_server, redis_client, names):
+    """What its TimedOut says: the state the worker's last applied transition left the request in."""
+    s = scheduler(redis_server, names)
+    ev = placed(redis_server, names, s)
+    pub = StepPublisher(redis_client, names, WORKER, Lifecycle(redis_client, names, "worker", 60),
+                        ContextStore(redis_client, names, 60), 60)
+    active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
+    assert active[ev.request_id].state is State.SCHEDULED
+    pub.publish_scheduled([(ev.request_id, State.PREFILLING)], active)
+    assert active[ev.request_id].state is State.PREFILLING
+    step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0)], transitions=[(ev.request_id, State.DECODING)])
+    pub.publish(1, step, active, lambda rid: None)
+    assert active[ev.request_id].state is State.DECODING

@@ -63,6 +63,7 @@ class Active:
     scheduled: Scheduled | None = None  # the placement, kept to hand the request back
     num_preemptions: int = 0
     attempt: int = 1  # placement it holds the request with: the fencing token of every write for it
+    state: State = State.SCHEDULED  # its state as this worker last moved it (what a TimedOut it sends says)
 
 
 class StepPublisher:
@@ -147,7 +148,7 @@ class StepPublisher:
         if not queued:
             return
         try:
-            self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued])
+            self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued], active)
         except (*TRANSIENT_ERRORS, redis.ResponseError) as e:  # the step's own publish retries them (see publish)
             logger.warning("stamping scheduling decisions failed (%s); they go with the step's results", e)
             self._deferred.extend(transitions)
@@ -181,7 +182,7 @@ class StepPublisher:
             queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
             replies = pipe.execute()
         self._note_behind(appended, replies[:len(appended)])
-        self._check(replies, queued)
+        self._check(replies, queued, active)
         return lost
 
     def _publish_fenced(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
@@ -200,7 +201,7 @@ class StepPublisher:
         replies = pipe.execute()
         lost = {rid for rid, n in zip(appended, replies) if n == FENCED}
         self._note_behind(appended, replies[:len(appended)])
-        later = self._check(replies[len(appended):], queued, lost)
+        later = self._check(replies[len(appended):], queued, active, lost)
         pipe = self.r.pipeline(transaction=False)
         self._queue_tokens(pipe, step, result, active, new, lost)
         self.lifecycle.complete(self.r, later, pipe)
@@ -289,10 +290,11 @@ class StepPublisher:
         return State.FINISHED, self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
                                                     [Publish(a.reply_to, ev)], fence=a.attempt)
 
-    def _check(self, replies: list, queued: list, fenced: set[str] | None = None) -> list:
+    def _check(self, replies: list, queued: list, active: dict[str, Active], fenced: set[str] | None = None) -> list:
         """Pipeline replies of the transitions (layer writes interleave; keep only the transitions' replies, the
         lists). queued: (request id, target state, events to publish after it). Returns (result, those events) of
-        the applied ones; adds the requests whose transition was fenced to `fenced`."""
+        the applied ones, noting each one's state in `active`; adds the requests whose transition was fenced to
+        `fenced`."""
         scripts = [r for r in replies if isinstance(r, list)]
         done = []
         for (rid, to, later), raw in zip(queued, scripts):
@@ -304,6 +306,8 @@ class StepPublisher:
                 fenced.add(rid)
             if res.applied:
                 done.append((res, later))
+                if (a := active.get(rid)) is not None:
+                    a.state = to
             elif to in (State.FINISHED, State.FAILED):
                 logger.info("request %s already settled as %s", rid, res.previous)
         return done

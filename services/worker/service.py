@@ -247,7 +247,7 @@ class WorkerService:
             self.engine.abort_request(a.request_id)
             del self.active[a.request_id]
             self.tracing.abort(a.request_id, Reason.TIMEOUT)
-            ev = TimedOut(request_id=a.request_id, service="worker", traceparent=a.traceparent)
+            ev = TimedOut(request_id=a.request_id, state=a.state, service="worker", traceparent=a.traceparent)
             self.lifecycle.transition(a.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(a.reply_to, ev)],
                                       fence=a.attempt)
 
