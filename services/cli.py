@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from shared.runtime import setup_logging
+from shared.service_table import SERVICES
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAMES = ("gateway", "tokenizer", "scheduler", "worker")
+SERVICE_NAMES = tuple(SERVICES)
 
 
 def run_service(name: str) -> int:
-    from shared import settings as s
     from shared import telemetry
 
-    if name == "gateway":
+    spec = SERVICES[name]
+    cfg = spec.settings()
+    if spec.http:
         from services.gateway.app import create_app
         from services.gateway.edge.server import serve
 
-        cfg = s.GatewaySettings()
         setup_logging(cfg.log_level)
         telemetry.setup(name, cfg)
         try:
@@ -29,15 +31,8 @@ def run_service(name: str) -> int:
         finally:
             telemetry.shutdown()  # flush the spans still buffered
         return 0
-    if name == "tokenizer":
-        from services.tokenizer.service import TokenizerService as Service
-        cfg = s.TokenizerSettings()
-    elif name == "scheduler":
-        from services.scheduler.service import SchedulerService as Service
-        cfg = s.SchedulerSettings()
-    else:
-        from services.worker.service import WorkerService as Service
-        cfg = s.WorkerSettings()
+    module, cls = spec.entry.split(":")
+    Service = getattr(importlib.import_module(module), cls)
     setup_logging(cfg.log_level)
     telemetry.setup(name, cfg)
     try:

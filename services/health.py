@@ -17,14 +17,13 @@ import urllib.request
 from shared import liveness
 from shared import settings as s
 from shared.redis_client import sync_client
-
-SETTINGS = {"tokenizer": s.TokenizerSettings, "scheduler": s.SchedulerSettings, "worker": s.WorkerSettings}
-
+from shared.service_table import SERVICES
 
 def check(service: str) -> tuple[bool, str]:
-    if service == "gateway":
+    spec = SERVICES[service]
+    if spec.http:
         return _gateway(s.GatewaySettings())
-    cfg = SETTINGS[service]()
+    cfg = spec.settings()
     try:
         r = sync_client(cfg)
         live = liveness.read_live(r, cfg.names(), service)

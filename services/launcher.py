@@ -17,9 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from shared.backoff import backoff_s
 from shared.model_files import resolve_model_dir
 from shared.redis_server import RedisServer, die_with_parent
 from shared.runtime import StopFlag, setup_logging
+from shared.service_table import SERVICES
 from shared.settings import CommonSettings, child_environment
 
 logger = logging.getLogger(__name__)
@@ -62,15 +64,16 @@ class Launcher:
             base["CONVEYOR_REDIS_CLUSTER"] = "true"
         elif self.redis is not None:  # the Redis started here is a single one, whatever the environment says
             base["CONVEYOR_REDIS_CLUSTER"] = "false"
-        names = ["tokenizer", "scheduler"] + [f"worker#{i}" for i in range(self.args.workers)] + ["gateway"]
-        for name in names:
+        for spec in SERVICES.values():  # in the table's start order
             env = dict(base)
-            if name == "gateway":
+            if spec.http:
                 env.update(CONVEYOR_PORT=str(self.args.port), CONVEYOR_HOST=self.args.host)
-            if name.startswith("worker") and getattr(self.args, "engine", None):
+            if spec.name == "worker" and getattr(self.args, "engine", None):
                 env.update(CONVEYOR_ENGINE=self.args.engine)
-            self.children.append(Child(name, env))
-            self.children[-1].start()
+            many = spec.name == "worker"
+            for name in [f"worker#{i}" for i in range(self.args.workers)] if many else [spec.name]:
+                self.children.append(Child(name, env))
+                self.children[-1].start()
         try:
             if self._wait_ready(stop):
                 gateway = f"http://{self.args.host}:{self.args.port}"
@@ -113,7 +116,7 @@ class Launcher:
             if c.proc is not None and c.proc.poll() is not None:
                 if now - c.started_at >= STABLE_S:
                     c.restarts = 0
-                delay = min(30.0, 2.0 ** c.restarts)
+                delay = backoff_s(c.restarts, 1.0, 30.0)
                 logger.error("%s exited with %s; restarting in %.0f s", c.name, c.proc.returncode, delay)
                 c.proc, c.restarts, c.next_start = None, c.restarts + 1, now + delay
             if c.proc is None and now >= c.next_start:

@@ -23,6 +23,7 @@ from msgspec import msgpack
 from shared import telemetry
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import AnyEvent, Event, SchemaError, decode, encode
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,11 @@ class Bus:
         """XADD, capped; a process's own stream also gets its TTL (a dead process's inbox must not live on)."""
         ttl = private_stream_ttl(self.names, stream)
         if not ttl:
-            return _s(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
+            return as_text(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
         pipe.expire(stream, ttl)
-        return _s(pipe.execute()[0])
+        return as_text(pipe.execute()[0])
 
     def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:
         """New entries of `streams` for this consumer; block_ms=0 means do not block."""
@@ -84,14 +85,14 @@ class Bus:
             replies = self._read_slots(groups, group, count, block)
         out: list[Delivery] = []
         for stream, entries in (x for reply in replies for x in reply or []):
-            out.extend(self._decode_entries(_s(stream), group, entries))
+            out.extend(self._decode_entries(as_text(stream), group, entries))
         return out
 
     def read_own_pending(self, stream: str, group: str, count: int = 1024) -> list[Delivery]:
         """This consumer's entries of `stream` read and not acknowledged (XREADGROUP from id 0): what a batch cut
         short by an error left, for a stream nothing else claims from (a process's own inbox)."""
         reply = self.r.xreadgroup(group, self.consumer, {stream: "0"}, count=count)
-        return [d for s, entries in reply or [] for d in self._decode_entries(_s(s), group, entries)]
+        return [d for s, entries in reply or [] for d in self._decode_entries(as_text(s), group, entries)]
 
     def _read_slots(self, groups: list[list[str]], group: str, count: int, block: int) -> list:
         """A cluster: one XREADGROUP cannot span hash slots. One non-blocking read per slot, pipelined (a round
@@ -108,9 +109,6 @@ class Bus:
         return [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
                                   block=max(1, block // len(groups)))]
 
-    def ack(self, d: Delivery) -> None:
-        self.r.xack(d.stream, d.group, d.entry_id)
-
     def ack_all(self, deliveries: list[Delivery]) -> None:
         """XACK many deliveries in one round trip (one XACK per stream and group takes all their ids)."""
         by_group: dict[tuple[str, str], list[str]] = {}
@@ -126,9 +124,11 @@ class Bus:
             pipe.execute()
 
     def process_all(self, deliveries: list[Delivery], handler: Callable[[Delivery], None]) -> None:
-        """process() each delivery, acknowledging the handled ones together at the end: one round trip a batch
+        """Run handler on each delivery, acknowledging the handled ones together at the end: one round trip a batch
         instead of one a delivery. If the process dies before that, they are delivered again (consumers are
-        idempotent), as one that died between its handler and its XACK would be."""
+        idempotent), as one that died between its handler and its XACK would be. A handler that raises leaves
+        its entry pending: it is retried after claim_idle_ms and dead-lettered after max_deliveries, so one bad
+        event never blocks the group. Redis errors propagate: the whole loop must back off, not this one entry."""
         done: list[Delivery] = []
         try:
             for d in deliveries:
@@ -137,15 +137,6 @@ class Bus:
         finally:
             if done:
                 self.ack_all(done)
-
-    def process(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
-        """Run handler, then XACK. A handler that raises leaves the entry pending: it is retried after
-        claim_idle_ms and dead-lettered after max_deliveries, so one bad event never blocks the group.
-        Redis errors propagate: the whole loop must back off, not this one entry."""
-        if not self._handle(d, handler):
-            return False
-        self.ack(d)
-        return True
 
     def _handle(self, d: Delivery, handler: Callable[[Delivery], None]) -> bool:
         try:
@@ -169,7 +160,7 @@ class Bus:
         floors = []
         for g in groups:
             pending = self.r.xpending(stream, g["name"])
-            floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
+            floors.append(as_text(pending["min"]) if pending["pending"] else as_text(g["last-delivered-id"]))
         if floors:
             self.r.xtrim(stream, minid=min(floors, key=entry_key), approximate=False)
 
@@ -181,7 +172,7 @@ class Bus:
         pending = self.r.xpending_range(stream, group, min="-", max="+", count=count, idle=self.claim_idle_ms)
         for p in pending:
             if p["times_delivered"] >= self.max_deliveries:
-                self._dead_letter(stream, group, _s(p["message_id"]), f"delivered {p['times_delivered']} times")
+                self._dead_letter(stream, group, as_text(p["message_id"]), f"delivered {p['times_delivered']} times")
         if not pending:
             return []
         # Reply: [next-id, entries] (Redis 6.2) or [next-id, entries, deleted-ids] (7.0+).
@@ -194,7 +185,7 @@ class Bus:
     def _decode_entries(self, stream: str, group: str, entries) -> list[Delivery]:
         out = []
         for entry_id, fields in entries:
-            eid = _s(entry_id)
+            eid = as_text(entry_id)
             if fields is None:  # trimmed away while pending
                 self.r.xack(stream, group, eid)
                 continue
@@ -246,7 +237,7 @@ def plain_events(entries, what: str):
     """(entry id, event) of each entry of a plain XREAD (a stream every replica reads in full, no group: nothing
     to acknowledge or dead-letter); an entry that is not an event is logged and skipped."""
     for entry_id, fields in entries:
-        eid = _s(entry_id)
+        eid = as_text(entry_id)
         try:
             yield eid, decode(fields[EVENT_FIELD])
         except (SchemaError, KeyError) as e:
@@ -257,7 +248,3 @@ def entry_key(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a sortable (milliseconds, sequence) pair."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

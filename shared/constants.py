@@ -42,8 +42,6 @@ LIFECYCLE_FEED_MAXLEN = 10_000
 # names once per listpack node, not once per record).
 LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner", "worker", "attempt")
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
-
 
 # Redis Cluster (issue 16): a multi-key command or script may only touch keys of one hash slot. Everything a
 # request's transitions touch together therefore lives under one hash tag: that of its PARTITION (a stable hash

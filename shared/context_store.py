@@ -24,6 +24,7 @@ from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import Event, encode
 from shared.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
 from shared.lifecycle import State, parse_history
+from shared.replies import as_text
 
 _json = msgspec.json.Encoder()
 
@@ -54,10 +55,10 @@ end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 local n = tonumber(ARGV[6])
-redis.call('HSET', KEYS[1], 'state', 'RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
+redis.call('HSET', KEYS[1], 'state', '@RECEIVED', 'state_since', now, 'created_at', now, 'updated_at', now)
 for i = 11, 10 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 for i = 11 + 2 * n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('RPUSH', KEYS[6], cjson.encode({state='RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
+redis.call('RPUSH', KEYS[6], cjson.encode({state='@RECEIVED', from='', t=tonumber(now), service='gateway', reason=''}))
 for i = 1, 6 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[8], now, ARGV[2])
 redis.call('ZADD', KEYS[10], now, ARGV[2])
@@ -67,11 +68,11 @@ if owner ~= '' then
   redis.call('ZADD', KEYS[14], now, ARGV[2])
   redis.call('HSET', KEYS[15], ARGV[2], owner)
 end
-redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', 'RECEIVED',
+redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', '@RECEIVED',
   'reason', '', 'service', 'gateway', 'at', now, 'owner', owner, 'worker', '', 'attempt', '')
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
-"""
+""".replace("@RECEIVED", State.RECEIVED.value)
 
 
 # KEYS: meta, the layer[, exec]. ARGV: the fencing attempt ('' = none; else KEYS[3] is the exec layer), then
@@ -184,16 +185,16 @@ class ContextStore:
                                                  meta.get("owner") or "", b)
         keys, argv = self.create_args(request_id, meta, input_, event, b, elsewhere, stream)
         res = await self._create(keys=keys, args=argv)
-        status = _s(res[0])
+        status = as_text(res[0])
         if status in ("overloaded", "key_overloaded"):
-            raise WaitingFull(status, int(_s(res[1])))
-        if status == "exists" and meta.get("gateway") and _s(res[2]) == _json.encode(meta["gateway"]).decode():
+            raise WaitingFull(status, int(as_text(res[1])))
+        if status == "exists" and meta.get("gateway") and as_text(res[2]) == _json.encode(meta["gateway"]).decode():
             # Request ids are fresh random ones: our own id, created by our own gateway, is this very creation,
             # re-sent by the client's retry after its first reply was lost. Done once, as the first run did it.
-            return float(_s(res[1]))
+            return float(as_text(res[1]))
         if status != "ok":
             raise ValueError(f"request id {request_id} exists already")
-        return float(_s(res[1]))
+        return float(as_text(res[1]))
 
     def update(self, client, request_id: str, layer: str, fields: dict, fence: int | None = None):
         """HSET fields of one layer while the request's context exists, the layer taking meta's remaining TTL
@@ -216,7 +217,7 @@ class ContextStore:
         layer_maps, history = results[: len(LAYERS)], results[len(LAYERS)]
         if not layer_maps[0]:
             return None
-        layers = {name: {_s(k): msgspec.json.decode(v) if _looks_json(v) else _s(v) for k, v in m.items()}
+        layers = {name: {as_text(k): msgspec.json.decode(v) if _looks_json(v) else as_text(v) for k, v in m.items()}
                   for name, m in zip(LAYERS, layer_maps)}
         state = layers["meta"].get("state")
         return Snapshot(request_id, State(state) if state else None, layers, parse_history(history))
@@ -230,10 +231,6 @@ class ContextStore:
         pipe = client.pipeline(transaction=False)
         self.queue_read(pipe, request_id)
         return self.decode_read(request_id, await pipe.execute())
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _looks_json(v) -> bool:

@@ -17,9 +17,5 @@ class FatalError(ConveyorError):
     """A failure that the process cannot recover from (bad configuration, missing model)."""
 
 
-class InvalidTransition(ConveyorError):
-    """A lifecycle transition that the allowed-transitions table forbids."""
-
-
 class ModelLoadError(FatalError):
     """The configured model cannot be found or loaded."""

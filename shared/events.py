@@ -7,11 +7,65 @@ reject versions they do not know) and `traceparent` (W3C trace context of the pr
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
 
 SCHEMA_VERSION = 1
+
+
+class State(enum.StrEnum):
+    """A request's lifecycle state (shared/lifecycle.py holds the table of moves between them). StrEnum: each is
+    its own name on the wire, in Redis, in logs and in f-strings."""
+
+    RECEIVED = "RECEIVED"  # gateway accepted it
+    PREPROCESSED = "PREPROCESSED"  # tokenizer produced the prompt's token ids
+    QUEUED = "QUEUED"  # in the scheduler's queue
+    SCHEDULED = "SCHEDULED"  # sent to a worker
+    PREFILLING = "PREFILLING"  # the worker is computing the prompt
+    DECODING = "DECODING"  # first token produced; generating
+    PREEMPTED = "PREEMPTED"  # blocks taken back; will recompute
+    FINISHED = "FINISHED"  # terminal: stop or length
+    FAILED = "FAILED"  # terminal: with a reason
+    CANCELLED = "CANCELLED"  # terminal: client, disconnect or shutdown
+    TIMED_OUT = "TIMED_OUT"  # terminal: deadline passed
+
+
+class Reason(enum.StrEnum):
+    """Why a request failed, was cancelled, handed back or moved: every reason a service sends in an event or
+    records with a transition (besides a finish reason, stop or length). On the wire each is its plain string, as
+    before it was an enum; a reason not listed here does not decode, so one a service starts sending is added here
+    first."""
+
+    # failed (Failed.reason)
+    INVALID = "invalid"  # the client's input cannot be served as given (param says which field)
+    TOO_LONG = "too_long"  # the request can never fit the context window or the KV pool
+    OOM = "oom"  # out of device memory even when the request ran alone
+    WORKER_ERROR = "worker_error"  # any other exception while a worker processed it
+    WORKER_LOST = "worker_lost"  # its worker was lost too many times (or, cancel: the worker it was on is lost)
+    INTERNAL = "internal"  # a service could not process it (a poison entry, a tokenizer exception)
+    OVERLOADED = "overloaded"  # refused: it could no longer start before its deadline
+    STATE_LOST = "state_lost"  # Redis lost the request's context
+    # cancelled (Cancelled.reason, CancelRequested.reason)
+    CLIENT_CANCEL = "client_cancel"  # an operator's or client's cancel
+    CLIENT_DISCONNECT = "client_disconnect"  # the client went away (or its gateway died)
+    SHUTDOWN = "shutdown"  # the process holding it is stopping (also a worker's hand-back)
+    TIMEOUT = "timeout"  # its deadline passed: the worker is told to stop
+    STOP_STRING = "stop_string"  # the gateway matched a stop string (also the FINISHED transition's reason)
+    CHOICE_FAILED = "choice_failed"  # a sibling choice (n > 1) ended the request
+    # transitions only
+    DEADLINE = "deadline"  # the TIMED_OUT transition's
+    LOST_IN_TRANSIT = "lost_in_transit"  # queued again: its placement never reached the worker
+    MOVED = "moved"  # a worker dropped it: it was placed elsewhere meanwhile
+
+
+class ResyncReason(enum.StrEnum):
+    """Why the scheduler's KV index lost track of a worker's cache (KvResyncRequested)."""
+
+    UNKNOWN_INCARNATION = "unknown_incarnation"  # events of a worker process the index never saw start
+    GAP = "gap"  # an event's number skipped some (the capped stream was trimmed)
+    MISSED = "missed"  # its heartbeat names an event the index never applied
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -96,14 +150,14 @@ class Scheduled(Event, tag="scheduled", kw_only=True):
 
 class CancelRequested(Event, tag="cancel", kw_only=True):
     request_id: str  # request to stop
-    reason: str  # client_cancel | client_disconnect | shutdown | timeout | stop_string
+    reason: Reason  # client_cancel | client_disconnect | shutdown | timeout | stop_string | choice_failed | worker_lost
     worker_id: str = ""  # set when the scheduler forwards it to the worker holding the request
 
 
 class HandBack(Event, tag="hand_back", kw_only=True):
     request_id: str  # request the worker gives back (shutting down, or it cannot keep it)
     worker_id: str  # worker giving it back
-    reason: str  # shutdown | worker_lost
+    reason: Reason  # shutdown
     scheduled: Scheduled  # the placement it had, to place it again
     output_token_ids: tuple[int, ...]  # tokens generated so far: the next worker resumes after them
 
@@ -141,7 +195,7 @@ class Completed(Event, tag="completed", kw_only=True):
 
 class Failed(Event, tag="failed", kw_only=True):
     request_id: str  # request id
-    reason: str  # invalid | too_long | oom | worker_error | worker_lost | internal | overloaded
+    reason: Reason  # invalid | too_long | oom | worker_error | worker_lost | internal | overloaded | state_lost
     message: str  # what a person can act on
     param: str = ""  # offending request field, when the client's input is at fault
     service: str = ""  # service that failed it
@@ -150,13 +204,13 @@ class Failed(Event, tag="failed", kw_only=True):
 
 class Cancelled(Event, tag="cancelled", kw_only=True):
     request_id: str  # request id
-    reason: str  # client_cancel | client_disconnect | shutdown
+    reason: Reason  # client_cancel | client_disconnect | shutdown | stop_string | choice_failed
     service: str = ""  # service that settled it
 
 
 class TimedOut(Event, tag="timed_out", kw_only=True):
     request_id: str  # request id
-    where: str  # state the request was in when its deadline passed
+    state: State | None = None  # the state it was in when its deadline passed (None: its sender cannot tell)
     service: str = ""  # service that settled it
 
 
@@ -164,6 +218,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     worker_id: str  # worker id
     sent_at: float  # worker's epoch seconds
     max_num_seqs: int  # most sequences per step
+    draining: bool = False  # stopping: it takes no new request (the scheduler places nothing on it)
     num_running: int  # sequences in the running batch
     num_waiting: int  # sequences waiting or preempted inside the worker
     request_ids: tuple[str, ...]  # every request the worker holds
@@ -200,7 +255,7 @@ class KvEvents(Event, tag="kv_events", kw_only=True):
 
 class KvResyncRequested(Event, tag="kv_resync", kw_only=True):
     worker_id: str  # the worker asked to announce its whole cache (a KvEvents with cleared=True)
-    reason: str  # why the scheduler's index lost track of it (gap | unknown_incarnation | restart)
+    reason: ResyncReason  # why the scheduler's index lost track of it
 
 
 AnyEvent = Union[

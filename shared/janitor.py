@@ -31,6 +31,7 @@ from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
 from shared.redis_client import sync_client
 from shared.settings import SchedulerSettings
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class ContextJanitor:
             for _p, zset in todo:
                 pipe.zrangebyscore(zset, "-inf", now - self.ttl_s, start=0, num=b)
             found = list(zip(todo, pipe.execute()))
-            removed += self._forget([(p, z, _s(rid)) for (p, z), ids in found for rid in ids])
+            removed += self._forget([(p, z, as_text(rid)) for (p, z), ids in found for rid in ids])
             todo = [pz for pz, ids in found if len(ids) == b]  # full: there may be more
         self.behind = self.behind or bool(todo)
         return removed
@@ -86,7 +87,7 @@ class ContextJanitor:
             pipe = self.r.pipeline(transaction=False)
             for (_p, zset), skip in todo.items():
                 pipe.zrangebyscore(zset, "-inf", now - self.ttl_s, start=skip, num=b)
-            found = [(pz, [_s(rid) for rid in ids]) for pz, ids in zip(todo, pipe.execute())]
+            found = [(pz, [as_text(rid) for rid in ids]) for pz, ids in zip(todo, pipe.execute())]
             pipe = self.r.pipeline(transaction=False)
             for _pz, ids in found:
                 for rid in ids:
@@ -118,7 +119,7 @@ class ContextJanitor:
             # The sizes again with each read: another replica's janitor may be deleting too.
             cards, got = self._cards([(i, k) for i in empty])
             for i, ids in zip(empty, got):
-                heads[i], full[i] = [(score, _s(rid)) for rid, score in reversed(ids)], len(ids) == k
+                heads[i], full[i] = [(score, as_text(rid)) for rid, score in reversed(ids)], len(ids) == k
             excess = sum(cards) - self.cap
             take = _oldest(heads, full, min(b, excess))
             if not take:
@@ -152,7 +153,7 @@ class ContextJanitor:
         pipe = self.r.pipeline(transaction=False)
         for p, rids in by_p.items():
             pipe.hmget(self.names.request_owners(p), rids)
-        owners = {rid: _s(o) for (_p, rids), got in zip(by_p.items(), pipe.execute())
+        owners = {rid: as_text(o) for (_p, rids), got in zip(by_p.items(), pipe.execute())
                   for rid, o in zip(rids, got) if o}
         members = self._members(items, owners, ghost)
         pipe = self.r.pipeline(transaction=False)
@@ -251,7 +252,3 @@ def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, 
 
     janitor = ContextJanitor(client, names, settings.context_ttl_s, settings.max_ended_contexts)
     return JanitorLoop(janitor, settings.janitor_interval_s, [trim, *chores])
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

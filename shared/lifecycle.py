@@ -15,6 +15,7 @@ says the transition applied: the change is still atomic, its delivery is at-leas
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -23,30 +24,16 @@ from typing import Collection, Sequence
 
 from shared import telemetry
 from shared.constants import EVENT_FIELD, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
-from shared.errors import InvalidTransition
-from shared.events import Event, encode
+from shared.events import Event, State, encode
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
-
-
-class State(str, enum.Enum):
-    RECEIVED = "RECEIVED"  # gateway accepted it
-    PREPROCESSED = "PREPROCESSED"  # tokenizer produced the prompt's token ids
-    QUEUED = "QUEUED"  # in the scheduler's queue
-    SCHEDULED = "SCHEDULED"  # sent to a worker
-    PREFILLING = "PREFILLING"  # the worker is computing the prompt
-    DECODING = "DECODING"  # first token produced; generating
-    PREEMPTED = "PREEMPTED"  # blocks taken back; will recompute
-    FINISHED = "FINISHED"  # terminal: stop or length
-    FAILED = "FAILED"  # terminal: with a reason
-    CANCELLED = "CANCELLED"  # terminal: client, disconnect or shutdown
-    TIMED_OUT = "TIMED_OUT"  # terminal: deadline passed
 
 
 TERMINAL = frozenset({State.FINISHED, State.FAILED, State.CANCELLED, State.TIMED_OUT})
 _ABORT = frozenset({State.FAILED, State.CANCELLED, State.TIMED_OUT})
 
-# from-state -> states it may move to. Anything not listed is a bug and raises.
+# from-state -> states it may move to. Anything not listed is refused (Outcome.REFUSED), changing nothing.
 ALLOWED: dict[State, frozenset[State]] = {
     State.RECEIVED: frozenset({State.PREPROCESSED}) | _ABORT,
     State.PREPROCESSED: frozenset({State.QUEUED}) | _ABORT,
@@ -67,14 +54,14 @@ ALLOWED: dict[State, frozenset[State]] = {
 _WAITING_EFFECT = {State.QUEUED: "1", State.SCHEDULED: "-1", **{t: "-1" for t in TERMINAL}}
 
 
+def lua_in(var: str, states: Collection[State]) -> str:
+    """A Lua condition true when `var` holds one of `states`: the scripts' state sets are written from this
+    module's sets, never typed again in Lua."""
+    return "(" + " or ".join(f"{var} == '{s.value}'" for s in sorted(states)) + ")"
+
+
 def predecessors(to: State) -> list[str]:
     return [s.value for s, nxt in ALLOWED.items() if to in nxt]
-
-
-def check_transition(current: State, to: State) -> None:
-    """Raise InvalidTransition unless the table allows current -> to."""
-    if to not in ALLOWED[current]:
-        raise InvalidTransition(f"{current.value} -> {to.value} is not an allowed transition")
 
 
 # KEYS: meta, input, exec, kv, output, history, tokens, then the request's partition's counters, waiting set,
@@ -99,11 +86,11 @@ _TRANSITION_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
-local terminal = cur == 'FINISHED' or cur == 'FAILED' or cur == 'CANCELLED' or cur == 'TIMED_OUT'
+local terminal = @TERMINAL(cur)
 local placed = nil
 if ARGV[11] ~= '' then
   placed = redis.call('HMGET', KEYS[3], 'attempt', 'placement', 'placed_entry')
-  if ARGV[14] ~= '' and placed[2] == ARGV[14] and not terminal and cur ~= 'QUEUED' then
+  if ARGV[14] ~= '' and placed[2] == ARGV[14] and not terminal and cur ~= '@QUEUED' then
     local again = {'again', cur, redis.call('HGET', KEYS[1], 'state_since') or '0'}
     if placed[3] then again[4] = cjson.decode(placed[3]) end
     return again
@@ -167,17 +154,45 @@ for k = first, #KEYS do
 end
 if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
-"""
+""".replace("@TERMINAL(cur)", lua_in("cur", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
+
+
+class Outcome(str, enum.Enum):
+    """What a transition attempt found. Only APPLIED and AGAIN changed anything; the others are the ordinary
+    results of races between processes (redeliveries, replicas, stale owners), which callers decide about."""
+
+    APPLIED = "applied"  # the state changed
+    AGAIN = "again"  # a re-sent placement that found itself made already (applied by its first run)
+    ALREADY_THERE = "already_there"  # the request is in the target state already: a redelivery did this
+    SETTLED = "settled"  # it ended already (the first terminal wins): a counted no-op
+    REFUSED = "refused"  # the table (or the caller's only_from) does not allow the move from its current state
+    FENCED = "fenced"  # the caller no longer owns the request (its attempt is stale)
+    MISSING = "missing"  # the request has no context (never existed, or expired)
 
 
 @dataclass(frozen=True)
 class TransitionResult:
-    applied: bool  # the state changed
+    status: Outcome
     previous: State | None  # state before the attempt (None: unknown request)
     at: float = 0.0  # Redis time of the change
     entry_ids: tuple[str, ...] = ()  # stream entry ids of the events published with it
-    fenced: bool = False  # refused: the caller no longer owns the request (its attempt is stale)
-    again: bool = False  # a re-sent placement that found itself made already (applied by its first run)
+
+    @property
+    def applied(self) -> bool:
+        """The state changed (by this call, or by its first run for a re-sent placement)."""
+        return self.status in (Outcome.APPLIED, Outcome.AGAIN)
+
+    @property
+    def fenced(self) -> bool:
+        return self.status is Outcome.FENCED
+
+    @property
+    def again(self) -> bool:
+        return self.status is Outcome.AGAIN
+
+    @property
+    def refused(self) -> bool:
+        return self.status is Outcome.REFUSED
 
 
 @dataclass(frozen=True)
@@ -290,37 +305,34 @@ class Lifecycle:
         return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:
-        status, cur = _s(raw[0]), _s(raw[1])
+        status, cur = as_text(raw[0]), as_text(raw[1])
         if status == "ok":
-            at = float(_s(raw[2]))
+            at = float(as_text(raw[2]))
             telemetry.transition_event(request_id, to.value, cur, at)  # on the caller's current span, if recording
-            return TransitionResult(True, State(cur), at, tuple(_s(x) for x in raw[3:]))
+            return TransitionResult(Outcome.APPLIED, State(cur), at, tuple(as_text(x) for x in raw[3:]))
         if status == "again":  # its first run's reply was lost: the placement is made, its events with it
             logger.info("placement of %s re-sent: found made by its first run", request_id)
-            return TransitionResult(True, State(cur), float(_s(raw[2])), tuple(_s(x) for x in raw[3:]), again=True)
+            ids = tuple(as_text(x) for x in raw[3:])
+            return TransitionResult(Outcome.AGAIN, State(cur), float(as_text(raw[2])), ids)
         if status == "missing":
             logger.warning("transition %s -> %s: request has no context (expired?)", request_id, to.value)
-            return TransitionResult(False, None)
+            return TransitionResult(Outcome.MISSING, None)
         current = State(cur)
         if status == "fenced":
             logger.warning("transition %s -> %s refused: the caller's attempt is stale", request_id, to.value)
-            return TransitionResult(False, current, fenced=True)
+            return TransitionResult(Outcome.FENCED, current)
         if current in TERMINAL:
-            return TransitionResult(False, current)  # settled already: a no-op, counted by the caller
+            return TransitionResult(Outcome.SETTLED, current)  # a no-op, counted by the script
         if current == to:
-            return TransitionResult(False, current)  # a redelivered event did this already
-        raise InvalidTransition(f"request {request_id}: {current.value} -> {to.value} is not allowed")
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+            return TransitionResult(Outcome.ALREADY_THERE, current)
+        return TransitionResult(Outcome.REFUSED, current)  # the caller judges: a race lost, or a bug to log
 
 
 def _with_ids(res: TransitionResult, replies) -> TransitionResult:
     """The result with the entry ids of the events published after it (XADD replies; EXPIRE gives integers)."""
-    ids = tuple(_s(x) for x in replies if isinstance(x, (bytes, str)))
-    return TransitionResult(res.applied, res.previous, res.at, res.entry_ids + ids, res.fenced, res.again)
+    ids = tuple(as_text(x) for x in replies if isinstance(x, (bytes, str)))
+    return dataclasses.replace(res, entry_ids=res.entry_ids + ids)
 
 
 def parse_history(raw: list) -> list[dict]:
-    return [json.loads(_s(x)) for x in raw]
+    return [json.loads(as_text(x)) for x in raw]

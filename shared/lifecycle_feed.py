@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.constants import LIFECYCLE_FEED_FIELDS
+from shared.replies import as_text
 
 
 class FeedRecord(msgspec.Struct, frozen=True):
@@ -32,16 +33,12 @@ class FeedRecord(msgspec.Struct, frozen=True):
                 "service": self.service, "at": self.at, "worker": self.worker, "attempt": self.attempt}
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def decode_record(entry_id, fields: dict) -> FeedRecord:
     """A feed entry (as redis-py returns it, bytes or str) as a FeedRecord; KeyError/ValueError if malformed."""
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    f = {as_text(k): as_text(v) for k, v in fields.items()}
     missing = [k for k in LIFECYCLE_FEED_FIELDS if k not in f]
     if missing:
-        raise KeyError(f"feed record {_s(entry_id)} lacks {missing}")
-    return FeedRecord(id=_s(entry_id), rid=f["rid"], from_=f["from"], to=f["to"], reason=f["reason"],
+        raise KeyError(f"feed record {as_text(entry_id)} lacks {missing}")
+    return FeedRecord(id=as_text(entry_id), rid=f["rid"], from_=f["from"], to=f["to"], reason=f["reason"],
                       service=f["service"], at=float(f["at"]), owner=f["owner"], worker=f["worker"],
                       attempt=int(f["attempt"] or 0))

@@ -15,6 +15,7 @@ from redis.crc import key_slot as _crc_key_slot
 from redis.retry import Retry
 
 # CLUSTER_RETRY_S and NoConnectionAvailable are re-exported: callers know one module for their clients.
+from shared.backoff import REDIS_BASE_S, REDIS_CAP_S
 from shared.redis_cluster_aio import AsyncClusterClient
 from shared.redis_cluster_client import CLUSTER_RETRY_S, NoConnectionAvailable, SyncClusterClient  # noqa: F401
 from shared.settings import CommonSettings
@@ -49,7 +50,7 @@ def sync_client(settings: CommonSettings) -> redis.Redis | _sync_cluster.RedisCl
                                           socket_connect_timeout=5, retry=Retry(NoBackoff(), 0), **_auth(settings))
     return redis.Redis.from_url(
         settings.redis_url, socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5,
-        health_check_interval=30, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 3),
+        health_check_interval=30, retry=Retry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3),
         retry_on_error=list(_RETRY_ERRORS), **_auth(settings),
     )
 
@@ -71,6 +72,6 @@ def async_client(settings: CommonSettings, max_connections: int = 64,
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=pool_timeout_s,
         socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5, health_check_interval=30,
-        retry=ARetry(ExponentialBackoff(cap=2.0, base=0.05), 3), retry_on_error=list(_RETRY_ERRORS),
+        retry=ARetry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3), retry_on_error=list(_RETRY_ERRORS),
         **_auth(settings))
     return aioredis.Redis(connection_pool=pool)

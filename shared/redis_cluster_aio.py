@@ -13,8 +13,9 @@ from redis._parsers import AsyncCommandsParser
 from redis.asyncio import cluster as _async_cluster
 from redis.exceptions import NoScriptError
 
-from shared.redis_cluster_client import (NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, _str,
+from shared.redis_cluster_client import (NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts,
                                          known_keys)
+from shared.replies import as_text
 
 class _CommandsParser(AsyncCommandsParser):
     """Finds the keys of stream reads and scripts itself (shared.redis_cluster_client.known_keys says why)."""
@@ -104,7 +105,7 @@ class AsyncClusterPipeline(_async_cluster.ClusterPipeline):
         self._watched = self._multi = False
 
     def execute_command(self, *args, **kwargs):
-        if args and _str(args[0]).upper() == "WATCH":
+        if args and as_text(args[0]).upper() == "WATCH":
             self._watched = True
         return super().execute_command(*args, **kwargs)
 
@@ -217,7 +218,7 @@ class AsyncClusterPipeline(_async_cluster.ClusterPipeline):
         """A NOSCRIPT command did not run: load its script everywhere and send it again (a plain pipeline)."""
         client: AsyncClusterClient = self.cluster_client
         client._scripts.loaded.clear()
-        await client.load_scripts([_str(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
+        await client.load_scripts([as_text(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
         out = []
         for c, r in zip(sent, got):
             if isinstance(r, NoScriptError):

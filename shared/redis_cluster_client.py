@@ -47,7 +47,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (AskError, AuthenticationError, ClusterError, NoScriptError, SlotNotCoveredError,
                               TryAgainError)
 
-
+from shared.replies import as_text
 
 CLUSTER_RETRY_S = 10.0  # a cluster command failing for a retryable reason is retried for this long in all
 _CLUSTER_BACKOFF = ExponentialWithJitterBackoff(base=0.05, cap=0.5)  # pauses up to 0.1, 0.2, 0.4, 0.5, 0.5... s
@@ -56,8 +56,6 @@ _CLUSTER_BACKOFF = ExponentialWithJitterBackoff(base=0.05, cap=0.5)  # pauses up
 # master in the client's table. TRYAGAIN: a slot migrating. ASK/MOVED only escape from a MULTI/EXEC.
 _CLUSTER_RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterError, SlotNotCoveredError, TryAgainError,
                          AskError)
-
-
 
 
 class NoConnectionAvailable(redis.ConnectionError):
@@ -165,7 +163,7 @@ class _Scripts:
 
     def missing(self, commands: list[tuple], primaries: list[str]) -> list[str]:
         """The shas of registered scripts that commands (args tuples) run and some master may not have."""
-        shas = {_str(args[1]) for args in commands if _str(args[0]).upper() == "EVALSHA"}
+        shas = {as_text(args[1]) for args in commands if as_text(args[0]).upper() == "EVALSHA"}
         return [sha for sha in shas if sha in self.source and any((p, sha) not in self.loaded for p in primaries)]
 
 
@@ -176,21 +174,17 @@ def known_keys(args: tuple) -> list | None:
     """The keys of an XREAD or XREADGROUP (the first half of what follows STREAMS) or of an EVAL or EVALSHA (numkeys
     after the script), else None. redis-py asks a node for them (COMMAND GETKEYS, a round trip) before each one
     sent alone (the stream reads) or in a plain pipeline (both): the bus's reads and the lifecycle's scripts."""
-    name = _str(args[0]).upper() if args else ""
+    name = as_text(args[0]).upper() if args else ""
     if name in ("EVAL", "EVALSHA"):
         return list(args[3:3 + int(args[2])]) if len(args) > 2 else None
     start = _STREAM_READS.get(name)
     if start is None:
         return None
     for i in range(start, len(args)):
-        if _str(args[i]).upper() == "STREAMS":
+        if as_text(args[i]).upper() == "STREAMS":
             rest = args[i + 1:]
             return list(rest[:len(rest) // 2])
     return None
-
-
-def _str(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 # --- the synchronous cluster client ---------------------------------------------------------------------------------
@@ -258,7 +252,7 @@ class SyncClusterPipeline(_sync_cluster.ClusterPipeline):
     _get_command_keys = SyncClusterClient._get_command_keys
 
     def execute_command(self, *args, **kwargs):
-        if args and _str(args[0]).upper() == "WATCH":
+        if args and as_text(args[0]).upper() == "WATCH":
             self._watched = True
         return super().execute_command(*args, **kwargs)
 
@@ -314,7 +308,7 @@ class SyncClusterPipeline(_sync_cluster.ClusterPipeline):
     def _resend_noscript(self, sent: list, got: list) -> list:
         """A NOSCRIPT command did not run: load its script everywhere and send it again (a plain pipeline)."""
         self._client._scripts.loaded.clear()
-        self._client.load_scripts([_str(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
+        self._client.load_scripts([as_text(c.args[1]) for c, r in zip(sent, got) if isinstance(r, NoScriptError)])
         out = []
         for c, r in zip(sent, got):
             if isinstance(r, NoScriptError):

@@ -13,6 +13,7 @@ import uuid
 import redis
 
 from shared import liveness
+from shared.backoff import backoff_s
 from shared.constants import Names
 from shared.settings import CommonSettings
 
@@ -125,7 +126,7 @@ def run_loop(stop: StopFlag, tick, name: str, on_nogroup=None) -> None:
 
 def _back_off(name: str, e: Exception, failures: int) -> int:
     failures += 1
-    delay = min(2.0, 0.05 * 2 ** min(failures, 6))
+    delay = backoff_s(failures)
     logger.warning("%s: redis unavailable (%r); retrying in %.2f s", name, e, delay)
     time.sleep(delay)
     return failures

@@ -132,6 +132,7 @@ def trace_id(traceparent: str) -> str:
 
 def set_error(span: Span, reason: str, message: str = "") -> None:
     if span.is_recording():
+        reason = str(reason)  # a plain str for the exporters, from a Reason too
         span.set_status(Status(StatusCode.ERROR, message or reason))
         span.set_attribute("error.type", reason)
 
@@ -142,9 +143,10 @@ def transition_event(request_id: str, to: str, previous: str, at: float, reason:
     span = span if span is not None else trace.get_current_span()
     if not span.is_recording():
         return
-    attrs = {"conveyor.request_id": request_id, "conveyor.state": to, "conveyor.state.from": previous}
+    to = str(to)  # plain strs for the exporters, from a State or a Reason too
+    attrs = {"conveyor.request_id": request_id, "conveyor.state": to, "conveyor.state.from": str(previous)}
     if reason:
-        attrs["conveyor.reason"] = reason
+        attrs["conveyor.reason"] = str(reason)
     span.add_event(to, attrs, timestamp=int(at * 1e9) if at else None)
 
 
@@ -164,13 +166,38 @@ def messaging_attrs(operation: str, stream: str, group: str = "", message_id: st
 @contextmanager
 def publish_span(stream: str, request_id: str = "", context: Context | None = None) -> Iterator[Span]:
     """A PRODUCER span around one publish; inject its traceparent into the event it publishes."""
-    with _tracer.start_as_current_span(f"publish {short(stream)}", context=context, kind=SpanKind.PRODUCER,
-                                       record_exception=False) as span:
-        if span.is_recording():
-            span.set_attributes(messaging_attrs("publish", stream))
-            if request_id:
-                span.set_attribute("conveyor.request_id", request_id)
+    with trace.use_span(start_publish_span(stream, request_id, context), end_on_exit=True,
+                        record_exception=False) as span:
         yield span
+
+
+def start_publish_span(stream: str, request_id: str = "", context: Context | None = None) -> Span:
+    """publish_span's span started, not made current: a batch opens one per request and ends it once the
+    request's events are out (end_all)."""
+    span = _tracer.start_span(f"publish {short(stream)}", context=context, kind=SpanKind.PRODUCER,
+                              record_exception=False)
+    if span.is_recording():
+        span.set_attributes(messaging_attrs("publish", stream))
+        if request_id:
+            span.set_attribute("conveyor.request_id", request_id)
+    return span
+
+
+@contextmanager
+def current(span: Span | None) -> Iterator[None]:
+    """Make a span started earlier (start_*_span) the current one for a while, without ending it: what is
+    recorded meanwhile (a transition's event, a child span) goes on it. Nothing with tracing off."""
+    if span is None or _provider is None:
+        yield
+        return
+    with trace.use_span(span, end_on_exit=False, record_exception=False):
+        yield
+
+
+def end_all(*spans: Span | None) -> None:
+    for span in spans:
+        if span is not None:
+            span.end()
 
 
 def published(span: Span, entry_ids) -> None:
@@ -185,16 +212,24 @@ def process_span(delivery, consumer: str) -> Iterator[Span]:
     if _provider is None:
         yield trace.INVALID_SPAN
         return
-    ev = delivery.event
-    with _tracer.start_as_current_span(f"process {short(delivery.stream)}", context=context_from(ev.traceparent),
-                                       kind=SpanKind.CONSUMER, record_exception=False) as span:
-        span.set_attributes(messaging_attrs("process", delivery.stream, delivery.group, delivery.entry_id,
-                                            consumer))
-        rid = getattr(ev, "request_id", "")
-        if rid:
-            span.set_attribute("conveyor.request_id", rid)
-        span.set_attribute("conveyor.event", type(ev).__struct_config__.tag)
+    with trace.use_span(start_process_span(delivery, consumer), end_on_exit=True, record_exception=False) as span:
         yield span
+
+
+def start_process_span(delivery, consumer: str) -> Span | None:
+    """process_span's span started, not made current (None with tracing off): a batch opens one per delivery
+    it handles together with others, makes it current() for that delivery's work, and ends it (end_all)."""
+    if _provider is None:
+        return None
+    ev = delivery.event
+    span = _tracer.start_span(f"process {short(delivery.stream)}", context=context_from(ev.traceparent),
+                              kind=SpanKind.CONSUMER, record_exception=False)
+    span.set_attributes(messaging_attrs("process", delivery.stream, delivery.group, delivery.entry_id, consumer))
+    rid = getattr(ev, "request_id", "")
+    if rid:
+        span.set_attribute("conveyor.request_id", rid)
+    span.set_attribute("conveyor.event", type(ev).__struct_config__.tag)
+    return span
 
 
 def short(stream: str) -> str:

@@ -8,6 +8,7 @@ import time
 import redis
 import redis.asyncio as aioredis
 
+from services.scheduler import batch
 from services.scheduler.service import SchedulerService
 from shared.bus import Delivery
 from shared.context_store import ContextStore
@@ -55,7 +56,7 @@ def preprocessed_request(redis_server, names, reply_to: str = "", adaptive: bool
 
 
 def deliver(s: SchedulerService, stream: str, event) -> None:
-    s.bus.process(Delivery(stream, "scheduler", "0-1", event), s.dispatch)
+    batch.intake(s, [Delivery(stream, "scheduler", "0-1", event)])  # the tick's own path
 
 
 def state(redis_client, names, rid: str) -> str:

@@ -54,7 +54,7 @@ def test_unacked_event_of_a_killed_consumer_is_claimed_by_another(redis_server, 
         claimed = bus.sweep(names.received_stream(0), GROUP_TOKENIZER)
         time.sleep(0.05)
     assert [d.event for d in claimed] == [ev]
-    bus.ack(claimed[0])
+    bus.ack_all([claimed[0]])
     assert redis_client.xpending(names.received_stream(0), GROUP_TOKENIZER)["pending"] == 0
 
 

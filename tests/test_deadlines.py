@@ -19,7 +19,7 @@ AHEAD, OWN = Work(prefill_tokens=3200, decode_tokens=1600), Work(prefill_tokens=
 
 def costs(step_s: float, prefill_s: float = 0.001, seqs: int = 64) -> Costs:
     return Costs.of([SimpleNamespace(prefill_s_per_token=prefill_s, step_time_s=step_s, decode_s_per_token=step_s,
-                                     max_num_seqs=seqs)])
+                                     max_num_seqs=seqs, draining=False)])
 
 
 def test_a_machine_three_times_slower_stretches_the_allowance_three_times():
@@ -47,7 +47,7 @@ def test_no_measured_worker_gives_no_prediction():
 def _queued_behind(redis_server, names, redis_client):
     """Two adaptive requests queued on a cluster whose only worker has no free slot."""
     s = scheduler(redis_server, names)
-    s.on_heartbeat(heartbeat(max_num_seqs=0))
+    s.on_heartbeat(heartbeat(draining=True))
     first, second = (preprocessed_request(redis_server, names, adaptive=True) for _ in range(2))
     for ev in (first, second):
         deliver(s, names.preprocessed_stream(0), ev)

@@ -33,7 +33,7 @@ def test_removed_blocks_are_no_longer_matched():
     idx.apply(ev("w1", 1, A, cleared=True))
     idx.apply(ev("w1", 2, removed=A[2:]))
     assert idx.match(A) == {"w1": 2}
-    assert idx.blocks_of("w1") == 2
+    assert len(idx.holders["w1"].blocks) == 2
 
 
 def test_cleared_replaces_everything_the_worker_held():

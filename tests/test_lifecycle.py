@@ -7,8 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
-from shared.lifecycle import ALLOWED, TERMINAL, Lifecycle, State, check_transition
+from shared.lifecycle import ALLOWED, TERMINAL, Lifecycle, Outcome, State
 from tests.factories import request_received
 
 # A path through the table that reaches every non-terminal state.
@@ -66,12 +65,11 @@ def test_allowed_transition_is_applied_and_recorded(redis_client, names, src, ds
 
 @pytest.mark.parametrize("src,dst", [p for p in ALL_PAIRS if p[0] not in TERMINAL and p[1] not in ALLOWED[p[0]]
                                      and p[0] != p[1]])
-def test_forbidden_transition_raises(redis_client, names, src, dst):
-    with pytest.raises(InvalidTransition):
-        check_transition(src, dst)
+def test_forbidden_transition_is_refused_and_changes_nothing(redis_client, names, src, dst):
     lc, rid = _at(redis_client, names, src)
-    with pytest.raises(InvalidTransition):
-        lc.transition(rid, dst)
+    res = lc.transition(rid, dst)
+    assert (res.status, res.previous, res.applied) == (Outcome.REFUSED, src, False)
+    assert ContextStore(redis_client, names, 60).read(redis_client, rid).state == src
 
 
 @pytest.mark.parametrize("terminal", sorted(TERMINAL))
@@ -80,7 +78,7 @@ def test_terminal_state_refuses_everything_and_counts_noop(redis_client, names, 
     assert lc.transition(rid, terminal).applied
     for other in State:
         res = lc.transition(rid, other)
-        assert not res.applied and res.previous == terminal
+        assert (res.status, res.previous, res.applied) == (Outcome.SETTLED, terminal, False)
     assert int(redis_client.hget(names.counters(0), "settle_noop")) == len(TERMINAL)
 
 

@@ -6,8 +6,7 @@ import pytest
 
 from shared.constants import LIFECYCLE_FEED_MAXLEN
 from shared.context_store import ContextStore, WaitingBounds
-from shared.errors import InvalidTransition
-from shared.lifecycle import Lifecycle, Owner, State
+from shared.lifecycle import Lifecycle, Outcome, Owner, State
 from shared.lifecycle_feed import decode_record
 from tests.factories import request_received
 
@@ -54,13 +53,12 @@ def test_refused_transitions_append_no_feed_record(redis_client, names):
     for to in PATH[:3]:
         lc.transition(rid, to, owner=Owner("w", 1) if to == State.SCHEDULED else None)
     before = redis_client.xlen(names.lifecycle_feed(0))
-    with pytest.raises(InvalidTransition):
-        lc.transition(rid, State.DECODING)  # not allowed from SCHEDULED
-    assert lc.transition(rid, State.PREFILLING, fence=2).fenced  # a stale owner's attempt
-    assert not lc.transition(rid, State.SCHEDULED).applied  # a redelivered event: done already
-    assert not lc.transition("no-such-request", State.QUEUED).applied
+    assert lc.transition(rid, State.DECODING).status is Outcome.REFUSED  # not allowed from SCHEDULED
+    assert lc.transition(rid, State.PREFILLING, fence=2).status is Outcome.FENCED  # a stale owner's attempt
+    assert lc.transition(rid, State.SCHEDULED).status is Outcome.ALREADY_THERE  # a redelivered event: done already
+    assert lc.transition("no-such-request", State.QUEUED).status is Outcome.MISSING
     assert lc.transition(rid, State.CANCELLED).applied
-    assert not lc.transition(rid, State.FAILED).applied  # settled already
+    assert lc.transition(rid, State.FAILED).status is Outcome.SETTLED  # settled already
     assert redis_client.xlen(names.lifecycle_feed(0)) == before + 1
     assert _feed(redis_client, names)[-1].to == "CANCELLED"
 

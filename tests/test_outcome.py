@@ -31,7 +31,7 @@ ENDINGS = [  # (ending, state in Redis, HTTP status, native stream finish_reason
     (failed("state_lost"), State.FAILED, 503, "error", "failure", "state_lost"),
     (failed("overloaded", retry_after_s=3), State.FAILED, 429, "error", "failure", "overloaded"),
     (failed("oom"), State.FAILED, 500, "error", "failure", "oom"),
-    (TimedOut(request_id="r", where="QUEUED"), State.TIMED_OUT, 504, "timeout", "timeouts", None),
+    (TimedOut(request_id="r", state=State.QUEUED), State.TIMED_OUT, 504, "timeout", "timeouts", None),
     (Cancelled(request_id="r", reason="client_cancel"), State.CANCELLED, 499, "cancelled", "cancellations",
      "client_cancel"),
 ]

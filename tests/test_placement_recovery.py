@@ -211,7 +211,7 @@ def test_a_heartbeat_read_by_a_replica_with_a_stale_placement_does_not_erase_the
     [first] = scheduled_on(redis_client, names)
     deliver(a, names.control_stream, HandBack(request_id=ev.request_id, worker_id=WORKER, reason="shutdown",
                                               scheduled=first, output_token_ids=()))  # requeued, its placement dropped
-    a.on_heartbeat(heartbeat(max_num_seqs=0))  # w1 takes no more work
+    a.on_heartbeat(heartbeat(draining=True))  # w1 takes no more work
     a.on_heartbeat(heartbeat("w2"))
     a.place()
     [(read, _)] = redis_client.xrange(names.worker_stream(WORKER))

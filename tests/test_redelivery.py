@@ -103,7 +103,7 @@ def _tick_for(s: SchedulerService, seconds: float) -> None:
 
 def test_request_of_a_dead_gateway_is_cancelled_and_its_reply_stream_told(redis_server, redis_client, names):
     s = scheduler(redis_server, names, liveness_ttl_s=0.2)
-    s.on_heartbeat(heartbeat(max_num_seqs=0))  # no room: the request stays queued
+    s.on_heartbeat(heartbeat(draining=True))  # no room: the request stays queued
     ev = preprocessed_request(redis_server, names, reply_to=names.reply_stream("gone"))
     deliver(s, names.preprocessed_stream(0), ev)
     wait_for(lambda: (s.recover_lost(), state(redis_client, names, ev.request_id) == "CANCELLED")[1], 10,
@@ -150,7 +150,7 @@ def test_a_worker_that_lost_its_request_writes_no_token_for_it(redis_server, red
     stale = StepPublisher(redis_client, names, WORKER, Lifecycle(redis_client, names, "worker", 60),
                           ContextStore(redis_client, names, 60), 60)
     active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
-    step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0)], transitions=[(ev.request_id, "DECODING")])
+    step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0)], transitions=[(ev.request_id, State.DECODING)])
     lost = stale.publish(1, step, active, lambda rid: None)  # w1 wakes up and publishes its step
     assert lost == {ev.request_id}
     assert redis_client.llen(names.tokens(ev.request_id)) == 0
@@ -165,7 +165,8 @@ def test_a_step_published_again_appends_its_tokens_once(redis_server, redis_clie
     ev = placed(redis_server, names, s)
     pub = StepPublisher(redis_client, names, WORKER, Lifecycle(redis_client, names, "worker", 60),
                         ContextStore(redis_client, names, 60), 60)
-    step = StepResult(outputs=[RequestOutput(ev.request_id, [42, 43], 0)], transitions=[(ev.request_id, "PREFILLING")])
+    step = StepResult(outputs=[RequestOutput(ev.request_id, [42, 43], 0)],
+                      transitions=[(ev.request_id, State.PREFILLING)])
     for _ in range(2):  # the same step, as a retry sends it (the worker's record is extended only after success)
         active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
         assert pub.publish(1, step, active, lambda rid: None) == set()

@@ -77,7 +77,7 @@ def test_a_workers_step_on_a_cluster_writes_nothing_for_a_request_placed_elsewhe
     active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1) for ev in evs}
     step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0, finished=True, finish_reason="length")
                                for ev in evs],
-                      transitions=[(ev.request_id, to) for ev in evs for to in ("PREFILLING", "DECODING")])
+                      transitions=[(ev.request_id, to) for ev in evs for to in (State.PREFILLING, State.DECODING)])
     assert pub.publish(1, step, active, lambda rid: ([1], 0)) == {stale.request_id}
     layer = lambda ev, name: s.r.hgetall(s.names.layer(ev.request_id, name))  # noqa: E731
     assert s.r.lrange(s.names.tokens(stale.request_id), 0, -1) == []

@@ -117,7 +117,7 @@ def test_a_request_preempted_after_its_stop_string_that_times_out_meanwhile_is_a
             assert not task.done()  # not settled while preempted: it waits
             scheduler = Lifecycle(redis_client, names, "scheduler", 60)
             assert scheduler.transition(rid, State.TIMED_OUT, "deadline").applied
-            h.deliver(TimedOut(request_id=rid, where="PREEMPTED", service="scheduler"))
+            h.deliver(TimedOut(request_id=rid, state=State.PREEMPTED, service="scheduler"))
             await asyncio.wait_for(task, 10)
             with pytest.raises(GatewayError) as raised:
                 await final_body(core, h)

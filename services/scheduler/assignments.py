@@ -19,6 +19,7 @@ from services.scheduler.recovery import CHANGES_MAXLEN, Assignment
 from shared.bus import entry_key
 from shared.constants import Names
 from shared.events import Scheduled
+from shared.lifecycle import TERMINAL, State, lua_in
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +33,17 @@ _enc = msgspec.msgpack.Encoder()
 _RECORD_LUA = """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[2] then return 'fenced' end
 local st = redis.call('HGET', KEYS[2], 'state')
-if st == 'QUEUED' then return 'moved' end
+if st == '@QUEUED' then return 'moved' end
 if redis.call('HDEL', KEYS[5], ARGV[1]) == 1 then
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'rid', ARGV[1], 'by', ARGV[4])
 end
-if st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' or st == 'TIMED_OUT' then return 'over' end
+if @TERMINAL(st) then return 'over' end
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[3] then
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*', 'rid', ARGV[1], 'by', ARGV[4])
 end
 return 'recorded'
-"""
+""".replace("@TERMINAL(st)", lua_in("st", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
 
 # KEYS: exec, assigned, assigned changes. ARGV: request id, the placement's attempt, writer, changes maxlen.
 # Refused (0) while exec holds another attempt: the stored placement is a later one's.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from shared.events import KvEvents
+from shared.events import KvEvents, ResyncReason
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class KvIndex:
     def __init__(self) -> None:
         self.by_hash: dict[bytes, set[str]] = {}
         self.holders: dict[str, _Holder] = {}
-        self.lagging: dict[str, str] = {}  # worker -> why its entries are not known (until it announces them)
+        self.lagging: dict[str, ResyncReason] = {}  # worker -> why its entries are not known (until it announces them)
 
     def apply(self, ev: KvEvents) -> None:
         """Apply one worker's event in stream order (a redelivered one changes nothing)."""
@@ -53,10 +53,10 @@ class KvIndex:
             self.drop_worker(ev.worker_id)
             h = self.holders[ev.worker_id] = _Holder(ev.incarnation, ev.seq)
         elif h is None or h.incarnation != ev.incarnation:
-            self._lose(ev.worker_id, "unknown_incarnation")
+            self._lose(ev.worker_id, ResyncReason.UNKNOWN_INCARNATION)
             return
         elif ev.seq != h.seq + 1:
-            self._lose(ev.worker_id, f"gap {h.seq}->{ev.seq}")
+            self._lose(ev.worker_id, ResyncReason.GAP, f"{h.seq}->{ev.seq}")
             return
         h.seq = ev.seq
         for b in ev.removed:
@@ -75,11 +75,12 @@ class KvIndex:
             return
         h = self.holders.get(worker_id)
         if h is None or h.incarnation != incarnation or h.seq < seq:
-            self._lose(worker_id, "missed")
+            self._lose(worker_id, ResyncReason.MISSED)
 
-    def _lose(self, worker_id: str, why: str) -> None:
+    def _lose(self, worker_id: str, why: ResyncReason, detail: str = "") -> None:
         if worker_id not in self.lagging:
-            logger.warning("KV index lost track of worker %s (%s): asking it to announce its cache", worker_id, why)
+            logger.warning("KV index lost track of worker %s (%s%s): asking it to announce its cache", worker_id, why,
+                           f" {detail}" if detail else "")
         self.drop_worker(worker_id)
         self.lagging[worker_id] = why
 
@@ -117,7 +118,3 @@ class KvIndex:
         for w in alive or ():
             matched[w] = depth
         return matched
-
-    def blocks_of(self, worker_id: str) -> int:
-        h = self.holders.get(worker_id)
-        return len(h.blocks) if h is not None else 0

@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from shared.constants import Names
-from shared.events import CancelRequested, Cancelled, Preprocessed, Scheduled
+from shared.events import CancelRequested, Cancelled, Preprocessed, Reason, Scheduled
 from shared.lifecycle import Publish, State
 from shared.runtime import Liveness
 
@@ -126,7 +126,7 @@ def gateway_of(reply_to: str) -> str:
 
 def zombie_cancels(lost: list[Assignment]) -> list[tuple[str, CancelRequested]]:
     """Cancels to leave on a lost worker's stream, should it wake up."""
-    return [(a.worker_id, CancelRequested(request_id=a.scheduled.request_id, reason="worker_lost",
+    return [(a.worker_id, CancelRequested(request_id=a.scheduled.request_id, reason=Reason.WORKER_LOST,
                                           worker_id=a.worker_id)) for a in lost]
 
 
@@ -140,7 +140,7 @@ def requeue_undelivered(svc, over: list[Assignment]) -> None:
     for a, state in zip(over, pipe.execute()):
         if state == State.SCHEDULED.value.encode():
             logger.warning("%s never reached worker %s: queueing it again", a.scheduled.request_id, a.worker_id)
-            svc.requeue(a.scheduled, a.scheduled.output_token_ids, "lost_in_transit", only_from=(State.SCHEDULED,))
+            svc.requeue(a.scheduled, a.scheduled.output_token_ids, Reason.LOST_IN_TRANSIT, only_from=(State.SCHEDULED,))
 
 
 def recover_lost(svc) -> None:
@@ -152,7 +152,7 @@ def recover_lost(svc) -> None:
                        time.monotonic() - w.seen_at, len(lost))
         for a in lost:
             tokens = tuple(int(t) for t in svc.r.lrange(svc.names.tokens(a.scheduled.request_id), 0, -1))
-            svc.requeue(a.scheduled, tokens, "worker_lost")
+            svc.requeue(a.scheduled, tokens, Reason.WORKER_LOST)
         for wid, cancel in zombie_cancels(lost):
             svc.bus.publish(svc.names.worker_stream(wid), cancel)
         svc.assignments.drop([a.scheduled for a in lost])
@@ -171,7 +171,7 @@ def recover_lost(svc) -> None:
 def cancel_orphan(svc, request_id: str, reply_to: str) -> None:
     """Its gateway is gone: settle CANCELLED, telling its reply stream (a gateway that comes back under the same
     id, and any reader of the stream, sees the end), and stop the work."""
-    end = Cancelled(request_id=request_id, reason="client_disconnect", service="scheduler")
-    if svc._try(request_id, State.CANCELLED, "client_disconnect", [Publish(reply_to, end)]):
+    end = Cancelled(request_id=request_id, reason=Reason.CLIENT_DISCONNECT, service="scheduler")
+    if svc._try(request_id, State.CANCELLED, Reason.CLIENT_DISCONNECT, [Publish(reply_to, end)]):
         logger.info("cancelled %s: its gateway is gone", request_id)
-        svc.on_cancel(CancelRequested(request_id=request_id, reason="client_disconnect"))
+        svc.on_cancel(CancelRequested(request_id=request_id, reason=Reason.CLIENT_DISCONNECT))

@@ -33,10 +33,10 @@ from services.scheduler.recovery import (Assignment, QueueRecords, QueuedRecord,
 from services.scheduler.sync import ON_A_WORKER
 from shared.bus import plain_events
 from shared.constants import Names
-from shared.errors import InvalidTransition
-from shared.events import Failed, Heartbeat, Scheduled
+from shared.events import Failed, Heartbeat, Reason, Scheduled
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.settings import SchedulerSettings
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def read_placements(client, names: Names, rids: list[str]) -> list[Found]:
     out = []
     for i, rid in enumerate(rids):
         state, (attempt, worker), assigned, raw = got[4 * i:4 * i + 4]
-        out.append(Found(rid, _s(state) if state else None, int(attempt) if attempt else 0,
+        out.append(Found(rid, as_text(state) if state else None, int(attempt) if attempt else 0,
                          msgspec.json.decode(worker) if worker else "", bool(assigned),
                          decode_queued(raw) if raw else None))
     return out
@@ -149,7 +149,7 @@ class PlacementSweep:
             for p, skip in todo.items():
                 pipe.zrangebyscore(n.state_set(p, State.SCHEDULED.value), "-inf", cutoff, start=skip, num=BATCH,
                                    withscores=True)
-            found = [(p, [(_s(rid), since) for rid, since in ids]) for p, ids in zip(todo, pipe.execute())]
+            found = [(p, [(as_text(rid), since) for rid, since in ids]) for p, ids in zip(todo, pipe.execute())]
             pipe = self.r.pipeline(transaction=False)
             for p, ids in found:
                 for rid, _since in ids:
@@ -186,7 +186,7 @@ class PlacementSweep:
                     return entry_id, ev
             if len(entries) < PAGE:
                 return None
-            start = f"({_s(entries[-1][0])}"
+            start = f"({as_text(entries[-1][0])}"
         return None
 
     def _requeue(self, f: Found) -> int:
@@ -194,18 +194,16 @@ class PlacementSweep:
         by its attempt and only from SCHEDULED, so a worker that got it after all is refused, and a second sweep
         (or another replica's) changes nothing."""
         rec, rid, fence = f.record, f.request_id, {"fence": f.attempt, "only_from": (State.SCHEDULED,)}
-        try:
-            if f.attempt >= self.max_attempts:
-                fail = Failed(request_id=rid, reason="worker_lost", service="scheduler",
-                              message=f"the request could not be placed after {f.attempt} attempts; giving up",
-                              traceparent=rec.event.traceparent)
-                res = self.lifecycle.transition(rid, State.FAILED, "worker_lost", [Publish(rec.event.reply_to, fail)],
-                                                **fence)
-            else:
-                res = self.lifecycle.transition(rid, State.QUEUED, "lost_in_transit", (), **fence)
-        except InvalidTransition as e:  # its worker moved it on meanwhile
-            logger.info("not requeueing %s: %s", rid, e)
-            return 0
+        if f.attempt >= self.max_attempts:
+            fail = Failed(request_id=rid, reason=Reason.WORKER_LOST, service="scheduler",
+                          message=f"the request could not be placed after {f.attempt} attempts; giving up",
+                          traceparent=rec.event.traceparent)
+            res = self.lifecycle.transition(rid, State.FAILED, Reason.WORKER_LOST, [Publish(rec.event.reply_to, fail)],
+                                            **fence)
+        else:
+            res = self.lifecycle.transition(rid, State.QUEUED, Reason.LOST_IN_TRANSIT, (), **fence)
+        if res.refused:  # its worker moved it on meanwhile
+            logger.info("not requeueing %s: it is %s", rid, res.previous.value)
         if not res.applied:
             return 0
         if f.attempt >= self.max_attempts:
@@ -235,7 +233,3 @@ def retake_behind(svc, q) -> None:
         svc.records.put(q.request_id, encode_queued(item))
         logger.warning("%s was QUEUED with a record behind its attempt %d: queued again at %d", q.request_id,
                        f.attempt, f.attempt + 1)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

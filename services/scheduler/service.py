@@ -23,7 +23,6 @@ from services.scheduler.repair import HeldUnknown, PlacementSweep
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
-from services.scheduler.tracing import queue_span, schedule_span
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from services.scheduler.sync import ReplicaSync
 from shared import telemetry
@@ -31,9 +30,9 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
+from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Scheduled,
+from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled,
                            TimedOut)
 from shared.janitor import scheduler_janitor
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
@@ -85,6 +84,8 @@ class SchedulerService:
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
         # scheduler has been in contact for a whole liveness TTL again (their heartbeats resume within it).
         self._contact_since, self._last_tick = float("-inf"), time.monotonic()
+        # Preprocessed requests are taken in together first (batch.intake); these one by one.
+        self.handlers = TypeDispatcher({CancelRequested: self.on_cancel, HandBack: self.on_hand_back})
 
     def run(self) -> None:
         stop = StopFlag()
@@ -122,10 +123,7 @@ class SchedulerService:
             self.sync()
             self.recover_lost()
             refusal.refuse_those_too_late(self)
-        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
-            self.bus.process_all(deliveries, self.dispatch)
-        else:
-            batch.intake(self, deliveries)
+        batch.intake(self, deliveries)
         self.expire_deadlines()
         self.place()
         self._last_tick = time.monotonic()
@@ -147,16 +145,14 @@ class SchedulerService:
         self.ensure_groups()
 
     def dispatch(self, d: Delivery) -> None:
-        ev = d.event
-        if isinstance(ev, Preprocessed):
-            self.on_preprocessed(ev)
-        elif isinstance(ev, CancelRequested):
-            self.on_cancel(ev)
-        elif isinstance(ev, HandBack):
-            if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
-                self.assignments.drop([ev.scheduled])
+        if self.handlers.handles(d.event):
+            self.handlers(d.event)
         else:
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            logger.error("unexpected %s on %s", type(d.event).__name__, d.stream)
+
+    def on_hand_back(self, ev: HandBack) -> None:
+        if self.requeue(ev.scheduled, ev.output_token_ids, ev.reason):
+            self.assignments.drop([ev.scheduled])
 
     def sync(self) -> None:
         """Align with what Redis holds: queued requests and placements are shared by every scheduler replica
@@ -165,16 +161,10 @@ class SchedulerService:
         last sync (sync.py)."""
         self.replicas.sync()
 
-    def on_preprocessed(self, ev: Preprocessed) -> None:
-        try:  # only from PREPROCESSED: a redelivery finds the request queued, placed or ended, and moves nothing
-            res = self.lifecycle.transition(ev.request_id, State.QUEUED, only_from=(State.PREPROCESSED,))
-        except InvalidTransition:
-            return  # a redelivery of a request already placed
-        self.after_queued(ev, res, self.r)
-
     def after_queued(self, ev: Preprocessed, res: TransitionResult, client) -> None:
-        """After the QUEUED transition: queue it here and store its record (through client: a pipeline when
-        batched); or adopt a redelivered request that is QUEUED already."""
+        """After the QUEUED transition (batch.intake): queue it here and store its record (through client, a
+        pipeline); or adopt a redelivered request that is QUEUED already. Refused (a redelivery of a request placed
+        since) or ended: nothing to do."""
         if res.applied:
             item = self.queue.push(ev)
             if item is not None and refusal.refuse_if_too_late(self, item):
@@ -242,10 +232,10 @@ class SchedulerService:
         (another attempt, or QUEUED already) and changes nothing. True when this call moved it."""
         fence = {"fence": sch.attempt, "only_from": only_from}
         if sch.attempt >= self.s.max_attempts:
-            fail = Failed(request_id=sch.request_id, reason="worker_lost", service="scheduler",
+            fail = Failed(request_id=sch.request_id, reason=Reason.WORKER_LOST, service="scheduler",
                           message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
                           traceparent=sch.traceparent)
-            return self._try(sch.request_id, State.FAILED, "worker_lost", [Publish(sch.reply_to, fail)], **fence)
+            return self._try(sch.request_id, State.FAILED, Reason.WORKER_LOST, [Publish(sch.reply_to, fail)], **fence)
         if not self._try(sch.request_id, State.QUEUED, reason, (), **fence):
             return False  # settled or moved on meanwhile
         bs = self.s.block_size  # what it resumes from is prompt + outputs: the blocks to match are theirs
@@ -265,11 +255,10 @@ class SchedulerService:
     def _try(self, request_id: str, to: State, reason: str, publish, **kw) -> bool:
         """A transition that may find the request elsewhere than the caller believed (another replica or a
         redelivery moved it): that is a no-op, never an error that would stop the scheduler."""
-        try:
-            return self.lifecycle.transition(request_id, to, reason, publish, **kw).applied
-        except InvalidTransition as e:
-            logger.info("%s", e)
-            return False
+        res = self.lifecycle.transition(request_id, to, reason, publish, **kw)
+        if res.refused:
+            logger.info("request %s: not moved to %s, it is %s", request_id, to.value, res.previous.value)
+        return res.applied
 
     def on_cancel(self, ev: CancelRequested) -> None:
         if self.queue.remove(ev.request_id) is not None:
@@ -318,12 +307,11 @@ class SchedulerService:
         if not isinstance(rid, str) or not isinstance(reply_to, str):
             return
         self.queue.remove(rid)
-        fail = Failed(request_id=rid, reason="internal", service="scheduler",
+        fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="scheduler",
                       message=f"the scheduler could not process this request ({why})")
-        try:
-            self.lifecycle.transition(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
-        except InvalidTransition as e:
-            logger.error("cannot fail dead-lettered %s: %s", rid, e)
+        res = self.lifecycle.transition(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])
+        if not res.applied:
+            logger.error("cannot fail dead-lettered %s: %s", rid, res.status.value)
 
     def expire_deadlines(self) -> None:
         now = time.time()
@@ -334,16 +322,15 @@ class SchedulerService:
                 continue
             self.queue.remove(q.request_id)
             self.records.drop([q.request_id])
-            out = TimedOut(request_id=q.request_id, where=State.QUEUED.value, service="scheduler",
+            out = TimedOut(request_id=q.request_id, state=State.QUEUED, service="scheduler",
                            traceparent=q.event.traceparent)
-            self._try(q.request_id, State.TIMED_OUT, "deadline", [Publish(q.event.reply_to, out)],
+            self._try(q.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(q.event.reply_to, out)],
                       only_from=(State.QUEUED,))
 
     def place(self) -> None:
-        """Place queued requests in (priority, arrival) order while some live worker has room. Without tracing,
-        up to PLACE_BATCH placements go out together (batch.send_all); their room is reserved as they are chosen."""
+        """Place queued requests in (priority, arrival) order while some live worker has room: up to PLACE_BATCH
+        placements go out together (batch.send_all); their room is reserved as they are chosen."""
         live, picks = self._live_views(), []
-        traced = telemetry.enabled()
         while live and (head := self.queue.peek()) is not None and len(picks) < batch.PLACE_BATCH:
             need = blocks_needed(len(head.event.prompt_token_ids) + len(head.output_token_ids), live[0].hb.block_size)
             fits = [w for w in live if w.free_slots(self.s.queue_slack) > 0]
@@ -352,15 +339,9 @@ class SchedulerService:
             decision = self.router.choose(head, fits, need, live[0].hb.block_size)  # placement.py: the policy
             best, reserve = self.workers[decision.worker_id], decision.new_blocks(need)
             self.queue.pop()
-            if not traced:
-                best.add_inflight(head.request_id, batch.RESERVED, reserve)
-                picks.append((head, best, reserve, decision))
-                continue
-            with schedule_span(head, best, fits, need, decision) as span:
-                queued_at = self.r.hget(self.names.layer(head.request_id, "meta"), "state_since") \
-                    if span.is_recording() else None
-                res = batch.send_one(self, head, best, reserve, decision)
-                queue_span(head, queued_at, res)
+            best.add_inflight(head.request_id, batch.RESERVED, reserve)
+            picks.append(batch.Pick(head, best, reserve, decision,
+                                    batch.pick_spans(self, head, best, fits, need, decision)))
         if picks:
             batch.send_all(self, picks)
 

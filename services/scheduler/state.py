@@ -157,7 +157,7 @@ class WorkerView:
         return now - self.seen_at <= ttl_s and now - self.progress_at <= hang_s
 
     def free_slots(self, slack: int) -> int:
-        if self.hb is None or self.hb.max_num_seqs == 0:  # unheard of, or draining
+        if self.hb is None or self.hb.draining:  # unheard of, or stopping
             return 0
         return self.hb.max_num_seqs + slack - self.hb.num_running - self.hb.num_waiting - len(self.inflight)
 

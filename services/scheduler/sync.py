@@ -23,6 +23,7 @@ import time
 from services.scheduler.recovery import CHANGES_MAXLEN, decode_assignment, decode_queued
 from services.scheduler.state import WorkerView
 from shared.lifecycle import State
+from shared.replies import as_text
 
 ON_A_WORKER = frozenset(s.value for s in (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED))
 
@@ -78,11 +79,11 @@ class ReplicaSync:
             pipe.hgetall(svc.names.queue(p))
         got = pipe.execute()
         figures, placed, queues = got[:len(streams)], got[len(streams):-len(parts)], got[-len(parts):]
-        self.cursors = {s: Cursor(_s(f[2]), int(f[0])) for s, f in zip(streams, figures)}
-        svc.assignments.by_request = {_s(k): decode_assignment(v) for part in placed for k, v in part.items()}
+        self.cursors = {s: Cursor(as_text(f[2]), int(f[0])) for s, f in zip(streams, figures)}
+        svc.assignments.by_request = {as_text(k): decode_assignment(v) for part in placed for k, v in part.items()}
         for a in svc.assignments.by_request.values():
             svc.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
-        stored = {_s(rid): payload for part in queues for rid, payload in part.items()}
+        stored = {as_text(rid): payload for part in queues for rid, payload in part.items()}
         for rid in [q.request_id for q in svc.queue.items() if q.request_id not in stored]:
             svc.queue.remove(rid)  # placed or cancelled by another replica
         self._adopt(stored)
@@ -105,7 +106,7 @@ class ReplicaSync:
                     logger.warning("changes of %s were trimmed before this replica read them: reading everything",
                                    stream)
                     return False
-                ids = {_s(f[b"rid"]) for _id, f in _fields(entries) if _s(f[b"by"]) != self.writer}
+                ids = {as_text(f[b"rid"]) for _id, f in _fields(entries) if as_text(f[b"by"]) != self.writer}
                 (placed if stream in placements else queued).update(ids)
                 more = more or len(entries) == CHANGES_MAXLEN
             if not more:
@@ -118,7 +119,7 @@ class ReplicaSync:
         if added < cur.seen or added - length + 1 > cur.seen + 1:  # recreated, or trimmed past the cursor
             return False
         if entries:
-            cur.at, cur.seen = _s(entries[-1][0]), cur.seen + len(entries)
+            cur.at, cur.seen = as_text(entries[-1][0]), cur.seen + len(entries)
         return True
 
     def _apply(self, queued: list[str], placed: list[str]) -> None:
@@ -159,9 +160,9 @@ class ReplicaSync:
         stale = []
         for rid, state in zip(todo, pipe.execute()):
             svc.queue.remove(rid)
-            if state is not None and _s(state) == State.QUEUED.value:
+            if state is not None and as_text(state) == State.QUEUED.value:
                 svc.push_record(recs[rid])
-            elif state is None or _s(state) not in ON_A_WORKER:
+            elif state is None or as_text(state) not in ON_A_WORKER:
                 stale.append(rid)
         svc.records.drop(stale)
 
@@ -170,7 +171,3 @@ def _fields(entries: list):
     """(entry id, {field: value}) of a script's XRANGE reply (flat field lists)."""
     for entry_id, flat in entries:
         yield entry_id, {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

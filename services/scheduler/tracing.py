@@ -4,21 +4,19 @@ request's queue_wait exactly)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from shared import telemetry
 
 
-@contextmanager
-def schedule_span(q, best, candidates, need_blocks: int, decision) -> Iterator[Span]:
+def start_schedule_span(q, best, candidates, need_blocks: int, decision) -> Span:
+    """The `schedule` span of one placement, started (not current): it stays open until the placement is sent
+    with the others of its tick (batch.send_all ends it)."""
     if not telemetry.enabled():
-        yield INVALID_SPAN
-        return
+        return INVALID_SPAN
     ctx = telemetry.context_from(q.event.traceparent)
-    with telemetry.tracer().start_as_current_span("schedule", context=ctx, record_exception=False) as span:
+    span = telemetry.tracer().start_span("schedule", context=ctx, record_exception=False)
+    if span.is_recording():
         span.set_attributes({
             "conveyor.request_id": q.request_id, "conveyor.worker_id": best.worker_id,
             "conveyor.attempt": q.attempt, "conveyor.schedule.blocks_needed": need_blocks,
@@ -31,7 +29,7 @@ def schedule_span(q, best, candidates, need_blocks: int, decision) -> Iterator[S
             "conveyor.schedule.prompt_blocks": decision.prompt_blocks,
             "conveyor.schedule.matched_blocks": [int(decision.matched.get(w.worker_id, 0)) for w in candidates],
         })
-        yield span
+    return span
 
 
 def queue_span(q, queued_at_raw, res) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
+from dataclasses import dataclass
 
 import jinja2
+from opentelemetry.trace import Span
 
 from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared import telemetry
@@ -20,8 +21,7 @@ from shared.block_hash import block_hashes
 from shared.bus import Bus, Delivery, event_field
 from shared.constants import GROUP_TOKENIZER
 from shared.context_store import ContextStore
-from shared.errors import InvalidTransition
-from shared.events import Failed, Preprocessed, RequestReceived
+from shared.events import Failed, Preprocessed, Reason, RequestReceived
 from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
@@ -58,7 +58,8 @@ class Preprocessor:
         except jinja2.TemplateError as e:
             # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
             # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
-            raise PromptError("invalid", "messages", f"messages: the model's chat template refuses them: {e}") from e
+            raise PromptError(Reason.INVALID, "messages",
+                              f"messages: the model's chat template refuses them: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
@@ -70,15 +71,27 @@ class Preprocessor:
             ids = self.tok.encode(ev.prompt or "")
             field = "prompt"
         if not ids:
-            raise PromptError("invalid", field, f"{field} tokenizes to no tokens")
+            raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
         if len(ids) >= self.max_len:
-            raise PromptError("too_long", field, f"{field} is {len(ids)} tokens; the context window is "
+            raise PromptError(Reason.TOO_LONG, field, f"{field} is {len(ids)} tokens; the context window is "
                               f"{self.max_len} tokens and at least 1 must be left for output")
         if len(ids) + ev.sampling.max_tokens > self.max_len:
-            raise PromptError("invalid", "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
+            raise PromptError(Reason.INVALID, "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
                               f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
                               f"{self.max_len - len(ids)}")
         return ids
+
+
+@dataclass
+class _Plan:
+    """One delivery of a batch: what its pipeline holds for it, and its spans (None with tracing off)."""
+
+    d: Delivery
+    process: Span | None = None
+    publish: Span | None = None
+    to: State | None = None  # its transition (None: not a request)
+    at: int = -1  # the index of the transition's reply in the pipeline
+    later: tuple[Publish, ...] = ()  # its events to publish after the transition (another slot's streams)
 
 
 class TokenizerService:
@@ -108,75 +121,75 @@ class TokenizerService:
         if self.live.due():
             deliveries += self.bus.sweep_all(self.streams, GROUP_TOKENIZER)
             self.live.refresh(self.r)
-        if telemetry.enabled():  # each request in its own spans, its writes timed inside them
-            self.bus.process_all(deliveries, self.handle)
-        elif deliveries:
+        if deliveries:
             self.handle_batch(deliveries)
-
-    def handle(self, d: Delivery) -> None:
-        ev = d.event
-        if not isinstance(ev, RequestReceived):
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-            return
-        try:
-            with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
-                span.set_attribute("conveyor.request_id", ev.request_id)
-                try:
-                    ids = self._token_ids(ev)
-                except PromptError as e:
-                    telemetry.set_error(span, e.reason, str(e))
-                    raise
-                span.set_attribute("gen_ai.usage.input_tokens", len(ids))
-        except PromptError as e:
-            fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
-            self._settle(ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)])
-        else:
-            self.store.update(self.r, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-            stream = self.names.preprocessed_stream(self.names.partition(ev.request_id))
-            with telemetry.publish_span(stream, ev.request_id) as pub:
-                out = self._preprocessed(ev, ids, telemetry.traceparent_of(pub, ev.traceparent))
-                res = self._settle(ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
-                telemetry.published(pub, res.entry_ids if res else ())
 
     def handle_batch(self, deliveries: list[Delivery]) -> None:
         """Every request of a tick in one pipeline (input layers and transitions with their events), acknowledged
-        together: a burst costs the tokenizer two round trips a tick, not three a request."""
+        together: a burst costs the tokenizer two round trips a tick, not three a request. Traced, each request
+        has its own spans all the same (process, tokenize, publish), open until its events are out."""
         pipe = self.r.pipeline(transaction=False)
-        planned = [(d, self._queue(pipe, d)) for d in deliveries]
-        replies = pipe.execute(raise_on_error=False)
-        done, applied = [], []
-        for d, plan in planned:
-            if plan is None:
-                done.append(d)  # not a request: logged, nothing to retry
-            elif isinstance(replies[plan[1]], Exception):  # left pending: retried, then dead-lettered
-                logger.error("preprocessing %s failed: %r", d.event.request_id, replies[plan[1]])
-            else:
-                rid, (to, at, later) = d.event.request_id, plan
-                res = self._outcome(rid, to, lambda: self.lifecycle.interpret(rid, to, replies[at]))
-                if res is not None:
-                    applied.append((res, later))
-                done.append(d)
-        self.lifecycle.complete(self.r, applied)  # before the acknowledgement: a failure leaves them pending
+        plans = [self._queue(pipe, d) for d in deliveries]
+        try:
+            replies = pipe.execute(raise_on_error=False)
+            done, applied = [], []
+            for p in plans:
+                if p.to is None:
+                    done.append(p.d)  # not a request: logged, nothing to retry
+                elif isinstance(replies[p.at], Exception):  # left pending: retried, then dead-lettered
+                    logger.error("preprocessing %s failed: %r", p.d.event.request_id, replies[p.at])
+                else:
+                    rid = p.d.event.request_id
+                    with telemetry.current(p.publish or p.process):  # the transition's event goes on it
+                        res = self._outcome(rid, p.to, self.lifecycle.interpret(rid, p.to, replies[p.at]))
+                    applied.append((p, res))
+                    done.append(p.d)
+            # Before the acknowledgement: a failure leaves them pending.
+            results = self.lifecycle.complete(self.r, [(res, p.later) for p, res in applied])
+            for (p, _res), res in zip(applied, results):
+                if p.publish is not None:
+                    telemetry.published(p.publish, res.entry_ids)
+        finally:
+            for p in plans:
+                telemetry.end_all(p.publish, p.process)
         self.bus.ack_all(done)
 
-    def _queue(self, pipe, d: Delivery) -> tuple[State, int, tuple[Publish, ...]] | None:
-        """Queue the request's writes on pipe: (the transition, the index of its reply, the events to publish
-        after it), or None if no request."""
-        ev = d.event
+    def _queue(self, pipe, d: Delivery) -> _Plan:
+        """Queue the request's writes on pipe (its spans opened first, when tracing): the transition, the index of
+        its reply and the events to publish after it."""
+        ev, plan = d.event, _Plan(d, telemetry.start_process_span(d, self.id))
         if not isinstance(ev, RequestReceived):
             logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
-            return None
-        try:
-            ids = self._token_ids(ev)
-        except PromptError as e:
-            later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
-                                         [Publish(ev.reply_to, self._failed(ev, e, ev.traceparent))])
-            return State.FAILED, len(pipe) - 1, later
-        self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
-        out = self._preprocessed(ev, ids, ev.traceparent)
-        later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "",
-                                     [Publish(self.names.preprocessed_stream(self.names.partition(ev.request_id)), out)])
-        return State.PREPROCESSED, len(pipe) - 1, later
+            return plan
+        with telemetry.current(plan.process):
+            try:
+                ids = self._traced_token_ids(ev)
+            except PromptError as e:
+                fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
+                plan.later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
+                                                  [Publish(ev.reply_to, fail)])
+                plan.to, plan.at = State.FAILED, len(pipe) - 1
+                return plan
+            self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
+            stream = self.names.preprocessed_stream(self.names.partition(ev.request_id))
+            if plan.process is not None:
+                plan.publish = telemetry.start_publish_span(stream, ev.request_id)
+            out = self._preprocessed(ev, ids, telemetry.traceparent_of(plan.publish, ev.traceparent))
+        plan.later = self.lifecycle.queue(pipe, ev.request_id, State.PREPROCESSED, "", [Publish(stream, out)])
+        plan.to, plan.at = State.PREPROCESSED, len(pipe) - 1
+        return plan
+
+    def _traced_token_ids(self, ev: RequestReceived) -> list[int]:
+        """_token_ids in a `tokenize` span (a non-recording one with tracing off)."""
+        with telemetry.tracer().start_as_current_span("tokenize", record_exception=False) as span:
+            span.set_attribute("conveyor.request_id", ev.request_id)
+            try:
+                ids = self._token_ids(ev)
+            except PromptError as e:
+                telemetry.set_error(span, e.reason, str(e))
+                raise
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+        return ids
 
     def _token_ids(self, ev: RequestReceived) -> list[int]:
         """The prompt's token ids, or PromptError: for the client's fault (invalid, too_long), and for any other
@@ -189,7 +202,7 @@ class TokenizerService:
             raise
         except Exception as e:
             logger.exception("preprocessing %s failed; failing it alone", ev.request_id)
-            raise PromptError("internal", "", f"the tokenizer could not process this request "
+            raise PromptError(Reason.INTERNAL, "", f"the tokenizer could not process this request "
                               f"({type(e).__name__}: {str(e)[:200]})") from e
 
     def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
@@ -206,24 +219,20 @@ class TokenizerService:
         return Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param, service="tokenizer",
                       traceparent=traceparent)
 
-    def _outcome(self, request_id: str, to: State, transition: Callable[[], TransitionResult]):
-        """The transition's result (None when the request is already further along), logged when not applied."""
-        try:
-            res = transition()
-        except InvalidTransition as e:  # already further along: a redelivery
-            logger.info("skipping %s: %s", request_id, e)
-            return None
+    @staticmethod
+    def _outcome(request_id: str, to: State, res: TransitionResult) -> TransitionResult:
+        """The transition's result, logged when not applied (refused: already further along, a redelivery)."""
         if not res.applied:
             logger.info("request %s not moved to %s: it is %s", request_id, to.value,
                         res.previous.value if res.previous else "gone")
         return res
 
     def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
-        return self._outcome(request_id, to, lambda: self.lifecycle.transition(request_id, to, reason, publish))
+        return self._outcome(request_id, to, self.lifecycle.transition(request_id, to, reason, publish))
 
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")
         if isinstance(rid, str) and isinstance(reply_to, str):
-            fail = Failed(request_id=rid, reason="internal", service="tokenizer",
+            fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="tokenizer",
                           message=f"the tokenizer could not process this request ({why})")
-            self._settle(rid, State.FAILED, "internal", [Publish(reply_to, fail)])
+            self._settle(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])

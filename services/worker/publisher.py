@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import redis
 
+from shared.backoff import backoff_s
 from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
-from shared.errors import FatalError, InvalidTransition
+from shared.errors import FatalError
 from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
@@ -62,6 +63,7 @@ class Active:
     scheduled: Scheduled | None = None  # the placement, kept to hand the request back
     num_preemptions: int = 0
     attempt: int = 1  # placement it holds the request with: the fencing token of every write for it
+    state: State = State.SCHEDULED  # its state as this worker last moved it (what a TimedOut it sends says)
 
 
 class StepPublisher:
@@ -69,7 +71,7 @@ class StepPublisher:
                  token_ttl_s: int):
         self.r = client
         self.token_ttl_s = token_ttl_s  # refreshed by every append: an ended request's list lasts as its context
-        self._deferred: list[tuple[str, str]] = []  # scheduling decisions not yet stamped (Redis was away)
+        self._deferred: list[tuple[str, State]] = []  # scheduling decisions not yet stamped (Redis was away)
         self.names = names
         self.worker_id = worker_id
         self.lifecycle = lifecycle
@@ -101,7 +103,7 @@ class StepPublisher:
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since > REFUSED_FOR_S:
                         raise FatalError(f"Redis refused step {step}'s writes for {REFUSED_FOR_S:.0f} s: {e}") from e
-                delay = min(2.0, 0.05 * 2 ** attempt)
+                delay = backoff_s(attempt)
                 logger.warning("publishing step %d failed (%s); retrying in %.2f s", step, e, delay)
                 time.sleep(delay)
         self._deferred = []
@@ -135,18 +137,18 @@ class StepPublisher:
             groups[self.names.partition(rid)].append(rid)
         return list(groups.values())
 
-    def publish_scheduled(self, transitions: list[tuple[str, str]], active: dict[str, Active]) -> None:
+    def publish_scheduled(self, transitions: list[tuple[str, State]], active: dict[str, Active]) -> None:
         """Stamp the step's scheduling decisions (PREFILLING, PREEMPTED) before its forward pass runs, so
         prefill_time and queue intervals measure what they say."""
         for rid, status in transitions:
-            if rid in active and status == "PREEMPTED":
+            if rid in active and status is State.PREEMPTED:
                 active[rid].num_preemptions += 1
         pipe = self.r.pipeline(transaction=False)
         queued = self._queue_transitions(pipe, transitions, active)
         if not queued:
             return
         try:
-            self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued])
+            self._check(pipe.execute(), [(rid, to, ()) for rid, to in queued], active)
         except (*TRANSIENT_ERRORS, redis.ResponseError) as e:  # the step's own publish retries them (see publish)
             logger.warning("stamping scheduling decisions failed (%s); they go with the step's results", e)
             self._deferred.extend(transitions)
@@ -155,8 +157,8 @@ class StepPublisher:
         queued = []
         for rid, status in transitions:
             if rid in active and rid not in lost:
-                self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
-                queued.append((rid, State(status)))
+                self.lifecycle.queue(pipe, rid, status, fence=active[rid].attempt)
+                queued.append((rid, status))
         return queued
 
     def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> set[str]:
@@ -180,7 +182,7 @@ class StepPublisher:
             queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
             replies = pipe.execute()
         self._note_behind(appended, replies[:len(appended)])
-        self._check(replies, queued)
+        self._check(replies, queued, active)
         return lost
 
     def _publish_fenced(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
@@ -199,7 +201,7 @@ class StepPublisher:
         replies = pipe.execute()
         lost = {rid for rid, n in zip(appended, replies) if n == FENCED}
         self._note_behind(appended, replies[:len(appended)])
-        later = self._check(replies[len(appended):], queued, lost)
+        later = self._check(replies[len(appended):], queued, active, lost)
         pipe = self.r.pipeline(transaction=False)
         self._queue_tokens(pipe, step, result, active, new, lost)
         self.lifecycle.complete(self.r, later, pipe)
@@ -257,10 +259,10 @@ class StepPublisher:
             pipe, [(rid, st) for rid, st in self._deferred if rid in mine], active)]
         for rid, status in result.transitions:
             if rid in active and rid in mine:
-                if status == "DECODING":
+                if status is State.DECODING:
                     self._queue_kv(pipe, rid, kv_info(rid), self._fence(active[rid]))
-                self.lifecycle.queue(pipe, rid, State(status), fence=active[rid].attempt)
-                queued.append((rid, State(status), ()))
+                self.lifecycle.queue(pipe, rid, status, fence=active[rid].attempt)
+                queued.append((rid, status, ()))
         for out in result.outputs:
             a = active.get(out.request_id)
             if a is not None and out.finished and a.request_id in mine:
@@ -288,22 +290,24 @@ class StepPublisher:
         return State.FINISHED, self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
                                                     [Publish(a.reply_to, ev)], fence=a.attempt)
 
-    def _check(self, replies: list, queued: list, fenced: set[str] | None = None) -> list:
+    def _check(self, replies: list, queued: list, active: dict[str, Active], fenced: set[str] | None = None) -> list:
         """Pipeline replies of the transitions (layer writes interleave; keep only the transitions' replies, the
         lists). queued: (request id, target state, events to publish after it). Returns (result, those events) of
-        the applied ones; adds the requests whose transition was fenced to `fenced`."""
+        the applied ones, noting each one's state in `active`; adds the requests whose transition was fenced to
+        `fenced`."""
         scripts = [r for r in replies if isinstance(r, list)]
         done = []
         for (rid, to, later), raw in zip(queued, scripts):
-            try:
-                res = self.lifecycle.interpret(rid, to, raw)
-            except InvalidTransition as e:
-                logger.warning("%s", e)
+            res = self.lifecycle.interpret(rid, to, raw)
+            if res.refused:  # the engine's move does not fit the request's state: logged, never fatal
+                logger.warning("request %s: %s -> %s is not allowed", rid, res.previous.value, to.value)
                 continue
             if res.fenced and fenced is not None:
                 fenced.add(rid)
             if res.applied:
                 done.append((res, later))
+                if (a := active.get(rid)) is not None:
+                    a.state = to
             elif to in (State.FINISHED, State.FAILED):
                 logger.info("request %s already settled as %s", rid, res.previous)
         return done

@@ -23,9 +23,10 @@ from shared import telemetry
 from shared.bus import Bus, Delivery
 from shared.constants import GROUP_WORKER
 from shared.context_store import ContextStore
+from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Sampling, Scheduled,
-                           TimedOut)
+from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Reason, Sampling,
+                           Scheduled, TimedOut)
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.model_files import resolve_model_dir
 from shared.redis_client import sync_client
@@ -89,6 +90,8 @@ class WorkerService:
         self.step_time_avg = 0.0
         self.epoch = DatasetEpoch(self.names)
         self._epoch_checked = 0.0
+        self.handlers = TypeDispatcher({Scheduled: self.admit, CancelRequested: self.on_cancel,
+                                        KvResyncRequested: lambda _ev: self.kv_events.announce()})
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
@@ -145,23 +148,18 @@ class WorkerService:
         return [d for d in deliveries if d.entry_id not in done]
 
     def dispatch(self, d: Delivery) -> None:
-        ev = d.event
         self.last_read_id = d.entry_id
-        if isinstance(ev, Scheduled):
-            self.admit(ev)
-        elif isinstance(ev, CancelRequested):
-            self.drop(ev.request_id, ev.reason)
-        elif isinstance(ev, KvResyncRequested):
-            self.kv_events.announce()
+        if self.handlers.handles(d.event):
+            self.handlers(d.event)
         else:
-            logger.error("unexpected %s on %s", type(ev).__name__, d.stream)
+            logger.error("unexpected %s on %s", type(d.event).__name__, d.stream)
         # Acknowledged once the engine holds it; a lost worker's requests are recovered by the scheduler.
 
     def admit(self, ev: Scheduled) -> None:
         if ev.request_id in self.active:
             return  # redelivered
         if self.draining:
-            self.hand_back(ev, list(ev.output_token_ids), "shutdown")
+            self.hand_back(ev, list(ev.output_token_ids), Reason.SHUTDOWN)
             return
         try:
             self.engine.add_request(EngineRequest(request_id=ev.request_id,
@@ -189,9 +187,9 @@ class WorkerService:
     def fail(self, ev: Scheduled, message: str) -> None:
         """Settle a placement this worker cannot run as FAILED (worker_error), telling its client; fenced by its
         attempt, so a placement that has moved on is left alone."""
-        fail = Failed(request_id=ev.request_id, reason="worker_error", message=message, service="worker",
+        fail = Failed(request_id=ev.request_id, reason=Reason.WORKER_ERROR, message=message, service="worker",
                       traceparent=ev.traceparent)
-        self.lifecycle.transition(ev.request_id, State.FAILED, "worker_error", [Publish(ev.reply_to, fail)],
+        self.lifecycle.transition(ev.request_id, State.FAILED, Reason.WORKER_ERROR, [Publish(ev.reply_to, fail)],
                                   fence=ev.attempt)
 
     def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
@@ -214,7 +212,10 @@ class WorkerService:
             if out.finished:
                 self.active.pop(out.request_id, None)
         for rid in moved:  # placed elsewhere while this worker was away: not ours to finish
-            self.drop(rid, "moved")
+            self.drop(rid, Reason.MOVED)
+
+    def on_cancel(self, ev: CancelRequested) -> None:
+        self.drop(ev.request_id, ev.reason)
 
     def drop(self, request_id: str, why: str) -> None:
         """Stop a request here and forget it (cancelled, moved to another worker, or its data is gone)."""
@@ -237,7 +238,7 @@ class WorkerService:
             lost = self.publisher.not_owned(self.r, list(self.active), self.active)
             logger.error("dropping %d of %d requests: the lost dataset's", len(lost), len(self.active))
             for rid in lost:
-                self.drop(rid, "state_lost")
+                self.drop(rid, Reason.STATE_LOST)
             self.bus.ensure_group(self.stream, GROUP_WORKER)
 
     def expire_deadlines(self) -> None:
@@ -245,16 +246,16 @@ class WorkerService:
         for a in [a for a in self.active.values() if a.deadline <= now]:
             self.engine.abort_request(a.request_id)
             del self.active[a.request_id]
-            self.tracing.abort(a.request_id, "timeout")
-            ev = TimedOut(request_id=a.request_id, where="worker", service="worker", traceparent=a.traceparent)
-            self.lifecycle.transition(a.request_id, State.TIMED_OUT, "deadline", [Publish(a.reply_to, ev)],
+            self.tracing.abort(a.request_id, Reason.TIMEOUT)
+            ev = TimedOut(request_id=a.request_id, state=a.state, service="worker", traceparent=a.traceparent)
+            self.lifecycle.transition(a.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(a.reply_to, ev)],
                                       fence=a.attempt)
 
     def snapshot(self) -> None:
         """Hand the heartbeat thread the current figures."""
         st = self.engine.stats()
         self.beats.update(Heartbeat(
-            worker_id=self.id, sent_at=time.time(), max_num_seqs=0 if self.draining else st.max_num_seqs,
+            worker_id=self.id, sent_at=time.time(), max_num_seqs=st.max_num_seqs, draining=self.draining,
             num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
             last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
             cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
@@ -280,8 +281,8 @@ class WorkerService:
             self.expire_deadlines()
         for a in list(self.active.values()):
             self.engine.abort_request(a.request_id)
-            self.tracing.abort(a.request_id, "shutdown", error=False)
-            self.hand_back(a.scheduled, a.output_token_ids, "shutdown")
+            self.tracing.abort(a.request_id, Reason.SHUTDOWN, error=False)
+            self.hand_back(a.scheduled, a.output_token_ids, Reason.SHUTDOWN)
         self.active.clear()
         self.kv_events.clear()
         self.beats.stop()

@@ -14,6 +14,7 @@ from opentelemetry.trace import Span
 
 from services.worker.engine.protocol import Engine
 from shared import telemetry
+from shared.events import State
 
 
 @dataclass
@@ -27,9 +28,9 @@ class WorkerTracing:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.spans: dict[str, _Spans] = {}
-        self._scheduled: list[tuple[str, str]] = []  # this step's scheduling decisions (before its forward pass)
+        self._scheduled: list[tuple[str, State]] = []  # this step's scheduling decisions (before its forward pass)
 
-    def scheduled(self, transitions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    def scheduled(self, transitions: list[tuple[str, State]]) -> list[tuple[str, State]]:
         """The engine's on_scheduled decisions (PREFILLING, PREEMPTED), kept for on_step; passed through."""
         if telemetry.enabled():
             self._scheduled = list(transitions)
@@ -41,12 +42,12 @@ class WorkerTracing:
             return
         transitions, self._scheduled = self._scheduled + list(result.transitions), []
         for rid, status in transitions:
-            if status == "PREFILLING" and rid in active:
+            if status is State.PREFILLING and rid in active:
                 self._prefilling(active[rid], t_start_ns)
         self._chunks(t_end_ns)
         for rid, status in transitions:
-            if status != "PREFILLING" and rid in active:
-                self._moved(active[rid], status, t_start_ns if status == "PREEMPTED" else t_end_ns)
+            if status is not State.PREFILLING and rid in active:
+                self._moved(active[rid], status, t_start_ns if status is State.PREEMPTED else t_end_ns)
         for out in result.outputs:
             if out.finished and out.request_id in active:
                 self._end(active[out.request_id], out, t_end_ns)
@@ -59,16 +60,16 @@ class WorkerTracing:
                 attributes={"conveyor.request_id": a.request_id, "gen_ai.usage.input_tokens": a.prompt_len,
                             "conveyor.resumed_tokens": len(a.output_token_ids)})
         span = s.prefill or s.decode
-        telemetry.transition_event(a.request_id, "PREFILLING", "", t_start_ns / 1e9, span=span)
+        telemetry.transition_event(a.request_id, State.PREFILLING, "", t_start_ns / 1e9, span=span)
 
     def _chunks(self, t_end_ns: int) -> None:
         for rid, s in self.spans.items():
             if s.prefill is not None and (computed := self.engine.computed_tokens(rid)) is not None:
                 s.prefill.add_event("prefill_chunk", {"conveyor.computed_tokens": computed}, timestamp=t_end_ns)
 
-    def _moved(self, a, status: str, t_ns: int) -> None:
+    def _moved(self, a, status: State, t_ns: int) -> None:
         s = self.spans.setdefault(a.request_id, _Spans())
-        if status == "DECODING":
+        if status is State.DECODING:
             if s.prefill is not None:
                 self._close_prefill(a.request_id, s, t_ns)
             if s.decode is None:
@@ -76,7 +77,7 @@ class WorkerTracing:
                     "decode", context=telemetry.context_from(a.traceparent), start_time=t_ns,
                     attributes={"conveyor.request_id": a.request_id})
                 s.decode.add_event("first_token", timestamp=t_ns)
-        elif status == "PREEMPTED":
+        elif status is State.PREEMPTED:
             s.preemptions += 1
         span = s.decode or s.prefill
         telemetry.transition_event(a.request_id, status, "", t_ns / 1e9, span=span)
@@ -99,7 +100,7 @@ class WorkerTracing:
             span.set_attributes({"gen_ai.usage.output_tokens": len(a.output_token_ids),
                                  "conveyor.preemptions": s.preemptions,
                                  "gen_ai.response.finish_reasons": [out.finish_reason or out.error_reason or ""]})
-            to = "FAILED" if out.error_reason else "FINISHED"
+            to = State.FAILED if out.error_reason else State.FINISHED
             telemetry.transition_event(a.request_id, to, "", t_end_ns / 1e9, reason=out.error_reason or "",
                                        span=span)
             if out.error_reason:

@@ -27,7 +27,7 @@ from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import active, finish_trace, published, refused, reply_processed, start_trace
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
 from shared.context_store import ContextStore
-from shared.errors import FatalError, InvalidTransition
+from shared.errors import FatalError
 from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
                            SchemaError, TimedOut, TokenGenerated, decode)
 from shared.lifecycle import Lifecycle, Publish, State
@@ -35,6 +35,7 @@ from shared import liveness
 from shared.epoch import DatasetEpoch
 from shared.redis_client import async_client, sync_client
 from shared.runtime import Liveness, LivenessThread, instance_id
+from shared.service_table import BUS_SERVICES
 from shared.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -230,11 +231,8 @@ class GatewayCore:
                                                traceparent=tp)),
                    Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
                                                                       traceparent=tp))]
-        try:
-            with active(self.handles.get(request_id)):
-                res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
-        except InvalidTransition:
-            return False
+        with active(self.handles.get(request_id)):
+            res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
         return res.applied
 
     async def time_out(self, handle: RequestHandle) -> bool:
@@ -242,8 +240,8 @@ class GatewayCore:
         is on its way to the handle (this one, or the one that settled it first); False when none will come
         (the context is gone, or Redis is away)."""
         tp = getattr(handle.trace, "traceparent", "")
-        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, where="gateway",
-                                                     service="gateway", traceparent=tp)),
+        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, service="gateway",
+                                                     traceparent=tp)),
                    Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout",
                                                                       traceparent=tp))]
         try:
@@ -368,7 +366,7 @@ class GatewayCore:
             raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
                               "not_ready")
         found = {}
-        for service in ("tokenizer", "scheduler", "worker"):
+        for service in BUS_SERVICES:
             found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN
         return found
 

@@ -62,7 +62,7 @@ async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
                 # First backstop: settle TIMED_OUT in Redis (the event comes back through the reply stream).
                 # Second, a grace later: nothing came (Redis lost the request, or is away): answer from here.
                 if asked_timeout or not await core.time_out(handle):
-                    yield handle.finish(TimedOut(request_id=handle.request_id, where="unknown", service="gateway"))
+                    yield handle.finish(TimedOut(request_id=handle.request_id, service="gateway"))
                     return
                 asked_timeout = True
     finally:

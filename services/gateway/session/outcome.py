@@ -99,9 +99,10 @@ def ending(end: AnyEvent | None) -> Ending:
         param = (end.param or None) if row.error is InvalidRequest else None  # a refused input names its field
         return Ending(row, end.reason, end.message, end.message, param)
     if isinstance(end, TimedOut):
+        where = end.state or end.service or "unknown"  # the state it timed out in, else who timed it out
         return Ending(OUTCOMES["timed_out"], "timeout",
-                      f"the request did not finish within its timeout (it was {end.where})",
-                      f"timed out while {end.where}", "timeout")
+                      f"the request did not finish within its timeout (it was {where})",
+                      f"timed out while {where}", "timeout")
     if isinstance(end, Cancelled):
         return Ending(OUTCOMES["cancelled"], end.reason, f"the request was cancelled ({end.reason})",
                       f"cancelled ({end.reason})")
@@ -132,4 +133,4 @@ def ending_from_context(rid: str, snap: Snapshot | None) -> AnyEvent | None:
         return Cancelled(request_id=rid, reason=reason or "client_cancel", service="gateway")
     history = snap.history
     where = history[-1].get("from", "") if history else ""
-    return TimedOut(request_id=rid, where=where, service="gateway")
+    return TimedOut(request_id=rid, state=State(where) if where else None, service="gateway")

@@ -23,6 +23,7 @@ import logging
 import redis
 
 from services.gateway.session.outcome import ending_from_context
+from shared.backoff import backoff_s
 from shared.events import Failed, TokenDelta
 from shared.lifecycle import TERMINAL, State
 
@@ -59,7 +60,7 @@ async def _read_tokens(core, rid: str, start: int, end: int) -> list:
             return await core.r.lrange(core.names.tokens(rid), start, end - 1) if end > start else []
         except redis.RedisError as e:
             logger.warning("request %s: reading its tokens failed (%r); retrying", rid, e)
-            await asyncio.sleep(0.1 * 2 ** min(attempt, 4))
+            await asyncio.sleep(backoff_s(attempt, 0.1, 1.6))
     return []
 
 

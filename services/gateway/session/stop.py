@@ -19,7 +19,6 @@ import logging
 
 from typing import TYPE_CHECKING
 
-from shared.errors import InvalidTransition
 from shared.events import CancelRequested, Completed
 from shared.lifecycle import Publish, State
 
@@ -54,9 +53,8 @@ async def _settle(core, handle: RequestHandle) -> bool:
     rid = handle.request_id
     stop_worker = [Publish(core.names.control_stream, CancelRequested(request_id=rid, reason="stop_string"))]
     for attempt in range(SETTLE_ATTEMPTS):
-        try:
-            res = await core.lifecycle.atransition(rid, State.FINISHED, "stop_string", stop_worker)
-        except InvalidTransition:
+        res = await core.lifecycle.atransition(rid, State.FINISHED, "stop_string", stop_worker)
+        if res.refused:  # not DECODING yet (or any more): wait for the worker's state change
             await asyncio.sleep(SETTLE_BACKOFF_S * (attempt + 1))
             continue
         if not res.applied:  # it ended on its own meanwhile (length, eos): nothing left to stop

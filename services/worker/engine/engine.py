@@ -25,6 +25,7 @@ from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.structured import MaskJob, StructuredOutputs
+from shared.events import State
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ class LLMEngine:
             seq.token_ids.append(token)
             if seq.status == SequenceStatus.PREFILLING:
                 seq.status = SequenceStatus.DECODING
-                result.transitions.append((seq.request_id, SequenceStatus.DECODING.value))
+                result.transitions.append((seq.request_id, State.DECODING))
             opts = seq.sampling
             reason = None
             if token in seq.stop_ids and seq.num_outputs - 1 >= opts.min_tokens:

@@ -7,11 +7,12 @@ failed alone and reported through `RequestOutput.error_reason` (one of the reaso
 from __future__ import annotations
 
 from shared.errors import ConveyorError, FatalError, RecoverableError
+from shared.events import Reason
 
-# `RequestOutput.error_reason` values.
-TOO_LONG = "too_long"  # the request can never fit the KV pool / context window
-OOM = "oom"  # device out of memory even when the request ran alone
-WORKER_ERROR = "worker_error"  # any other exception while processing this request
+# `RequestOutput.error_reason` values: the contract's, sent on as the Failed event's reason.
+TOO_LONG = Reason.TOO_LONG  # the request can never fit the KV pool / context window
+OOM = Reason.OOM  # device out of memory even when the request ran alone
+WORKER_ERROR = Reason.WORKER_ERROR  # any other exception while processing this request
 
 
 class EngineError(ConveyorError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.events import Reason, State
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -22,7 +24,7 @@ class RequestOutput:
     first_index: int  # index in the request's whole output of new_token_ids[0]
     finished: bool = False
     finish_reason: str | None = None  # "stop" (eos/stop token, included) or "length"
-    error_reason: str | None = None  # "too_long", "oom", "worker_error" when the request failed
+    error_reason: Reason | None = None  # too_long, oom, worker_error (engine/errors.py) when the request failed
     error: str | None = None  # human-readable detail of error_reason
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids, when the request asked for them
@@ -31,7 +33,7 @@ class RequestOutput:
 @dataclass
 class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
-    transitions: list[tuple[str, str]] = field(default_factory=list)  # (request_id, new status)
+    transitions: list[tuple[str, State]] = field(default_factory=list)  # (request_id, its lifecycle state now)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_seqs: int = 0

@@ -13,8 +13,9 @@ from typing import Any, Callable, Protocol, Sequence as Seq
 
 from services.worker.engine.outputs import EngineStats, StepResult, TokenLogprobs
 from services.worker.engine.request import EngineRequest, Sequence
+from shared.events import State
 
-OnScheduled = Callable[[list[tuple[str, str]]], None]
+OnScheduled = Callable[[list[tuple[str, State]]], None]
 
 
 class Engine(Protocol):

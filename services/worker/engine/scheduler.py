@@ -18,6 +18,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import Sequence, SequenceStatus
 from shared.block_hash import extend_block_hashes
+from shared.events import State
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledBatch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute)
-    transitions: list[tuple[str, str]] = field(default_factory=list)
+    transitions: list[tuple[str, State]] = field(default_factory=list)  # (request id, its lifecycle state now)
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +108,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        batch.transitions.append((seq.request_id, SequenceStatus.PREEMPTED.value))
+        batch.transitions.append((seq.request_id, State.PREEMPTED))
         logger.debug("preempted %s (priority %d, %d tokens)", seq.request_id, seq.priority, seq.num_tokens)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -142,7 +143,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SequenceStatus.PREFILLING
-            batch.transitions.append((seq.request_id, SequenceStatus.PREFILLING.value))
+            batch.transitions.append((seq.request_id, State.PREFILLING))
             batch.items.append((seq, n))
             budget -= n
             self._note_prefill(seq, computing)
