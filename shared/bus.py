@@ -28,6 +28,15 @@ from shared.replies import as_text
 logger = logging.getLogger(__name__)
 
 
+
+def write_event(pipe, names: Names, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> None:
+    """The one way an event enters a stream: XADD of its encoding under EVENT_FIELD, capped (approximate MAXLEN: a
+    stream never grows without bound), and a process's own stream (a worker's inbox, a gateway's replies) given its
+    TTL again, so a dead process's stream does not live on. Queued on `pipe`; the XADD's reply comes first."""
+    pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
+    if ttl := private_stream_ttl(names, stream):
+        pipe.expire(stream, ttl)
+
 @dataclass(frozen=True)
 class Delivery:
     stream: str  # stream it came from
@@ -65,13 +74,9 @@ class Bus:
             self.ensure_group(stream, group)
 
     def publish(self, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> str:
-        """XADD, capped; a process's own stream also gets its TTL (a dead process's inbox must not live on)."""
-        ttl = private_stream_ttl(self.names, stream)
-        if not ttl:
-            return as_text(self.r.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True))
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
-        pipe.expire(stream, ttl)
+        """One event now (write_event's XADD, capped, with a private stream's TTL); its entry id."""
+        pipe = self.r.pipeline(transaction=False)  # one round trip; sent together, so the TTL is never left off
+        write_event(pipe, self.names, stream, event, maxlen)
         return as_text(pipe.execute()[0])
 
     def read(self, streams: list[str], group: str, count: int = 64, block_ms: int | None = None) -> list[Delivery]:

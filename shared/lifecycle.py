@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from shared import telemetry
-from shared.constants import EVENT_FIELD, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.bus import write_event
+from shared.constants import LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import Event, State, encode
 from shared.replies import as_text
 
@@ -261,9 +262,7 @@ class Lifecycle:
         Delivered at least once, never atomically with the change: if the process dies in between, the recovery
         paths stand in (docs/reliability.md, "Redis Cluster")."""
         for p in publish:
-            pipe.xadd(p.stream, {EVENT_FIELD: encode(p.event)}, maxlen=STREAM_MAXLEN, approximate=True)
-            if ttl := private_stream_ttl(self.names, p.stream):
-                pipe.expire(p.stream, ttl)
+            write_event(pipe, self.names, p.stream, p.event)
 
     def complete(self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]],
                  pipe=None) -> list[TransitionResult]:

@@ -15,8 +15,9 @@ import time
 import msgspec
 import redis
 
-from shared.constants import EVENT_FIELD, HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S, Names
-from shared.events import Heartbeat, encode
+from shared.bus import write_event
+from shared.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S, Names
+from shared.events import Heartbeat
 from shared.runtime import Liveness
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,7 @@ class Heartbeater:
             return
         hb = msgspec.structs.replace(hb, sent_at=time.time())
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.names.heartbeat_stream, {EVENT_FIELD: encode(hb)}, maxlen=HEARTBEAT_MAXLEN,
-                  approximate=True)
+        write_event(pipe, self.names, self.names.heartbeat_stream, hb, HEARTBEAT_MAXLEN)
         self.live.queue(pipe, _summary(hb))
         pipe.expire(self.names.worker_stream(hb.worker_id), PRIVATE_STREAM_TTL_S)  # lives while this worker does
         pipe.execute()

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import redis
 
 from shared.backoff import backoff_s
-from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.bus import write_event
+from shared.constants import Names
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
 from shared.errors import FatalError
-from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated, encode
+from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
 
@@ -249,8 +250,7 @@ class StepPublisher:
                                pack_logprobs(out.logprobs) if out.logprobs else None))
         for reply_to, items in by_reply.items():
             ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
-            pipe.xadd(reply_to, {EVENT_FIELD: encode(ev)}, maxlen=STREAM_MAXLEN, approximate=True)
-            pipe.expire(reply_to, private_stream_ttl(self.names, reply_to))
+            write_event(pipe, self.names, reply_to, ev)
 
     def _queue_step(self, pipe, result, active: dict[str, Active], new: dict, kv_info, mine: set[str]) -> list:
         """The step's transitions of the requests in `mine` (deferred scheduling decisions, the step's own, then
