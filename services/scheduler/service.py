@@ -25,19 +25,19 @@ from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from services.scheduler.sync import ReplicaSync
+from shared.service import BusService
 from shared import telemetry
 from shared.block_hash import block_hashes
-from shared.bus import Bus, Delivery, event_field, plain_events
+from shared.bus import Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
-from shared.context_store import ContextStore
 from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled,
                            TimedOut)
 from shared.janitor import scheduler_janitor
-from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
+from shared.lifecycle import Publish, State, TransitionResult
 from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, instance_id, run_loop
+from shared.runtime import Liveness, StopFlag, run_loop
 from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -46,16 +46,11 @@ OUTAGE_GAP_S = 2.0  # ticks this far apart mean the loop was backing off (Redis 
 ON_A_WORKER = (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED)
 
 
-class SchedulerService:
+class SchedulerService(BusService):
+    kind = "scheduler"
+
     def __init__(self, settings: SchedulerSettings):
-        self.s = settings
-        self.names = settings.names()
-        self.r = sync_client(settings)
-        self.id = instance_id(settings, "scheduler")
-        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
-                       settings.max_deliveries, on_dead=self._on_dead)
-        self.lifecycle = Lifecycle(self.r, self.names, "scheduler", settings.context_ttl_s)
-        self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
+        super().__init__(settings, on_dead=self._on_dead)
         self.queue = RequestQueue()
         # Names this process in the shared hashes' change streams (two processes given one instance id too).
         writer = f"{self.id}#{uuid.uuid4().hex[:6]}"

@@ -16,16 +16,15 @@ import jinja2
 from opentelemetry.trace import Span
 
 from services.tokenizer.tool_prompt import template_takes_tools, with_tools
+from shared.service import BusService
 from shared import telemetry
 from shared.block_hash import block_hashes
-from shared.bus import Bus, Delivery, event_field
+from shared.bus import Delivery, event_field
 from shared.constants import GROUP_TOKENIZER
-from shared.context_store import ContextStore
 from shared.events import Failed, Preprocessed, Reason, RequestReceived
-from shared.lifecycle import Lifecycle, Publish, State, TransitionResult
+from shared.lifecycle import Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
-from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, instance_id, run_loop
+from shared.runtime import Liveness, StopFlag, run_loop
 from shared.settings import TokenizerSettings
 from shared.tokenization import load_tokenizer, model_info
 
@@ -94,16 +93,11 @@ class _Plan:
     later: tuple[Publish, ...] = ()  # its events to publish after the transition (another slot's streams)
 
 
-class TokenizerService:
+class TokenizerService(BusService):
+    kind = "tokenizer"
+
     def __init__(self, settings: TokenizerSettings):
-        self.s = settings
-        self.names = settings.names()
-        self.r = sync_client(settings)
-        self.id = instance_id(settings, "tokenizer")
-        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
-                       settings.max_deliveries, on_dead=self._on_dead)
-        self.lifecycle = Lifecycle(self.r, self.names, "tokenizer", settings.context_ttl_s)
-        self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
+        super().__init__(settings, on_dead=self._on_dead)
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         self.pre = Preprocessor(load_tokenizer(info.model_dir), info.max_len)
         self.live = Liveness(self.names, "tokenizer", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)

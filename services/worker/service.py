@@ -19,18 +19,17 @@ from services.worker.heartbeat import Heartbeater
 from services.worker.kv_events import KvEventPublisher
 from services.worker.publisher import Active, StepPublisher
 from services.worker.tracing import WorkerTracing
+from shared.service import BusService
 from shared import telemetry
-from shared.bus import Bus, Delivery
+from shared.bus import Delivery
 from shared.constants import GROUP_WORKER
-from shared.context_store import ContextStore
 from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
 from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Reason, Sampling,
                            Scheduled, TimedOut)
-from shared.lifecycle import Lifecycle, Publish, State
+from shared.lifecycle import Publish, State
 from shared.model_files import resolve_model_dir
-from shared.redis_client import sync_client
-from shared.runtime import StopFlag, instance_id, run_loop
+from shared.runtime import StopFlag, run_loop
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -65,17 +64,12 @@ def sampling_options(s: Sampling) -> SamplingOptions:
                            grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None)
 
 
-class WorkerService:
+class WorkerService(BusService):
+    kind = "worker"
+
     def __init__(self, settings: WorkerSettings):
-        self.s = settings
-        self.names = settings.names()
-        self.r = sync_client(settings)
-        self.id = instance_id(settings, "worker")
+        super().__init__(settings)
         self.stream = self.names.worker_stream(self.id)
-        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
-                       settings.max_deliveries)
-        self.lifecycle = Lifecycle(self.r, self.names, "worker", settings.context_ttl_s)
-        self.store = ContextStore(self.r, self.names, settings.context_ttl_s)
         self.engine = build_engine(settings)
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
                                        settings.context_ttl_s)
