@@ -23,7 +23,7 @@ import msgspec
 from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import Event, encode
 from shared.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
-from shared.lifecycle import State, parse_history
+from shared.lifecycle import State, lua_feed_xadd, parse_history
 from shared.replies import as_text
 
 _json = msgspec.json.Encoder()
@@ -68,11 +68,12 @@ if owner ~= '' then
   redis.call('ZADD', KEYS[14], now, ARGV[2])
   redis.call('HSET', KEYS[15], ARGV[2], owner)
 end
-redis.call('XADD', KEYS[12], 'MAXLEN', '~', ARGV[7], '*', 'rid', ARGV[2], 'from', '', 'to', '@RECEIVED',
-  'reason', '', 'service', 'gateway', 'at', now, 'owner', owner, 'worker', '', 'attempt', '')
+@FEED_XADD
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
-""".replace("@RECEIVED", State.RECEIVED.value)
+""".replace("@FEED_XADD", lua_feed_xadd("KEYS[12]", "ARGV[7]", rid="ARGV[2]", from_="''", to="'@RECEIVED'", reason="''",
+                                        service="'gateway'", at="now", owner="owner", worker="''", attempt="''"),
+           ).replace("@RECEIVED", State.RECEIVED.value)
 
 
 # KEYS: meta, the layer[, exec]. ARGV: the fencing attempt ('' = none; else KEYS[3] is the exec layer), then

@@ -24,7 +24,7 @@ from typing import Collection, Sequence
 
 from shared import telemetry
 from shared.bus import write_event
-from shared.constants import LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.constants import LIFECYCLE_FEED_FIELDS, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
 from shared.events import Event, State, encode
 from shared.replies import as_text
 
@@ -53,6 +53,16 @@ ALLOWED: dict[State, frozenset[State]] = {
 
 # How a transition changes the cluster-wide "waiting" set (requests not yet on a worker).
 _WAITING_EFFECT = {State.QUEUED: "1", State.SCHEDULED: "-1", **{t: "-1" for t in TERMINAL}}
+
+
+def lua_feed_xadd(key: str, maxlen: str, **values: str) -> str:
+    """The Lua XADD of one feed record, its fields written from shared.constants.LIFECYCLE_FEED_FIELDS (in that
+    order; `from` as from_): a script cannot give a field the decoder does not know or leave one out."""
+    given = {k.rstrip("_"): v for k, v in values.items()}
+    if set(given) != set(LIFECYCLE_FEED_FIELDS):
+        raise ValueError(f"a feed record has the fields {LIFECYCLE_FEED_FIELDS}, not {sorted(given)}")
+    pairs = ", ".join(f"'{f}', {given[f]}" for f in LIFECYCLE_FEED_FIELDS)
+    return f"redis.call('XADD', {key}, 'MAXLEN', '~', {maxlen}, '*', {pairs})"
 
 
 def lua_in(var: str, states: Collection[State]) -> str:
@@ -127,8 +137,7 @@ if owner then owner = cjson.decode(owner) end
 if type(owner) ~= 'string' then owner = '' end
 local worker = ''
 if ARGV[11] ~= '' then worker = cjson.decode(ARGV[12]) end
-redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[13], '*', 'rid', ARGV[7], 'from', cur, 'to', ARGV[1],
-  'reason', ARGV[4], 'service', ARGV[3], 'at', now, 'owner', owner, 'worker', worker, 'attempt', ARGV[11])
+@FEED_XADD
 if ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'ended_at', now)
   for k = 1, 7 do redis.call('EXPIRE', KEYS[k], tonumber(ARGV[6])) end
@@ -155,7 +164,10 @@ for k = first, #KEYS do
 end
 if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
-""".replace("@TERMINAL(cur)", lua_in("cur", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
+""".replace("@FEED_XADD", lua_feed_xadd("KEYS[10]", "ARGV[13]", rid="ARGV[7]", from_="cur", to="ARGV[1]",
+                                              reason="ARGV[4]", service="ARGV[3]", at="now", owner="owner",
+                                              worker="worker", attempt="ARGV[11]"),
+           ).replace("@TERMINAL(cur)", lua_in("cur", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
 
 
 class Outcome(str, enum.Enum):

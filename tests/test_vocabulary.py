@@ -75,3 +75,20 @@ def test_the_worker_knows_the_state_it_moved_a_request_to(redis_server, redis_cl
     step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0)], transitions=[(ev.request_id, State.DECODING)])
     pub.publish(1, step, active, lambda rid: None)
     assert active[ev.request_id].state is State.DECODING
+
+
+def test_a_feed_record_is_written_with_exactly_the_fields_its_decoder_reads():
+    """Both scripts that append to the lifecycle feed write its XADD from LIFECYCLE_FEED_FIELDS: a field left out
+    or unknown to the decoder cannot be written."""
+    import pytest
+
+    from shared.constants import LIFECYCLE_FEED_FIELDS
+    from shared.lifecycle import lua_feed_xadd
+
+    values = {("from_" if f == "from" else f): f"v{i}" for i, f in enumerate(LIFECYCLE_FEED_FIELDS)}
+    line = lua_feed_xadd("KEYS[1]", "ARGV[1]", **values)
+    assert line.endswith(", ".join(f"'{f}', v{i}" for i, f in enumerate(LIFECYCLE_FEED_FIELDS)) + ")")
+    with pytest.raises(ValueError):
+        lua_feed_xadd("KEYS[1]", "ARGV[1]", **{k: v for k, v in values.items() if k != "worker"})
+    with pytest.raises(ValueError):
+        lua_feed_xadd("KEYS[1]", "ARGV[1]", **values, extra="x")
