@@ -16,20 +16,19 @@ from typing import TYPE_CHECKING
 import redis
 from prometheus_client import Gauge
 
-from services.gateway.session import reconcile
 from services.gateway.session.admission import Admission
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.feed_hub import FeedHub
 from services.gateway.session.handle import RequestHandle
+from services.gateway.session.replies import ReplyReader
 from services.gateway.text.logprobs import TokenStrings
 from services.gateway.session.metrics import GatewayMetrics
 from services.gateway.text.stop_strings import TextStream
-from services.gateway.session.tracing import active, finish_trace, published, refused, reply_processed, start_trace
-from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
+from services.gateway.session.tracing import active, finish_trace, published, refused, start_trace
 from shared.context_store import ContextStore
 from shared.errors import FatalError
-from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, Failed, RequestReceived, Sampling,
-                           SchemaError, TimedOut, TokenGenerated, decode)
+from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, RequestReceived, Sampling,
+                           TimedOut)
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
@@ -47,7 +46,6 @@ LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus 
 # The liveness entry is refreshed by a thread (shared.runtime.LivenessThread) while the event loop moved within
 # this long: a stall of seconds is not a dead gateway, an event loop stuck for a minute is.
 LOOP_DEAD_S = 60.0
-REPLY_READ = 256  # reply stream entries read at a time
 LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's
 # Reads that look into the cluster (/ready, /v1/requests, /metrics, the dashboard's API) have a pool of their own:
 # they are exempt from the open-request limit (a saturated gateway is when they are needed), so on the request
@@ -68,7 +66,7 @@ async def cancel_until_done(tasks, timeout_s: float) -> set:
     return pending
 
 
-class GatewayCore:
+class GatewayCore(ReplyReader):
     def __init__(self, settings: GatewaySettings, client, tokenizer, model_name: str, max_len: int = 0):
         self.s = settings
         self.max_len = max_len  # the model's context window in tokens (0: unknown, a core without a model)
@@ -252,103 +250,6 @@ class GatewayCore:
             return False
         return res.previous is not None
 
-    async def _read_replies(self) -> None:
-        """Drain this gateway's reply stream for ever: no error ends it (a lost group is made again). A reader
-        that died would leave /ready at 503 while /health says 200, and every request here without its tokens."""
-        while True:
-            try:
-                try:
-                    await self._read_replies_once()
-                except redis.ResponseError as e:
-                    if "NOGROUP" not in str(e):
-                        raise
-                    logger.warning("reply stream group gone (%s): Redis lost its data; creating it again", e)
-                    await self._on_data_loss()  # may fail as well (Redis still away): retried like any round
-                self._loop_ok["replies"] = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - the loop must outlive anything (see the docstring)
-                await self._pause("reply stream read", e)
-
-    async def _read_replies_once(self) -> None:
-        started = time.time()
-        reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
-                                             block=self.s.read_block_ms)
-        self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._route(fields, entry_id)
-            if entries:  # this gateway is the stream's only reader: what it acknowledged can go
-                pipe = self.loop_r.pipeline(transaction=False)
-                pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
-                pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
-                await pipe.execute()
-
-    @staticmethod
-    async def _pause(what: str, e: Exception) -> None:
-        if isinstance(e, redis.RedisError):
-            logger.warning("%s failed (%r); retrying", what, e)
-        else:  # not Redis being away: a defect, logged with where it happened
-            logger.exception("%s failed unexpectedly; retrying", what)
-        await asyncio.sleep(0.5)
-
-    async def _ensure_group(self) -> None:
-        try:
-            await self.loop_r.xgroup_create(self.reply_to, GROUP_GATEWAY, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    async def _on_data_loss(self) -> None:
-        """Redis lost its data: make the reply group again, and answer every request created before the loss
-        at once (its context, queue entry and placement are gone: nothing would ever end it)."""
-        await self._ensure_group()
-        await self.epoch.acheck(self.loop_r)
-        for handle in [h for h in self.handles.values() if h.epoch != self.epoch.known]:
-            handle.deliver(Failed(request_id=handle.request_id, reason="state_lost", service="gateway",
-                                  message="Redis lost the request's state (a restart without persistence or a "
-                                          "flush) while it was in flight; send it again"))
-
-    def _route(self, fields: dict, entry_id: bytes | str = "") -> None:
-        try:
-            ev = decode(fields[EVENT_FIELD])
-        except (SchemaError, KeyError) as e:
-            logger.error("undecodable reply entry dropped: %s", e)
-            return
-        if isinstance(ev, TokenGenerated):
-            for item in ev.items:
-                if (h := self.handles.get(item.request_id)) is not None:
-                    h.deliver(item)
-                    self._fill_if_held(h)
-        elif (h := self.handles.get(getattr(ev, "request_id", ""))) is not None:
-            reply_processed(h, ev, self.reply_to, GROUP_GATEWAY, self.id, entry_id)
-            h.deliver(ev)
-            self._fill_if_held(h)
-
-    def _fill_if_held(self, h: RequestHandle) -> None:
-        """Tokens came after a gap (possible on a Redis Cluster only): read the missing ones from the list."""
-        if h.held and not h.filling:
-            h.filling = True
-            task = asyncio.get_running_loop().create_task(reconcile.fill_gap(self, h))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _keep_alive(self) -> None:
-        """The loop's progress mark (the liveness thread's guard), the reply stream's TTL, and the dataset epoch,
-        every heartbeat interval, for ever: no error ends it."""
-        while True:
-            self._loop_moved = time.monotonic()
-            try:
-                await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
-                if await self.epoch.acheck(self.loop_r):
-                    await self._on_data_loss()
-                if self.names.cluster:  # on a single Redis an ending is published with its transition
-                    await reconcile.repair_silent(self)
-                self._loop_ok["liveness"] = time.monotonic()
-            except redis.RedisError as e:
-                logger.warning("liveness refresh failed: %r", e)
-            except Exception:  # noqa: BLE001 - see the docstring
-                logger.exception("liveness refresh failed unexpectedly")
-            await asyncio.sleep(self.s.heartbeat_interval_s)
-
     def stalled_loops(self) -> list[str]:
         """Background loops that are not running, or have not completed a round lately."""
         now, limit = time.monotonic(), LOOP_STALE_S + self.s.heartbeat_interval_s
@@ -369,13 +270,3 @@ class GatewayCore:
         for service in BUS_SERVICES:
             found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN
         return found
-
-
-def _read_to(reply, started: float, count: int) -> float:
-    """The time a read of the reply stream has read it up to: the read's start when it took all there was (fewer
-    than `count` entries), else the time of the last entry it took (a stream id begins with it, in ms)."""
-    entries = reply[0][1] if reply else []
-    if len(entries) < count:
-        return started
-    last = entries[-1][0]
-    return int((last.decode() if isinstance(last, bytes) else last).split("-")[0]) / 1000
