@@ -49,13 +49,20 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    up.add_argument("--engine", choices=("torch", "sim"), default=None,
-                    help="the workers' engine: torch runs the model, sim simulates its steps without weights "
-                         "(sets CONVEYOR_ENGINE for the workers; default: CONVEYOR_ENGINE, else torch)")
+    up.add_argument(
+        "--engine",
+        choices=("torch", "sim"),
+        default=None,
+        help="the workers' engine: torch runs the model, sim simulates its steps without weights "
+        "(sets CONVEYOR_ENGINE for the workers; default: CONVEYOR_ENGINE, else torch)",
+    )
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--redis-cluster", action="store_true",
-                    help="the Redis at --redis-url is one node of a Redis Cluster (sets CONVEYOR_REDIS_CLUSTER for "
-                         "every service; `conveyor up` does not start a cluster, so --redis-url is required)")
+    up.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the Redis at --redis-url is one node of a Redis Cluster (sets CONVEYOR_REDIS_CLUSTER for "
+        "every service; `conveyor up` does not start a cluster, so --redis-url is required)",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     for name in SERVICE_NAMES:
         sub.add_parser(name, help=f"run one {name} (settings from CONVEYOR_* environment variables)")
@@ -69,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "up":
         if args.redis_cluster and not args.redis_url:
-            p.error("--redis-cluster needs --redis-url: the address of one node of a running Redis Cluster "
-                    "(conveyor up does not start a cluster)")
+            p.error(
+                "--redis-cluster needs --redis-url: the address of one node of a running Redis Cluster "
+                "(conveyor up does not start a cluster)"
+            )
         from services.launcher import Launcher
 
         return Launcher(args).run()

@@ -19,6 +19,7 @@ from shared import settings as s
 from shared.redis_client import sync_client
 from shared.service_table import SERVICES
 
+
 def check(service: str) -> tuple[bool, str]:
     spec = SERVICES[service]
     if spec.http:

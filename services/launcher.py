@@ -41,8 +41,12 @@ class Child:
 
     def start(self) -> None:
         # Children log to stderr: stdout carries only the launcher's one "ready" line.
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", self.name.split("#")[0]], env=self.env,
-                                     stdout=sys.stderr.fileno(), preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", self.name.split("#")[0]],
+            env=self.env,
+            stdout=sys.stderr.fileno(),
+            preexec_fn=die_with_parent,
+        )
         self.started_at = time.monotonic()
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 

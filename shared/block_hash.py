@@ -29,7 +29,7 @@ def extend_block_hashes(token_ids: Seq[int], hashes: list[bytes], block_size: in
     """Append to `hashes` the chained hashes of full blocks of token_ids[:upto] not hashed yet."""
     for i in range(len(hashes), upto // block_size):
         parent = hashes[i - 1] if i else None
-        hashes.append(chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size]))
 
 
 def block_hashes(token_ids: Seq[int], block_size: int) -> tuple[bytes, ...]:

@@ -28,7 +28,6 @@ from shared.replies import as_text
 logger = logging.getLogger(__name__)
 
 
-
 def write_event(pipe, names: Names, stream: str, event: Event, maxlen: int = STREAM_MAXLEN) -> None:
     """The one way an event enters a stream: XADD of its encoding under EVENT_FIELD, capped (approximate MAXLEN: a
     stream never grows without bound), and a process's own stream (a worker's inbox, a gateway's replies) given its
@@ -36,6 +35,7 @@ def write_event(pipe, names: Names, stream: str, event: Event, maxlen: int = STR
     pipe.xadd(stream, {EVENT_FIELD: encode(event)}, maxlen=maxlen, approximate=True)
     if ttl := private_stream_ttl(names, stream):
         pipe.expire(stream, ttl)
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -51,8 +51,16 @@ DeadHandler = Callable[[str, "AnyEvent | dict | None", str], None]
 
 
 class Bus:
-    def __init__(self, client: redis.Redis, names: Names, consumer: str, block_ms: int,
-                 claim_idle_ms: int, max_deliveries: int, on_dead: DeadHandler | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        names: Names,
+        consumer: str,
+        block_ms: int,
+        claim_idle_ms: int,
+        max_deliveries: int,
+        on_dead: DeadHandler | None = None,
+    ):
         self.r = client
         self.names = names
         self.consumer = consumer
@@ -84,8 +92,11 @@ class Bus:
         block = self.block_ms if block_ms is None else block_ms
         groups = self.names.slot_groups(streams)
         if len(groups) == 1:  # a single Redis (or one slot): one read of them all, blocking
-            replies = [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
-                                         block=block if block > 0 else None)]
+            replies = [
+                self.r.xreadgroup(
+                    group, self.consumer, {s: ">" for s in streams}, count=count, block=block if block > 0 else None
+                )
+            ]
         else:
             replies = self._read_slots(groups, group, count, block)
         out: list[Delivery] = []
@@ -111,8 +122,11 @@ class Bus:
             return replies
         streams = groups[self._turn % len(groups)]
         self._turn += 1
-        return [self.r.xreadgroup(group, self.consumer, {s: ">" for s in streams}, count=count,
-                                  block=max(1, block // len(groups)))]
+        return [
+            self.r.xreadgroup(
+                group, self.consumer, {s: ">" for s in streams}, count=count, block=max(1, block // len(groups))
+            )
+        ]
 
     def ack_all(self, deliveries: list[Delivery]) -> None:
         """XACK many deliveries in one round trip (one XACK per stream and group takes all their ids)."""
@@ -150,8 +164,9 @@ class Bus:
         except redis.RedisError:
             raise
         except Exception:
-            logger.exception("handling %s %s from %s failed; it will be retried", type(d.event).__name__,
-                             d.entry_id, d.stream)
+            logger.exception(
+                "handling %s %s from %s failed; it will be retried", type(d.event).__name__, d.entry_id, d.stream
+            )
             return False
         return True
 
@@ -181,8 +196,7 @@ class Bus:
         if not pending:
             return []
         # Reply: [next-id, entries] (Redis 6.2) or [next-id, entries, deleted-ids] (7.0+).
-        entries = self.r.xautoclaim(stream, group, self.consumer, self.claim_idle_ms, start_id="0-0",
-                                    count=count)[1]
+        entries = self.r.xautoclaim(stream, group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count)[1]
         if entries:
             logger.warning("claimed %d idle entries of %s/%s", len(entries), stream, group)
         return self._decode_entries(stream, group, entries)
@@ -209,8 +223,11 @@ class Bus:
         # In this order, not one transaction (the keys are on different slots of a cluster): dying in between
         # dead-letters the entry twice at worst, never loses it.
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.names.dead_letter_stream, {**raw, b"stream": stream, b"group": group,
-                                                  b"entry_id": entry_id, b"why": why}, maxlen=STREAM_MAXLEN)
+        pipe.xadd(
+            self.names.dead_letter_stream,
+            {**raw, b"stream": stream, b"group": group, b"entry_id": entry_id, b"why": why},
+            maxlen=STREAM_MAXLEN,
+        )
         pipe.xack(stream, group, entry_id)
         pipe.hincrby(self.names.counters(0), "dead_letters", 1)
         pipe.execute()

@@ -65,7 +65,7 @@ def key_slot(key: str) -> int:
     if start >= 0:
         end = key.find("}", start + 1)
         if end > start + 1:
-            key = key[start + 1:end]
+            key = key[start + 1 : end]
     return _crc16_slot(key)
 
 
@@ -188,8 +188,7 @@ class Names:
 
     def request_keys(self, request_id: str) -> list[str]:
         """meta, input, exec, kv, output, history, tokens: the order the lifecycle script expects."""
-        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id),
-                                                                      self.tokens(request_id)]
+        return [self.layer(request_id, layer) for layer in LAYERS] + [self.history(request_id), self.tokens(request_id)]
 
     # --- one slot each ---------------------------------------------------------------------------------------
     @property

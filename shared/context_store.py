@@ -71,9 +71,22 @@ end
 @FEED_XADD
 redis.call('XADD', KEYS[9], 'MAXLEN', '~', '100000', '*', 'e', ARGV[3])
 return {'ok', now}
-""".replace("@FEED_XADD", lua_feed_xadd("KEYS[12]", "ARGV[7]", rid="ARGV[2]", from_="''", to="'@RECEIVED'", reason="''",
-                                        service="'gateway'", at="now", owner="owner", worker="''", attempt="''"),
-           ).replace("@RECEIVED", State.RECEIVED.value)
+""".replace(
+    "@FEED_XADD",
+    lua_feed_xadd(
+        "KEYS[12]",
+        "ARGV[7]",
+        rid="ARGV[2]",
+        from_="''",
+        to="'@RECEIVED'",
+        reason="''",
+        service="'gateway'",
+        at="now",
+        owner="owner",
+        worker="''",
+        attempt="''",
+    ),
+).replace("@RECEIVED", State.RECEIVED.value)
 
 
 # KEYS: meta, the layer[, exec]. ARGV: the fencing attempt ('' = none; else KEYS[3] is the exec layer), then
@@ -114,8 +127,12 @@ class Snapshot:
     history: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "state": self.state.value if self.state else None,
-                "history": self.history, **self.layers}
+        return {
+            "request_id": self.request_id,
+            "state": self.state.value if self.state else None,
+            "history": self.history,
+            **self.layers,
+        }
 
 
 class ContextStore:
@@ -126,19 +143,42 @@ class ContextStore:
         self._update = client.register_script(_UPDATE_LUA)
         self._counting: dict[str, asyncio.Task] = {}  # owner -> the waiting-count read in flight (asyncio only)
 
-    def create_args(self, request_id: str, meta: dict, input_: dict, event: Event,
-                    bounds: WaitingBounds | None = None, elsewhere: tuple[int, int] = (0, 0), stream: str = ""):
+    def create_args(
+        self,
+        request_id: str,
+        meta: dict,
+        input_: dict,
+        event: Event,
+        bounds: WaitingBounds | None = None,
+        elsewhere: tuple[int, int] = (0, 0),
+        stream: str = "",
+    ):
         """stream: where the event goes, the partition's received stream unless given (a test's sink, in the
         same slot)."""
         n, p = self.names, self.names.partition(request_id)
-        keys = n.request_keys(request_id) + [n.requests_index(p), stream or n.received_stream(p), n.waiting(p),
-                                             n.state_set(p, "RECEIVED"), n.lifecycle_feed(p), n.owner_waiting(p)]
+        keys = n.request_keys(request_id) + [
+            n.requests_index(p),
+            stream or n.received_stream(p),
+            n.waiting(p),
+            n.state_set(p, "RECEIVED"),
+            n.lifecycle_feed(p),
+            n.owner_waiting(p),
+        ]
         if owner := meta.get("owner") or "":  # no API keys: no per-owner index or bound
             keys += [n.owner_index(p, owner), n.request_owners(p)]
         b = bounds or WaitingBounds()
-        argv: list = [str(self.live_ttl_s), request_id, encode(event), "" if b.total is None else str(b.total),
-                      "" if b.per_owner is None else str(b.per_owner), str(len(meta)), str(LIFECYCLE_FEED_MAXLEN),
-                      str(elsewhere[0]), str(elsewhere[1]), owner]
+        argv: list = [
+            str(self.live_ttl_s),
+            request_id,
+            encode(event),
+            "" if b.total is None else str(b.total),
+            "" if b.per_owner is None else str(b.per_owner),
+            str(len(meta)),
+            str(LIFECYCLE_FEED_MAXLEN),
+            str(elsewhere[0]),
+            str(elsewhere[1]),
+            owner,
+        ]
         for k, v in meta.items():
             argv += [k, _json.encode(v)]
         for k, v in input_.items():
@@ -174,16 +214,22 @@ class ContextStore:
         for p in parts if owner else ():
             pipe.zlexcount(self.names.owner_waiting(p), f"[{owner}\0", f"({owner}\1")
         got = await pipe.execute()
-        return got[:len(parts)], got[len(parts):]
+        return got[: len(parts)], got[len(parts) :]
 
-    async def acreate(self, request_id: str, meta: dict, input_: dict, event: Event,
-                      bounds: WaitingBounds | None = None, stream: str = "") -> float:
+    async def acreate(
+        self,
+        request_id: str,
+        meta: dict,
+        input_: dict,
+        event: Event,
+        bounds: WaitingBounds | None = None,
+        stream: str = "",
+    ) -> float:
         """Write meta and input, state RECEIVED, and publish `event` on the request's partition's received stream,
         atomically; or, when the waiting requests (all, or the owner's) are at their bound, create nothing and
         raise WaitingFull. Returns Redis time."""
         b = bounds or WaitingBounds()
-        elsewhere = await self.waiting_elsewhere(self._create.registered_client, request_id,
-                                                 meta.get("owner") or "", b)
+        elsewhere = await self.waiting_elsewhere(self._create.registered_client, request_id, meta.get("owner") or "", b)
         keys, argv = self.create_args(request_id, meta, input_, event, b, elsewhere, stream)
         res = await self._create(keys=keys, args=argv)
         status = as_text(res[0])
@@ -218,8 +264,10 @@ class ContextStore:
         layer_maps, history = results[: len(LAYERS)], results[len(LAYERS)]
         if not layer_maps[0]:
             return None
-        layers = {name: {as_text(k): msgspec.json.decode(v) if _looks_json(v) else as_text(v) for k, v in m.items()}
-                  for name, m in zip(LAYERS, layer_maps)}
+        layers = {
+            name: {as_text(k): msgspec.json.decode(v) if _looks_json(v) else as_text(v) for k, v in m.items()}
+            for name, m in zip(LAYERS, layer_maps)
+        }
         state = layers["meta"].get("state")
         return Snapshot(request_id, State(state) if state else None, layers, parse_history(history))
 

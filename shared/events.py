@@ -259,8 +259,19 @@ class KvResyncRequested(Event, tag="kv_resync", kw_only=True):
 
 
 AnyEvent = Union[
-    RequestReceived, Preprocessed, Scheduled, CancelRequested, HandBack, TokenGenerated,
-    Completed, Failed, Cancelled, TimedOut, Heartbeat, KvEvents, KvResyncRequested,
+    RequestReceived,
+    Preprocessed,
+    Scheduled,
+    CancelRequested,
+    HandBack,
+    TokenGenerated,
+    Completed,
+    Failed,
+    Cancelled,
+    TimedOut,
+    Heartbeat,
+    KvEvents,
+    KvResyncRequested,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -43,16 +43,14 @@ ALIVE = tuple(s for s in State if s not in TERMINAL)  # the states of a request 
 
 
 class ContextJanitor:
-    def __init__(self, client, names: Names, ttl_s: int, cap: int, batch: int = BATCH,
-                 max_batches: int = MAX_BATCHES):
+    def __init__(self, client, names: Names, ttl_s: int, cap: int, batch: int = BATCH, max_batches: int = MAX_BATCHES):
         self.r, self.names, self.ttl_s, self.cap = client, names, ttl_s, cap
         self.batch, self.max_batches = batch, max_batches
         self.behind = False  # the last sweep stopped at max_batches with work left
         parts = names.all_partitions
         self._ended = [(p, names.state_set(p, s.value)) for p in parts for s in TERMINAL]
         # Where a ghost may sit: a live state's set, or the waiting set (its score is the creation time).
-        self._alive = [(p, z) for p in parts
-                       for z in (names.waiting(p), *(names.state_set(p, s.value) for s in ALIVE))]
+        self._alive = [(p, z) for p in parts for z in (names.waiting(p), *(names.state_set(p, s.value) for s in ALIVE))]
 
     def sweep(self, now: float, batch: int | None = None) -> int:
         """One pass of the three paths; returns the requests forgotten (or deleted)."""
@@ -137,7 +135,7 @@ class ContextJanitor:
         for i, n in reads:
             pipe.zrange(self._ended[i][1], 0, n - 1, withscores=True)
         got = pipe.execute()
-        return got[:len(self._ended)], got[len(self._ended):]
+        return got[: len(self._ended)], got[len(self._ended) :]
 
     def _forget(self, items: list[tuple[int, str, str]], delete: bool = False, ghost: bool = False) -> int:
         """Drop requests (partition, the set they were found in, id) from the indexes, in two round trips: the
@@ -153,8 +151,9 @@ class ContextJanitor:
         pipe = self.r.pipeline(transaction=False)
         for p, rids in by_p.items():
             pipe.hmget(self.names.request_owners(p), rids)
-        owners = {rid: as_text(o) for (_p, rids), got in zip(by_p.items(), pipe.execute())
-                  for rid, o in zip(rids, got) if o}
+        owners = {
+            rid: as_text(o) for (_p, rids), got in zip(by_p.items(), pipe.execute()) for rid, o in zip(rids, got) if o
+        }
         members = self._members(items, owners, ghost)
         pipe = self.r.pipeline(transaction=False)
         if delete:
@@ -234,12 +233,21 @@ class JanitorLoop:
             if self.janitor.behind:
                 delay = 0.0
             if removed:
-                logger.info("context janitor: %d contexts forgotten in %.2f s%s", removed, time.monotonic() - t0,
-                            " (more left: sweeping again)" if self.janitor.behind else "")
+                logger.info(
+                    "context janitor: %d contexts forgotten in %.2f s%s",
+                    removed,
+                    time.monotonic() - t0,
+                    " (more left: sweeping again)" if self.janitor.behind else "",
+                )
 
 
-def scheduler_janitor(settings: SchedulerSettings, names: Names, consumer: str, streams: list[str],
-                      chores: Sequence[Callable[[], None]] = ()) -> JanitorLoop:
+def scheduler_janitor(
+    settings: SchedulerSettings,
+    names: Names,
+    consumer: str,
+    streams: list[str],
+    chores: Sequence[Callable[[], None]] = (),
+) -> JanitorLoop:
     """The scheduler's janitor, on a Redis client of its own: sweeps the contexts, then trims the shared streams'
     entries every consumer group is done with, then runs the scheduler's own chores (each with a client of its
     own: the placement repair)."""

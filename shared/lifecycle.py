@@ -93,7 +93,8 @@ def predecessors(to: State) -> list[str]:
 # placement made and answers 'again' (with that entry id), never a race lost to another replica.
 # Keys created after the request's birth (exec) take meta's remaining TTL: every key has a TTL from birth.
 # The owner-waiting set's members are `owner NUL request id` (the owner is in meta: only the script knows it).
-_TRANSITION_LUA = """
+_TRANSITION_LUA = (
+    """
 if redis.replicate_commands then redis.replicate_commands() end
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {'missing', ''} end
@@ -164,10 +165,25 @@ for k = first, #KEYS do
 end
 if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
-""".replace("@FEED_XADD", lua_feed_xadd("KEYS[10]", "ARGV[13]", rid="ARGV[7]", from_="cur", to="ARGV[1]",
-                                              reason="ARGV[4]", service="ARGV[3]", at="now", owner="owner",
-                                              worker="worker", attempt="ARGV[11]"),
-           ).replace("@TERMINAL(cur)", lua_in("cur", TERMINAL)).replace("@QUEUED", State.QUEUED.value)
+""".replace(
+        "@FEED_XADD",
+        lua_feed_xadd(
+            "KEYS[10]",
+            "ARGV[13]",
+            rid="ARGV[7]",
+            from_="cur",
+            to="ARGV[1]",
+            reason="ARGV[4]",
+            service="ARGV[3]",
+            at="now",
+            owner="owner",
+            worker="worker",
+            attempt="ARGV[11]",
+        ),
+    )
+    .replace("@TERMINAL(cur)", lua_in("cur", TERMINAL))
+    .replace("@QUEUED", State.QUEUED.value)
+)
 
 
 class Outcome(str, enum.Enum):
@@ -240,8 +256,9 @@ class Lifecycle:
         self.r = client
         self._script = client.register_script(_TRANSITION_LUA)
 
-    def transition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
-                   **kw) -> TransitionResult:
+    def transition(
+        self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (), **kw
+    ) -> TransitionResult:
         keys, argv, later = self.args(request_id, to, reason, publish, **kw)
         res = self.interpret(request_id, to, self._script(keys=keys, args=argv))
         if res.applied and later:
@@ -250,8 +267,9 @@ class Lifecycle:
             res = _with_ids(res, pipe.execute())
         return res
 
-    async def atransition(self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
-                          **kw) -> TransitionResult:
+    async def atransition(
+        self, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (), **kw
+    ) -> TransitionResult:
         keys, argv, later = self.args(request_id, to, reason, publish, **kw)
         res = self.interpret(request_id, to, await self._script(keys=keys, args=argv))
         if res.applied and later:
@@ -260,8 +278,9 @@ class Lifecycle:
             res = _with_ids(res, await pipe.execute())
         return res
 
-    def queue(self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (),
-              **kw) -> tuple[Publish, ...]:
+    def queue(
+        self, pipe, request_id: str, to: State, reason: str = "", publish: Sequence[Publish] = (), **kw
+    ) -> tuple[Publish, ...]:
         """Add the transition to a pipeline; pass its reply to interpret(). Returns the events that could not go
         with it (streams outside the request's slot, on a cluster; none on a single Redis): once interpret()
         says it applied, send them with publish_after()."""
@@ -276,8 +295,9 @@ class Lifecycle:
         for p in publish:
             write_event(pipe, self.names, p.stream, p.event)
 
-    def complete(self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]],
-                 pipe=None) -> list[TransitionResult]:
+    def complete(
+        self, client, done: Sequence[tuple[TransitionResult, tuple[Publish, ...]]], pipe=None
+    ) -> list[TransitionResult]:
         """After a pipeline of queue()d transitions, interpreted: publish the events of the applied ones that could
         not go with them, all in one round trip (none on a single Redis: no round trip), after what `pipe` (a
         plain pipeline of the client's) holds already. Returns the results with those events' entry ids."""
@@ -297,20 +317,43 @@ class Lifecycle:
             out[i] = _with_ids(out[i], replies[start:end])
         return out
 
-    def args(self, request_id: str, to: State, reason: str, publish: Sequence[Publish],
-             only_from: Collection[State] | None = None, fence: int | None = None,
-             owner: Owner | None = None) -> tuple[list, list, tuple[Publish, ...]]:
+    def args(
+        self,
+        request_id: str,
+        to: State,
+        reason: str,
+        publish: Sequence[Publish],
+        only_from: Collection[State] | None = None,
+        fence: int | None = None,
+        owner: Owner | None = None,
+    ) -> tuple[list, list, tuple[Publish, ...]]:
         allowed = predecessors(to) if only_from is None else [s.value for s in only_from if to in ALLOWED[s]]
         n, p = self.names, self.names.partition(request_id)
         now = [x for x in publish if n.colocated(x.stream, p)]
-        keys = n.request_keys(request_id) + [n.counters(p), n.waiting(p), n.lifecycle_feed(p),
-                                             n.state_set(p, to.value), n.owner_waiting(p)]
+        keys = n.request_keys(request_id) + [
+            n.counters(p),
+            n.waiting(p),
+            n.lifecycle_feed(p),
+            n.state_set(p, to.value),
+            n.owner_waiting(p),
+        ]
         keys += [n.state_set(p, s) for s in allowed] + [x.stream for x in now]
-        argv = [to.value, ",".join(allowed), self.service, reason, "1" if to in TERMINAL else "0",
-                str(self.ttl), request_id, _WAITING_EFFECT.get(to, "0"), str(len(allowed)),
-                "" if fence is None else str(fence), "" if owner is None else str(owner.attempt),
-                "" if owner is None else json.dumps(owner.worker_id), str(LIFECYCLE_FEED_MAXLEN),
-                json.dumps(owner.nonce) if owner is not None and owner.nonce else ""]
+        argv = [
+            to.value,
+            ",".join(allowed),
+            self.service,
+            reason,
+            "1" if to in TERMINAL else "0",
+            str(self.ttl),
+            request_id,
+            _WAITING_EFFECT.get(to, "0"),
+            str(len(allowed)),
+            "" if fence is None else str(fence),
+            "" if owner is None else str(owner.attempt),
+            "" if owner is None else json.dumps(owner.worker_id),
+            str(LIFECYCLE_FEED_MAXLEN),
+            json.dumps(owner.nonce) if owner is not None and owner.nonce else "",
+        ]
         for x in now:
             argv += [encode(x.event), str(private_stream_ttl(n, x.stream)), str(STREAM_MAXLEN)]
         return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))

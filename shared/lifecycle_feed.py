@@ -29,8 +29,17 @@ class FeedRecord(msgspec.Struct, frozen=True):
 
     def to_wire(self) -> dict:
         """The JSON the dashboard gets (the owner is left out: a browser has no use for key ids)."""
-        return {"id": self.id, "rid": self.rid, "from": self.from_, "to": self.to, "reason": self.reason,
-                "service": self.service, "at": self.at, "worker": self.worker, "attempt": self.attempt}
+        return {
+            "id": self.id,
+            "rid": self.rid,
+            "from": self.from_,
+            "to": self.to,
+            "reason": self.reason,
+            "service": self.service,
+            "at": self.at,
+            "worker": self.worker,
+            "attempt": self.attempt,
+        }
 
 
 def decode_record(entry_id, fields: dict) -> FeedRecord:
@@ -39,6 +48,15 @@ def decode_record(entry_id, fields: dict) -> FeedRecord:
     missing = [k for k in LIFECYCLE_FEED_FIELDS if k not in f]
     if missing:
         raise KeyError(f"feed record {as_text(entry_id)} lacks {missing}")
-    return FeedRecord(id=as_text(entry_id), rid=f["rid"], from_=f["from"], to=f["to"], reason=f["reason"],
-                      service=f["service"], at=float(f["at"]), owner=f["owner"], worker=f["worker"],
-                      attempt=int(f["attempt"] or 0))
+    return FeedRecord(
+        id=as_text(entry_id),
+        rid=f["rid"],
+        from_=f["from"],
+        to=f["to"],
+        reason=f["reason"],
+        service=f["service"],
+        at=float(f["at"]),
+        owner=f["owner"],
+        worker=f["worker"],
+        attempt=int(f["attempt"] or 0),
+    )

@@ -84,8 +84,9 @@ def claim(client, names: Names, service: str, instance: str, ttl_s: float, token
     client returns (await it on asyncio): None when written, else the holder's entry (JSON bytes)."""
     now = time.time() if now is None else now
     entry = encode_entry(ttl_s, {"token": token}, at=now)
-    return client.eval(_CLAIM_LUA, 1, names.live_hash(service), instance, entry, token, repr(now),
-                       str(hash_ttl_s(ttl_s)))
+    return client.eval(
+        _CLAIM_LUA, 1, names.live_hash(service), instance, entry, token, repr(now), str(hash_ttl_s(ttl_s))
+    )
 
 
 def remove(client, names: Names, service: str, instance: str):

@@ -42,5 +42,11 @@ def unpack(lp: Logprobs) -> list[TokenLogprob]:
     n = len(values) // (k + 1)
     if n * (k + 1) != len(values) or len(lp.top_ids) != n * k:
         raise ValueError(f"malformed logprobs: {len(values)} values and {len(lp.top_ids)} ids for top {k}")
-    return [TokenLogprob(values[i * (k + 1)], tuple(lp.top_ids[i * k:(i + 1) * k]),
-                         tuple(values[i * (k + 1) + 1:(i + 1) * (k + 1)])) for i in range(n)]
+    return [
+        TokenLogprob(
+            values[i * (k + 1)],
+            tuple(lp.top_ids[i * k : (i + 1) * k]),
+            tuple(values[i * (k + 1) + 1 : (i + 1) * (k + 1)]),
+        )
+        for i in range(n)
+    ]

@@ -23,8 +23,12 @@ from shared.settings import CommonSettings
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 # Errors after which the same command may succeed a moment later: Redis away, or a Redis Cluster shard between a
 # master's death and its replica's promotion (CLUSTERDOWN, TRYAGAIN once the client's own retries are spent).
-TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-                    redis.exceptions.TryAgainError)
+TRANSIENT_ERRORS = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)
 
 
 def key_slot(key: str | bytes) -> int:
@@ -46,17 +50,27 @@ def _auth(settings: CommonSettings) -> dict:
 def sync_client(settings: CommonSettings) -> redis.Redis | _sync_cluster.RedisCluster:
     # socket_timeout must exceed the XREADGROUP BLOCK, or a quiet stream looks like a dead server.
     if settings.redis_cluster:
-        return SyncClusterClient.from_url(settings.redis_url, socket_timeout=settings.socket_timeout_s,
-                                          socket_connect_timeout=5, retry=Retry(NoBackoff(), 0), **_auth(settings))
+        return SyncClusterClient.from_url(
+            settings.redis_url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=5,
+            retry=Retry(NoBackoff(), 0),
+            **_auth(settings),
+        )
     return redis.Redis.from_url(
-        settings.redis_url, socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5,
-        health_check_interval=30, retry=Retry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3),
-        retry_on_error=list(_RETRY_ERRORS), **_auth(settings),
+        settings.redis_url,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3),
+        retry_on_error=list(_RETRY_ERRORS),
+        **_auth(settings),
     )
 
 
-def async_client(settings: CommonSettings, max_connections: int = 64,
-                 pool_timeout_s: float = 30.0) -> aioredis.Redis | _async_cluster.RedisCluster:
+def async_client(
+    settings: CommonSettings, max_connections: int = 64, pool_timeout_s: float = 30.0
+) -> aioredis.Redis | _async_cluster.RedisCluster:
     """An asyncio client over a bounded, blocking pool: under a burst, coroutines wait (up to pool_timeout_s)
     for a free connection instead of opening one per request until the pool or the server refuses more
     ("Too many connections" would be reported to clients as Redis being down). On a cluster: at most
@@ -66,12 +80,25 @@ def async_client(settings: CommonSettings, max_connections: int = 64,
 
     if settings.redis_cluster:
         return AsyncClusterClient.from_url(
-            settings.redis_url, max_connections=max_connections, socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=5, health_check_interval=30, retry=ARetry(NoBackoff(), 0),
-            max_in_flight=max_connections, pool_timeout_s=pool_timeout_s, **_auth(settings))
+            settings.redis_url,
+            max_connections=max_connections,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+            retry=ARetry(NoBackoff(), 0),
+            max_in_flight=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            **_auth(settings),
+        )
     pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=max_connections, timeout=pool_timeout_s,
-        socket_timeout=settings.socket_timeout_s, socket_connect_timeout=5, health_check_interval=30,
-        retry=ARetry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3), retry_on_error=list(_RETRY_ERRORS),
-        **_auth(settings))
+        settings.redis_url,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=ARetry(ExponentialBackoff(cap=REDIS_CAP_S, base=REDIS_BASE_S), 3),
+        retry_on_error=list(_RETRY_ERRORS),
+        **_auth(settings),
+    )
     return aioredis.Redis(connection_pool=pool)

@@ -13,9 +13,9 @@ from redis._parsers import AsyncCommandsParser
 from redis.asyncio import cluster as _async_cluster
 from redis.exceptions import NoScriptError
 
-from shared.redis_cluster_client import (NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts,
-                                         known_keys)
+from shared.redis_cluster_client import NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, known_keys
 from shared.replies import as_text
+
 
 class _CommandsParser(AsyncCommandsParser):
     """Finds the keys of stream reads and scripts itself (shared.redis_cluster_client.known_keys says why)."""
@@ -191,8 +191,9 @@ class AsyncClusterPipeline(_async_cluster.ClusterPipeline):
             groups.setdefault(node, []).append(i)
         return list(groups.values())
 
-    async def _execute_per_node(self, queue: list, groups: list[list[int]], raise_on_error: bool,
-                                allow_redirections: bool) -> list:
+    async def _execute_per_node(
+        self, queue: list, groups: list[list[int]], raise_on_error: bool, allow_redirections: bool
+    ) -> list:
         """A plain pipeline spanning nodes, as one pipeline per node, sent at once. redis-py sends to every node at
         once too but raises as soon as one fails, while the others may still be running theirs: what ran there
         could not be told from what did not, and would be sent again. Apart, a node failing leaves the others'

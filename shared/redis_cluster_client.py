@@ -44,8 +44,14 @@ from typing import Any, Callable
 import redis
 from redis import cluster as _sync_cluster
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import (AskError, AuthenticationError, ClusterError, NoScriptError, SlotNotCoveredError,
-                              TryAgainError)
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    ClusterError,
+    NoScriptError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from shared.replies import as_text
 
@@ -54,8 +60,14 @@ _CLUSTER_BACKOFF = ExponentialWithJitterBackoff(base=0.05, cap=0.5)  # pauses up
 # ConnectionError (incl. MaxConnectionsError, BusyLoadingError) and TimeoutError: a node gone or not answering.
 # ClusterError: CLUSTERDOWN, or redirections exhausted ("TTL exhausted"). SlotNotCoveredError: a slot without a
 # master in the client's table. TRYAGAIN: a slot migrating. ASK/MOVED only escape from a MULTI/EXEC.
-_CLUSTER_RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterError, SlotNotCoveredError, TryAgainError,
-                         AskError)
+_CLUSTER_RETRY_ERRORS = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterError,
+    SlotNotCoveredError,
+    TryAgainError,
+    AskError,
+)
 
 
 class NoConnectionAvailable(redis.ConnectionError):
@@ -176,14 +188,14 @@ def known_keys(args: tuple) -> list | None:
     sent alone (the stream reads) or in a plain pipeline (both): the bus's reads and the lifecycle's scripts."""
     name = as_text(args[0]).upper() if args else ""
     if name in ("EVAL", "EVALSHA"):
-        return list(args[3:3 + int(args[2])]) if len(args) > 2 else None
+        return list(args[3 : 3 + int(args[2])]) if len(args) > 2 else None
     start = _STREAM_READS.get(name)
     if start is None:
         return None
     for i in range(start, len(args)):
         if as_text(args[i]).upper() == "STREAMS":
-            rest = args[i + 1:]
-            return list(rest[:len(rest) // 2])
+            rest = args[i + 1 :]
+            return list(rest[: len(rest) // 2])
     return None
 
 

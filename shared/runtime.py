@@ -97,8 +97,10 @@ class LivenessThread:
                 if self.progressing():
                     self.live.refresh(self.r, self.info)
                 else:
-                    logger.error("%s: its main loop has not moved for long: no longer refreshing its liveness",
-                                 self.live.instance)
+                    logger.error(
+                        "%s: its main loop has not moved for long: no longer refreshing its liveness",
+                        self.live.instance,
+                    )
             except Exception as e:  # noqa: BLE001 - the thread outlives anything; Redis away is the usual case
                 logger.warning("%s: liveness refresh failed (%r)", self.live.instance, e)
             self._stop.wait(self.live.interval_s)

@@ -22,7 +22,14 @@ class BusService:
         self.names = settings.names()
         self.r = sync_client(settings)
         self.id = instance_id(settings, self.kind)
-        self.bus = Bus(self.r, self.names, self.id, settings.read_block_ms, settings.claim_idle_ms,
-                       settings.max_deliveries, on_dead=on_dead)
+        self.bus = Bus(
+            self.r,
+            self.names,
+            self.id,
+            settings.read_block_ms,
+            settings.claim_idle_ms,
+            settings.max_deliveries,
+            on_dead=on_dead,
+        )
         self.lifecycle = Lifecycle(self.r, self.names, self.kind, settings.context_ttl_s)
         self.store = ContextStore(self.r, self.names, settings.context_ttl_s)

@@ -22,12 +22,15 @@ class ServiceSpec:
 
 
 # Start order: the gateway last, as its /ready waits for the others.
-SERVICES: dict[str, ServiceSpec] = {spec.name: spec for spec in (
-    ServiceSpec("tokenizer", s.TokenizerSettings, "services.tokenizer.service:TokenizerService"),
-    ServiceSpec("scheduler", s.SchedulerSettings, "services.scheduler.service:SchedulerService"),
-    ServiceSpec("worker", s.WorkerSettings, "services.worker.service:WorkerService"),
-    ServiceSpec("gateway", s.GatewaySettings, http=True),
-)}
+SERVICES: dict[str, ServiceSpec] = {
+    spec.name: spec
+    for spec in (
+        ServiceSpec("tokenizer", s.TokenizerSettings, "services.tokenizer.service:TokenizerService"),
+        ServiceSpec("scheduler", s.SchedulerSettings, "services.scheduler.service:SchedulerService"),
+        ServiceSpec("worker", s.WorkerSettings, "services.worker.service:WorkerService"),
+        ServiceSpec("gateway", s.GatewaySettings, http=True),
+    )
+}
 
 # Those without an HTTP port: live while their liveness entries are fresh.
 BUS_SERVICES = tuple(name for name, spec in SERVICES.items() if not spec.http)

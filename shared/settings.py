@@ -32,21 +32,35 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the streams and contexts")
-    redis_password: SecretStr = Field(SecretStr(""), description="Redis AUTH password when redis_url has none (keeps "
-                                      "it out of URLs, which end up in logs and process listings); empty = none")
-    redis_cluster: bool = Field(False, description="the Redis at redis_url is one node of a Redis Cluster; every "
-                                "service uses redis-py's cluster clients, which discover the other nodes from it")
-    redis_partitions: int = Field(0, ge=0, le=1024, description="streams and indexes are split into this many "
-                                  "partitions, each on its own hash slot; 0 = auto: 1 on a single Redis, 16 on a "
-                                  "cluster")
+    redis_password: SecretStr = Field(
+        SecretStr(""),
+        description="Redis AUTH password when redis_url has none (keeps "
+        "it out of URLs, which end up in logs and process listings); empty = none",
+    )
+    redis_cluster: bool = Field(
+        False,
+        description="the Redis at redis_url is one node of a Redis Cluster; every "
+        "service uses redis-py's cluster clients, which discover the other nodes from it",
+    )
+    redis_partitions: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="streams and indexes are split into this many "
+        "partitions, each on its own hash slot; 0 = auto: 1 on a single Redis, 16 on a "
+        "cluster",
+    )
     namespace: str = Field("conveyor", description="prefix of every stream and key; tests use a fresh one")
     model: str = Field("", description="local HF model folder or .gguf file; empty = bundled SmolLM2-135M GGUF")
     model_name: str = Field("", description="name reported to clients; empty = derived from the model path")
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="where converted models are cached")
     log_level: str = Field("INFO", description="logging level of the process")
-    instance_id: str = Field("", description="consumer/instance name: letters, digits, '.', '_', '-' (a "
-                             "gateway's unique among live gateways: another under it is refused at start); "
-                             "empty = host-pid-random")
+    instance_id: str = Field(
+        "",
+        description="consumer/instance name: letters, digits, '.', '_', '-' (a "
+        "gateway's unique among live gateways: another under it is refused at start); "
+        "empty = host-pid-random",
+    )
     liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness entry is older")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness entries are refreshed")
     read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
@@ -55,24 +69,35 @@ class CommonSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="deliveries before an event goes to the dead-letter stream")
     context_ttl_s: int = Field(3600, ge=1, description="seconds an ended request's context stays readable")
     otel_enabled: bool = Field(True, description="export spans when OTEL_EXPORTER_OTLP_ENDPOINT is set")
-    otlp_endpoint: str = Field("", validation_alias=AliasChoices("CONVEYOR_OTLP_ENDPOINT",
-                                                                 "OTEL_EXPORTER_OTLP_ENDPOINT"),
-                               description="OTLP/HTTP base URL spans are exported to; empty = tracing off (no-op)")
-    otlp_protocol: str = Field("http/protobuf", validation_alias=AliasChoices("CONVEYOR_OTLP_PROTOCOL",
-                                                                              "OTEL_EXPORTER_OTLP_PROTOCOL"),
-                               description="OTLP protocol; http/protobuf is the one supported")
+    otlp_endpoint: str = Field(
+        "",
+        validation_alias=AliasChoices("CONVEYOR_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP base URL spans are exported to; empty = tracing off (no-op)",
+    )
+    otlp_protocol: str = Field(
+        "http/protobuf",
+        validation_alias=AliasChoices("CONVEYOR_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        description="OTLP protocol; http/protobuf is the one supported",
+    )
     otel_schedule_delay_ms: int = Field(2000, ge=1, description="batch span processor export interval")
     otel_capture_content: bool = Field(False, description="put prompt and output text into spans")
     # Common: the worker's KV blocks, and the tokenizer's block hashes the scheduler matches against them.
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block (workers) and per "
-                            "block hash attached to a request (tokenizer): the same value everywhere")
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="tokens per KV cache block (workers) and per "
+        "block hash attached to a request (tokenizer): the same value everywhere",
+    )
 
     @field_validator("instance_id")
     @classmethod
     def _check_instance_id(cls, v: str) -> str:
         if v and not INSTANCE_ID.fullmatch(v):
-            raise ValueError(f"CONVEYOR_INSTANCE_ID {v!r} may hold only letters, digits, '.', '_' and '-' (1 to 128 "
-                             "of them): it is part of stream and key names (empty: one is made up)")
+            raise ValueError(
+                f"CONVEYOR_INSTANCE_ID {v!r} may hold only letters, digits, '.', '_' and '-' (1 to 128 "
+                "of them): it is part of stream and key names (empty: one is made up)"
+            )
         return v
 
     def names(self):
@@ -97,38 +122,70 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
-    sse_write_timeout_s: float = Field(30.0, gt=0, description="longest one write to a streaming client may wait "
-                                       "(it stopped reading); then it is dropped and its request cancelled")
-    listen_backlog: int = Field(8192, ge=1, description="connections the kernel queues for the gateway to accept "
-                                "(capped by net.core.somaxconn); beyond it a connecting client's SYN is dropped "
-                                "and retried after 1 s, then 3 s")
+    sse_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest one write to a streaming client may wait "
+        "(it stopped reading); then it is dropped and its request cancelled",
+    )
+    listen_backlog: int = Field(
+        8192,
+        ge=1,
+        description="connections the kernel queues for the gateway to accept "
+        "(capped by net.core.somaxconn); beyond it a connecting client's SYN is dropped "
+        "and retried after 1 s, then 3 s",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open")
-    max_waiting_requests: int = Field(1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) "
-                                                              "beyond which new ones get 429")
+        default_factory=list, description="accepted API keys (Authorization: Bearer), comma-separated; empty = open"
+    )
+    max_waiting_requests: int = Field(
+        1024, ge=1, description="requests waiting cluster-wide (not yet on a worker) beyond which new ones get 429"
+    )
     max_open_requests: int = Field(2048, ge=1, description="HTTP requests this gateway serves at once; more get 429")
-    max_waiting_requests_per_key: int = Field(512, ge=1, description="waiting requests (cluster-wide) of one API key "
-                                                                     "beyond which its new ones get 429")
-    max_open_requests_per_key: int = Field(1024, ge=1, description="HTTP requests of one API key this gateway "
-                                                                   "serves at once; more get 429")
-    priority_floor: int = Field(0, ge=-1000, le=1000, description="with API keys: the most urgent priority (lowest "
-                                "value) a key that is not an admin key may ask for; more urgent ones are clamped to "
-                                "it. Admin keys, and every caller of a gateway without keys, may use -1000..1000")
+    max_waiting_requests_per_key: int = Field(
+        512, ge=1, description="waiting requests (cluster-wide) of one API key beyond which its new ones get 429"
+    )
+    max_open_requests_per_key: int = Field(
+        1024, ge=1, description="HTTP requests of one API key this gateway serves at once; more get 429"
+    )
+    priority_floor: int = Field(
+        0,
+        ge=-1000,
+        le=1000,
+        description="with API keys: the most urgent priority (lowest "
+        "value) a key that is not an admin key may ask for; more urgent ones are clamped to "
+        "it. Admin keys, and every caller of a gateway without keys, may use -1000..1000",
+    )
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
-    redis_pool_size: int = Field(64, ge=2, le=10_000, description="Redis connections of the gateway's pool; "
-                                 "under a burst requests wait for one instead of failing")
+    redis_pool_size: int = Field(
+        64,
+        ge=2,
+        le=10_000,
+        description="Redis connections of the gateway's pool; under a burst requests wait for one instead of failing",
+    )
     redis_pool_timeout_s: float = Field(30.0, gt=0, description="longest wait for a pooled Redis connection")
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="API keys that may see and cancel every request (the dashboard, "
-                                          "/v1/requests), comma-separated; accepted in addition to api_keys")
-    trace_url_template: str = Field("", description="link from the dashboard to a request's trace, with "
-                                    "{trace_id} where its id goes, e.g. http://jaeger:16686/trace/{trace_id}; "
-                                    "empty = no link")
-    dashboard_queue_events: int = Field(256, ge=8, le=100_000, description="feed batches one dashboard connection "
-                                        "may have unsent; beyond it its backlog is dropped and it starts over "
-                                        "from a fresh snapshot")
-    dashboard_max_rows: int = Field(5000, ge=1, le=100_000, description="most in-flight requests a dashboard's "
-                                    "snapshot lists")
+        default_factory=list,
+        description="API keys that may see and cancel every request (the dashboard, "
+        "/v1/requests), comma-separated; accepted in addition to api_keys",
+    )
+    trace_url_template: str = Field(
+        "",
+        description="link from the dashboard to a request's trace, with "
+        "{trace_id} where its id goes, e.g. http://jaeger:16686/trace/{trace_id}; "
+        "empty = no link",
+    )
+    dashboard_queue_events: int = Field(
+        256,
+        ge=8,
+        le=100_000,
+        description="feed batches one dashboard connection "
+        "may have unsent; beyond it its backlog is dropped and it starts over "
+        "from a fresh snapshot",
+    )
+    dashboard_max_rows: int = Field(
+        5000, ge=1, le=100_000, description="most in-flight requests a dashboard's snapshot lists"
+    )
 
     @field_validator("trace_url_template")
     @classmethod
@@ -160,23 +217,42 @@ class SchedulerSettings(CommonSettings):
     queue_slack: int = Field(2, ge=0, description="requests sent to a worker beyond its free sequence slots")
     max_ended_contexts: int = Field(100_000, ge=1, description="ended contexts kept; the oldest go first")
     janitor_interval_s: float = Field(10.0, gt=0, description="how often ended contexts are swept")
-    placement_grace_s: float = Field(5.0, gt=0, description="a placement still without its record after this "
-                                     "long (4 times as long, for one its worker does not hold) is finished from Redis")
+    placement_grace_s: float = Field(
+        5.0,
+        gt=0,
+        description="a placement still without its record after this "
+        "long (4 times as long, for one its worker does not hold) is finished from Redis",
+    )
     timeout_safety_factor: float = Field(1.5, ge=1, description="adaptive deadline = factor x predicted time")
     timeout_min_s: float = Field(5.0, gt=0, description="smallest adaptive deadline")
     timeout_max_s: float = Field(300.0, gt=0, description="largest adaptive deadline")
     max_attempts: int = Field(3, ge=1, description="placements of one request before it fails (worker_lost)")
-    worker_hang_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose step counter "
-                                         "has not moved for this long is treated as dead")
+    worker_hang_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a worker holding work whose step counter has not moved for this long is treated as dead",
+    )
     routing: Literal["kv", "load", "round_robin"] = Field(
-        "kv", description="placement: kv = the worker with the cheapest uncached prefix + load (KV-cache-aware), "
-                          "load = the emptiest KV pool, round_robin = in turn")
-    routing_overlap_weight: float = Field(4.0, ge=0, description="kv: cost of one prompt block to prefill, in "
-                                          "KV blocks in use (decode load); 0 = load only")
-    routing_balance_abs: int = Field(16, ge=0, description="kv: requests held by the busiest minus the idlest "
-                                     "worker beyond which (with routing_balance_rel) load alone decides")
-    routing_balance_rel: float = Field(1.5, ge=1, description="kv: ratio busiest / idlest worker beyond which "
-                                       "(with routing_balance_abs) load alone decides")
+        "kv",
+        description="placement: kv = the worker with the cheapest uncached prefix + load (KV-cache-aware), "
+        "load = the emptiest KV pool, round_robin = in turn",
+    )
+    routing_overlap_weight: float = Field(
+        4.0,
+        ge=0,
+        description="kv: cost of one prompt block to prefill, in KV blocks in use (decode load); 0 = load only",
+    )
+    routing_balance_abs: int = Field(
+        16,
+        ge=0,
+        description="kv: requests held by the busiest minus the idlest "
+        "worker beyond which (with routing_balance_rel) load alone decides",
+    )
+    routing_balance_rel: float = Field(
+        1.5,
+        ge=1,
+        description="kv: ratio busiest / idlest worker beyond which (with routing_balance_abs) load alone decides",
+    )
 
 
 class WorkerSettings(CommonSettings):
@@ -188,14 +264,24 @@ class WorkerSettings(CommonSettings):
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
-    gemm_tuning: bool = Field(True, description="CPU: measure the faster GEMM orientation of each layer at start "
-                                                "(kept in the cache dir)")
-    cpu_kernels: bool = Field(True, description="CPU: build (once, kept in the cache dir) and use the "
-                              "engine's C++ paged decode attention; off or unbuildable = gather K/V in torch")
-    fused_model: bool = Field(True, description="Llama-family models run the engine's own forward (fused QKV and "
-                              "gate/up GEMMs, rotary once per step); off = transformers' module forward")
-    engine: Literal["torch", "sim"] = Field("torch", description="torch runs the model; sim simulates its steps "
-                                            "(same scheduler and KV cache, modelled step time, no weights loaded)")
+    gemm_tuning: bool = Field(
+        True, description="CPU: measure the faster GEMM orientation of each layer at start (kept in the cache dir)"
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="CPU: build (once, kept in the cache dir) and use the "
+        "engine's C++ paged decode attention; off or unbuildable = gather K/V in torch",
+    )
+    fused_model: bool = Field(
+        True,
+        description="Llama-family models run the engine's own forward (fused QKV and "
+        "gate/up GEMMs, rotary once per step); off = transformers' module forward",
+    )
+    engine: Literal["torch", "sim"] = Field(
+        "torch",
+        description="torch runs the model; sim simulates its steps "
+        "(same scheduler and KV cache, modelled step time, no weights loaded)",
+    )
     # The simulated step time (docs/simulated_engine.md): defaults from the real engine's costs, SmolLM2-135M, float32,
     # on the 2-core CPU machine of docs/benchmarks.md (python -m services.worker.engine.sim_calibrate re-measures them).
     sim_step_overhead_s: float = Field(0.042, ge=0, description="sim: fixed time of every step")
@@ -203,10 +289,18 @@ class WorkerSettings(CommonSettings):
     sim_decode_s_per_seq: float = Field(0.0015, ge=0, description="sim: per sequence decoding in the step")
     sim_decode_s_per_kv_token: float = Field(0.000008, ge=0, description="sim: per KV token a decode attends over")
     sim_speedup: float = Field(1.0, gt=0, description="sim: every modelled step time is divided by this")
-    sim_eos_probability: float = Field(0.0, ge=0, le=1, description="sim: chance per output token of ending "
-                                       "with EOS where EOS may end the request (0: run to max_tokens)")
-    sim_step_log_dir: str = Field("", description="sim: folder where each worker appends one line per step "
-                                  "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none")
+    sim_eos_probability: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="sim: chance per output token of ending "
+        "with EOS where EOS may end the request (0: run to max_tokens)",
+    )
+    sim_step_log_dir: str = Field(
+        "",
+        description="sim: folder where each worker appends one line per step "
+        "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none",
+    )
 
 
 @contextlib.contextmanager

@@ -41,10 +41,14 @@ def setup(service: str, settings) -> bool:
 
     if settings.otlp_protocol != "http/protobuf":
         logger.warning("OTLP protocol %s is not supported; exporting http/protobuf", settings.otlp_protocol)
-    provider = TracerProvider(resource=Resource.create({"service.name": f"conveyor-{service}",
-                                                        "service.namespace": settings.namespace}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint)),
-                                                   schedule_delay_millis=settings.otel_schedule_delay_ms))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": f"conveyor-{service}", "service.namespace": settings.namespace})
+    )
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=traces_url(endpoint)), schedule_delay_millis=settings.otel_schedule_delay_ms
+        )
+    )
     _provider, _tracer = provider, provider.get_tracer("conveyor")
     _capture_content = settings.otel_capture_content
     logger.info("tracing: exporting spans of %s to %s", service, traces_url(endpoint))
@@ -137,8 +141,9 @@ def set_error(span: Span, reason: str, message: str = "") -> None:
         span.set_attribute("error.type", reason)
 
 
-def transition_event(request_id: str, to: str, previous: str, at: float, reason: str = "",
-                     span: Span | None = None) -> None:
+def transition_event(
+    request_id: str, to: str, previous: str, at: float, reason: str = "", span: Span | None = None
+) -> None:
     """A span event for one lifecycle transition (on `span`, else the current span), at Redis's time."""
     span = span if span is not None else trace.get_current_span()
     if not span.is_recording():
@@ -150,10 +155,13 @@ def transition_event(request_id: str, to: str, previous: str, at: float, reason:
     span.add_event(to, attrs, timestamp=int(at * 1e9) if at else None)
 
 
-def messaging_attrs(operation: str, stream: str, group: str = "", message_id: str = "",
-                    client_id: str = "") -> dict:
-    attrs = {"messaging.system": "redis", "messaging.operation.type": operation,
-             "messaging.operation.name": operation, "messaging.destination.name": stream}
+def messaging_attrs(operation: str, stream: str, group: str = "", message_id: str = "", client_id: str = "") -> dict:
+    attrs = {
+        "messaging.system": "redis",
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": stream,
+    }
     if group:
         attrs["messaging.consumer.group.name"] = group
     if message_id:
@@ -166,16 +174,18 @@ def messaging_attrs(operation: str, stream: str, group: str = "", message_id: st
 @contextmanager
 def publish_span(stream: str, request_id: str = "", context: Context | None = None) -> Iterator[Span]:
     """A PRODUCER span around one publish; inject its traceparent into the event it publishes."""
-    with trace.use_span(start_publish_span(stream, request_id, context), end_on_exit=True,
-                        record_exception=False) as span:
+    with trace.use_span(
+        start_publish_span(stream, request_id, context), end_on_exit=True, record_exception=False
+    ) as span:
         yield span
 
 
 def start_publish_span(stream: str, request_id: str = "", context: Context | None = None) -> Span:
     """publish_span's span started, not made current: a batch opens one per request and ends it once the
     request's events are out (end_all)."""
-    span = _tracer.start_span(f"publish {short(stream)}", context=context, kind=SpanKind.PRODUCER,
-                              record_exception=False)
+    span = _tracer.start_span(
+        f"publish {short(stream)}", context=context, kind=SpanKind.PRODUCER, record_exception=False
+    )
     if span.is_recording():
         span.set_attributes(messaging_attrs("publish", stream))
         if request_id:
@@ -222,8 +232,12 @@ def start_process_span(delivery, consumer: str) -> Span | None:
     if _provider is None:
         return None
     ev = delivery.event
-    span = _tracer.start_span(f"process {short(delivery.stream)}", context=context_from(ev.traceparent),
-                              kind=SpanKind.CONSUMER, record_exception=False)
+    span = _tracer.start_span(
+        f"process {short(delivery.stream)}",
+        context=context_from(ev.traceparent),
+        kind=SpanKind.CONSUMER,
+        record_exception=False,
+    )
     span.set_attributes(messaging_attrs("process", delivery.stream, delivery.group, delivery.entry_id, consumer))
     rid = getattr(ev, "request_id", "")
     if rid:
@@ -239,6 +253,10 @@ def short(stream: str) -> str:
 
 
 def genai_request_attrs(operation: str, model: str, sampling) -> dict:
-    return {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.temperature": sampling.temperature,
-            "gen_ai.request.top_p": sampling.top_p}
+    return {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+    }

@@ -40,8 +40,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         client = async_client(settings, settings.redis_pool_size, settings.redis_pool_timeout_s)
-        app.state.core = core = GatewayCore(settings, client, load_tokenizer(info.model_dir),
-                                            settings.model_name or model_display_name(settings.model), info.max_len)
+        app.state.core = core = GatewayCore(
+            settings,
+            client,
+            load_tokenizer(info.model_dir),
+            settings.model_name or model_display_name(settings.model),
+            info.max_len,
+        )
         await core.start()
         # Everything loaded so far (the tokenizer, the app) lives as long as the process: keep it out of the cyclic
         # collector's full passes, which otherwise stop the event loop for 0.3 s and more (1 s on a busy machine)
@@ -57,8 +62,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(OpenRequestLimit, limit=settings.max_open_requests, retry_after_s=settings.retry_after_s,
-                       per_key_limit=settings.max_open_requests_per_key)  # the key id: set by ApiKeyAuth, below
+    app.add_middleware(
+        OpenRequestLimit,
+        limit=settings.max_open_requests,
+        retry_after_s=settings.retry_after_s,
+        per_key_limit=settings.max_open_requests_per_key,
+    )  # the key id: set by ApiKeyAuth, below
     # outermost: nothing runs for a caller without a key
     app.add_middleware(ApiKeyAuth, keys=settings.api_keys, admin_keys=settings.admin_api_keys)
     if not settings.api_keys and not settings.admin_api_keys:

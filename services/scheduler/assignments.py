@@ -69,9 +69,18 @@ class Assignments:
         """Queue a placement's record on pipe (the caller executes it, then hands each reply to recorded())."""
         rid, n = a.scheduled.request_id, self.names
         p = n.partition(rid)
-        self._record(keys=[n.layer(rid, "exec"), n.layer(rid, "meta"), n.assigned(p), n.assigned_changes(p),
-                           n.queue(p), n.queue_changes(p)],
-                     args=[rid, a.scheduled.attempt, _enc.encode(a), self.writer, CHANGES_MAXLEN], client=pipe)
+        self._record(
+            keys=[
+                n.layer(rid, "exec"),
+                n.layer(rid, "meta"),
+                n.assigned(p),
+                n.assigned_changes(p),
+                n.queue(p),
+                n.queue_changes(p),
+            ],
+            args=[rid, a.scheduled.attempt, _enc.encode(a), self.writer, CHANGES_MAXLEN],
+            client=pipe,
+        )
 
     def recorded(self, a: Assignment, reply) -> bool:
         """Take in the record script's reply: the placement is known here only if it was recorded."""
@@ -79,8 +88,9 @@ class Assignments:
         if status == "recorded":
             self.by_request[a.scheduled.request_id] = a
             return True
-        logger.info("placement of %s at attempt %d not recorded: %s", a.scheduled.request_id, a.scheduled.attempt,
-                    status)
+        logger.info(
+            "placement of %s at attempt %d not recorded: %s", a.scheduled.request_id, a.scheduled.attempt, status
+        )
         return False
 
     def add(self, a: Assignment, client=None) -> bool:
@@ -100,8 +110,11 @@ class Assignments:
             if (mine := self.by_request.get(rid)) is not None and mine.scheduled.attempt <= sch.attempt:
                 del self.by_request[rid]
             p = n.partition(rid)
-            self._unassign(keys=[n.layer(rid, "exec"), n.assigned(p), n.assigned_changes(p)],
-                           args=[rid, sch.attempt, self.writer, CHANGES_MAXLEN], client=pipe)
+            self._unassign(
+                keys=[n.layer(rid, "exec"), n.assigned(p), n.assigned_changes(p)],
+                args=[rid, sch.attempt, self.writer, CHANGES_MAXLEN],
+                client=pipe,
+            )
         pipe.execute()
 
     def of_worker(self, worker_id: str) -> list[Assignment]:
@@ -112,8 +125,11 @@ class Assignments:
         and returned."""
         read = entry_key(last_read_id) if last_read_id else (0, 0)
         held_set = set(held)
-        over = [a for a in self.of_worker(worker_id)
-                if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set]
+        over = [
+            a
+            for a in self.of_worker(worker_id)
+            if entry_key(a.entry_id) <= read and a.scheduled.request_id not in held_set
+        ]
         self.drop([a.scheduled for a in over])
         return over
 
@@ -123,7 +139,17 @@ def scheduled_event(q, worker_id: str, traceparent: str) -> Scheduled:
     and the tokens so far) on a worker. The worker enforces the cap (the client's timeout, or the default one): an
     adaptive deadline bounds the wait in the queue, never a request its worker is making progress on."""
     ev = q.event
-    return Scheduled(request_id=ev.request_id, worker_id=worker_id, reply_to=ev.reply_to,
-                     prompt_token_ids=ev.prompt_token_ids, output_token_ids=q.output_token_ids, sampling=ev.sampling,
-                     priority=ev.priority, deadline=ev.deadline, received_at=ev.received_at, attempt=q.attempt,
-                     traceparent=traceparent, group_id=ev.group_id)
+    return Scheduled(
+        request_id=ev.request_id,
+        worker_id=worker_id,
+        reply_to=ev.reply_to,
+        prompt_token_ids=ev.prompt_token_ids,
+        output_token_ids=q.output_token_ids,
+        sampling=ev.sampling,
+        priority=ev.priority,
+        deadline=ev.deadline,
+        received_at=ev.received_at,
+        attempt=q.attempt,
+        traceparent=traceparent,
+        group_id=ev.group_id,
+    )

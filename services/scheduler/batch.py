@@ -88,8 +88,7 @@ def pick_spans(svc, q, worker, candidates, need: int, decision) -> PickSpans | N
     if not telemetry.enabled():
         return None
     schedule = start_schedule_span(q, worker, candidates, need, decision)
-    queued_at = svc.r.hget(svc.names.layer(q.request_id, "meta"), "state_since") if schedule.is_recording() \
-        else None
+    queued_at = svc.r.hget(svc.names.layer(q.request_id, "meta"), "state_since") if schedule.is_recording() else None
     with telemetry.current(schedule):
         publish = telemetry.start_publish_span(svc.names.worker_stream(worker.worker_id), q.request_id)
     return PickSpans(schedule, publish, queued_at)
@@ -101,13 +100,21 @@ def send_all(svc, picks: list[Pick]) -> None:
     try:
         pipe, outs, laters = svc.r.pipeline(transaction=False), [], []
         for p in picks:
-            out = scheduled_event(p.q, p.worker.worker_id,
-                                  telemetry.traceparent_of(p.spans and p.spans.publish, p.q.event.traceparent))
+            out = scheduled_event(
+                p.q, p.worker.worker_id, telemetry.traceparent_of(p.spans and p.spans.publish, p.q.event.traceparent)
+            )
             # exec (worker, attempt: the fencing token) is written by the same atomic step
-            laters.append(svc.lifecycle.queue(pipe, p.q.request_id, State.SCHEDULED, "",
-                                              [Publish(svc.names.worker_stream(p.worker.worker_id), out)],
-                                              only_from=(State.QUEUED,), owner=owner(svc, p.worker.worker_id,
-                                                                                     p.q.attempt)))
+            laters.append(
+                svc.lifecycle.queue(
+                    pipe,
+                    p.q.request_id,
+                    State.SCHEDULED,
+                    "",
+                    [Publish(svc.names.worker_stream(p.worker.worker_id), out)],
+                    only_from=(State.QUEUED,),
+                    owner=owner(svc, p.worker.worker_id, p.q.attempt),
+                )
+            )
             outs.append(out)
         sent = _interpret(svc, picks, outs, pipe.execute(raise_on_error=False), laters)
         # On a cluster the scheduled events go to the inboxes now (their entry ids are what the records hold).

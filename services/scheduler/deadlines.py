@@ -35,10 +35,12 @@ class Costs:
         if not heartbeats:
             return None
         n = len(heartbeats)
-        return cls(prefill_s_per_token=sum(h.prefill_s_per_token for h in heartbeats) / n,
-                   decode_s_per_step=sum(h.step_time_s or h.decode_s_per_token for h in heartbeats) / n,
-                   slots=max(1, sum(h.max_num_seqs for h in heartbeats if not h.draining)),
-                   decode_left=sum(getattr(h, "decode_tokens_left", 0) for h in heartbeats))
+        return cls(
+            prefill_s_per_token=sum(h.prefill_s_per_token for h in heartbeats) / n,
+            decode_s_per_step=sum(h.step_time_s or h.decode_s_per_token for h in heartbeats) / n,
+            slots=max(1, sum(h.max_num_seqs for h in heartbeats if not h.draining)),
+            decode_left=sum(getattr(h, "decode_tokens_left", 0) for h in heartbeats),
+        )
 
     def wait_to_start(self, ahead: Work) -> float:
         """Predicted time before a request could start: the steps the work queued ahead of it and what the workers

@@ -79,8 +79,12 @@ class KvIndex:
 
     def _lose(self, worker_id: str, why: ResyncReason, detail: str = "") -> None:
         if worker_id not in self.lagging:
-            logger.warning("KV index lost track of worker %s (%s%s): asking it to announce its cache", worker_id, why,
-                           f" {detail}" if detail else "")
+            logger.warning(
+                "KV index lost track of worker %s (%s%s): asking it to announce its cache",
+                worker_id,
+                why,
+                f" {detail}" if detail else "",
+            )
         self.drop_worker(worker_id)
         self.lagging[worker_id] = why
 

@@ -50,8 +50,7 @@ class Decision:
 
 
 class Placement:
-    def __init__(self, mode: str = "kv", overlap_weight: float = 4.0, balance_abs: int = 16,
-                 balance_rel: float = 1.5):
+    def __init__(self, mode: str = "kv", overlap_weight: float = 4.0, balance_abs: int = 16, balance_rel: float = 1.5):
         if mode not in MODES:
             raise ValueError(f"routing mode {mode!r} is not one of {MODES}")
         self.mode = mode
@@ -76,8 +75,9 @@ class Placement:
             best = min(roomy, key=lambda c: (-costs[c.worker_id], c.requests, rank[c.worker_id]))
             reason = "load" if self.mode == "load" else "load_guard"
             return self._pick(best, ordered, reason, prompt_blocks, matched, costs)
-        costs = {c.worker_id: self.overlap_weight * (prompt_blocks - matched[c.worker_id]) + c.used_blocks
-                 for c in roomy}
+        costs = {
+            c.worker_id: self.overlap_weight * (prompt_blocks - matched[c.worker_id]) + c.used_blocks for c in roomy
+        }
         best = min(roomy, key=lambda c: (costs[c.worker_id], c.requests, rank[c.worker_id]))
         return self._pick(best, ordered, "overlap", prompt_blocks, matched, costs)
 
@@ -86,7 +86,14 @@ class Placement:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
-    def _pick(self, best: Candidate, ordered: list[Candidate], reason: str, prompt_blocks: int,
-              matched: dict[str, int], costs: dict[str, float]) -> Decision:
+    def _pick(
+        self,
+        best: Candidate,
+        ordered: list[Candidate],
+        reason: str,
+        prompt_blocks: int,
+        matched: dict[str, int],
+        costs: dict[str, float],
+    ) -> Decision:
         self._turn = ordered.index(best) + 1
         return Decision(best.worker_id, self.mode, reason, prompt_blocks, matched, costs)

@@ -126,8 +126,13 @@ def gateway_of(reply_to: str) -> str:
 
 def zombie_cancels(lost: list[Assignment]) -> list[tuple[str, CancelRequested]]:
     """Cancels to leave on a lost worker's stream, should it wake up."""
-    return [(a.worker_id, CancelRequested(request_id=a.scheduled.request_id, reason=Reason.WORKER_LOST,
-                                          worker_id=a.worker_id)) for a in lost]
+    return [
+        (
+            a.worker_id,
+            CancelRequested(request_id=a.scheduled.request_id, reason=Reason.WORKER_LOST, worker_id=a.worker_id),
+        )
+        for a in lost
+    ]
 
 
 def requeue_undelivered(svc, over: list[Assignment]) -> None:
@@ -148,8 +153,12 @@ def recover_lost(svc) -> None:
     on the worker's stream should it wake up); cancel those of gateways that died."""
     for w in [w for w in svc.workers.values() if not svc._alive(w)]:
         lost = svc.assignments.of_worker(w.worker_id)
-        logger.warning("worker %s lost (no heartbeat for %.1f s): moving %d requests", w.worker_id,
-                       time.monotonic() - w.seen_at, len(lost))
+        logger.warning(
+            "worker %s lost (no heartbeat for %.1f s): moving %d requests",
+            w.worker_id,
+            time.monotonic() - w.seen_at,
+            len(lost),
+        )
         for a in lost:
             tokens = tuple(int(t) for t in svc.r.lrange(svc.names.tokens(a.scheduled.request_id), 0, -1))
             svc.requeue(a.scheduled, tokens, Reason.WORKER_LOST)
@@ -160,8 +169,9 @@ def recover_lost(svc) -> None:
         svc.router.drop_worker(w.worker_id)
     svc.router.prune(set(svc.workers))
     live = set(Liveness.read(svc.r, svc.names, "gateway"))  # one HGETALL of the gateways' hash, no SCAN
-    held = [(q.request_id, q.event.reply_to) for q in svc.queue.items()] + \
-        [(a.scheduled.request_id, a.scheduled.reply_to) for a in svc.assignments.by_request.values()]
+    held = [(q.request_id, q.event.reply_to) for q in svc.queue.items()] + [
+        (a.scheduled.request_id, a.scheduled.reply_to) for a in svc.assignments.by_request.values()
+    ]
     dead = svc.gateways.dead(live, {gateway_of(reply) for _, reply in held})
     for rid, reply in held:
         if gateway_of(reply) in dead:

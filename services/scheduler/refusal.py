@@ -28,10 +28,15 @@ def refuse_if_too_late(s, item, costs: Costs | None = None, ahead: Work | None =
         return False
     s.queue.remove(item.request_id)
     ev = item.event
-    answer = Failed(request_id=ev.request_id, reason=Reason.OVERLOADED, service="scheduler",
-                    retry_after_s=max(1, math.ceil(wait - left)), traceparent=ev.traceparent,
-                    message=f"the server is overloaded: the work queued ahead of this request needs about "
-                            f"{wait:.0f} s, longer than its {max(0.0, left):.0f} s left; retry later")
+    answer = Failed(
+        request_id=ev.request_id,
+        reason=Reason.OVERLOADED,
+        service="scheduler",
+        retry_after_s=max(1, math.ceil(wait - left)),
+        traceparent=ev.traceparent,
+        message=f"the server is overloaded: the work queued ahead of this request needs about "
+        f"{wait:.0f} s, longer than its {max(0.0, left):.0f} s left; retry later",
+    )
     s._try(ev.request_id, State.FAILED, Reason.OVERLOADED, [Publish(ev.reply_to, answer)], only_from=(State.QUEUED,))
     logger.info("refused %s: %.0f s of work ahead, %.0f s left", ev.request_id, wait, left)
     return True
@@ -52,4 +57,3 @@ def refuse_those_too_late(s) -> None:
         own = q.work()
         prefill, decode = prefill + own.prefill_tokens, decode + own.decode_tokens
     s.records.drop(refused)
-

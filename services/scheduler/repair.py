@@ -28,8 +28,14 @@ from typing import NamedTuple
 import msgspec
 
 from services.scheduler.assignments import Assignments, scheduled_event
-from services.scheduler.recovery import (Assignment, QueueRecords, QueuedRecord, decode_queued, encode_queued,
-                                         encode_record)
+from services.scheduler.recovery import (
+    Assignment,
+    QueueRecords,
+    QueuedRecord,
+    decode_queued,
+    encode_queued,
+    encode_record,
+)
 from services.scheduler.sync import ON_A_WORKER
 from shared.bus import plain_events
 from shared.constants import Names
@@ -73,17 +79,29 @@ def read_placements(client, names: Names, rids: list[str]) -> list[Found]:
     got = pipe.execute()
     out = []
     for i, rid in enumerate(rids):
-        state, (attempt, worker), assigned, raw = got[4 * i:4 * i + 4]
-        out.append(Found(rid, as_text(state) if state else None, int(attempt) if attempt else 0,
-                         msgspec.json.decode(worker) if worker else "", bool(assigned),
-                         decode_queued(raw) if raw else None))
+        state, (attempt, worker), assigned, raw = got[4 * i : 4 * i + 4]
+        out.append(
+            Found(
+                rid,
+                as_text(state) if state else None,
+                int(attempt) if attempt else 0,
+                msgspec.json.decode(worker) if worker else "",
+                bool(assigned),
+                decode_queued(raw) if raw else None,
+            )
+        )
     return out
 
 
 def recordable(f: Found, worker_id: str) -> bool:
     """Whether f is a placement on worker_id with no assignment and its queue record at its attempt."""
-    return (not f.assigned and f.worker_id == worker_id and f.state in ON_A_WORKER and f.record is not None
-            and f.record.attempt == f.attempt)
+    return (
+        not f.assigned
+        and f.worker_id == worker_id
+        and f.state in ON_A_WORKER
+        and f.record is not None
+        and f.record.attempt == f.attempt
+    )
 
 
 class HeldUnknown:
@@ -112,11 +130,15 @@ class HeldUnknown:
         for f in read_placements(svc.r, svc.names, rids):
             if not recordable(f, hb.worker_id):
                 continue  # another replica's placement (its sync is due), or no longer this worker's attempt
-            a = Assignment(hb.worker_id, hb.last_read_id,
-                           scheduled_event(f.record, hb.worker_id, f.record.event.traceparent))
+            a = Assignment(
+                hb.worker_id, hb.last_read_id, scheduled_event(f.record, hb.worker_id, f.record.event.traceparent)
+            )
             if svc.assignments.add(a):
-                logger.warning("%s runs on %s with no placement recorded (its scheduler was cut short): recorded",
-                               f.request_id, hb.worker_id)
+                logger.warning(
+                    "%s runs on %s with no placement recorded (its scheduler was cut short): recorded",
+                    f.request_id,
+                    hb.worker_id,
+                )
 
 
 class PlacementSweep:
@@ -147,8 +169,9 @@ class PlacementSweep:
                 break
             pipe = self.r.pipeline(transaction=False)
             for p, skip in todo.items():
-                pipe.zrangebyscore(n.state_set(p, State.SCHEDULED.value), "-inf", cutoff, start=skip, num=BATCH,
-                                   withscores=True)
+                pipe.zrangebyscore(
+                    n.state_set(p, State.SCHEDULED.value), "-inf", cutoff, start=skip, num=BATCH, withscores=True
+                )
             found = [(p, [(as_text(rid), since) for rid, since in ids]) for p, ids in zip(todo, pipe.execute())]
             pipe = self.r.pipeline(transaction=False)
             for p, ids in found:
@@ -166,13 +189,20 @@ class PlacementSweep:
         sent = self._on_inbox(f, since)
         if sent is not None:
             if self.assignments.add(Assignment(f.worker_id, *sent)):
-                logger.warning("%s was placed on %s with no record (its scheduler was cut short): recorded from its "
-                               "event", f.request_id, f.worker_id)
+                logger.warning(
+                    "%s was placed on %s with no record (its scheduler was cut short): recorded from its event",
+                    f.request_id,
+                    f.worker_id,
+                )
                 return 1
             return 0
         if f.record is None or f.record.attempt != f.attempt:
-            logger.error("%s is SCHEDULED on %s with no assignment, no event on its inbox and no queue record: it "
-                         "cannot be placed again", f.request_id, f.worker_id)
+            logger.error(
+                "%s is SCHEDULED on %s with no assignment, no event on its inbox and no queue record: it "
+                "cannot be placed again",
+                f.request_id,
+                f.worker_id,
+            )
             return 0
         return self._requeue(f)
 
@@ -195,11 +225,16 @@ class PlacementSweep:
         (or another replica's) changes nothing."""
         rec, rid, fence = f.record, f.request_id, {"fence": f.attempt, "only_from": (State.SCHEDULED,)}
         if f.attempt >= self.max_attempts:
-            fail = Failed(request_id=rid, reason=Reason.WORKER_LOST, service="scheduler",
-                          message=f"the request could not be placed after {f.attempt} attempts; giving up",
-                          traceparent=rec.event.traceparent)
-            res = self.lifecycle.transition(rid, State.FAILED, Reason.WORKER_LOST, [Publish(rec.event.reply_to, fail)],
-                                            **fence)
+            fail = Failed(
+                request_id=rid,
+                reason=Reason.WORKER_LOST,
+                service="scheduler",
+                message=f"the request could not be placed after {f.attempt} attempts; giving up",
+                traceparent=rec.event.traceparent,
+            )
+            res = self.lifecycle.transition(
+                rid, State.FAILED, Reason.WORKER_LOST, [Publish(rec.event.reply_to, fail)], **fence
+            )
         else:
             res = self.lifecycle.transition(rid, State.QUEUED, Reason.LOST_IN_TRANSIT, (), **fence)
         if res.refused:  # its worker moved it on meanwhile
@@ -210,10 +245,15 @@ class PlacementSweep:
             self.records.drop([rid])
             return 1
         tokens = tuple(int(t) for t in self.r.lrange(self.names.tokens(rid), 0, -1))
-        self.records.put(rid, encode_record(msgspec.structs.replace(rec, attempt=f.attempt + 1,
-                                                                    output_token_ids=tokens)))
-        logger.warning("%s never reached worker %s (its scheduler was cut short): queued again at attempt %d",
-                       rid, f.worker_id, f.attempt + 1)
+        self.records.put(
+            rid, encode_record(msgspec.structs.replace(rec, attempt=f.attempt + 1, output_token_ids=tokens))
+        )
+        logger.warning(
+            "%s never reached worker %s (its scheduler was cut short): queued again at attempt %d",
+            rid,
+            f.worker_id,
+            f.attempt + 1,
+        )
         return 1
 
 
@@ -231,5 +271,9 @@ def retake_behind(svc, q) -> None:
     item = svc.queue.push(q.event, f.attempt + 1, tokens, q.deadline, q.ahead)
     if item is not None:
         svc.records.put(q.request_id, encode_queued(item))
-        logger.warning("%s was QUEUED with a record behind its attempt %d: queued again at %d", q.request_id,
-                       f.attempt, f.attempt + 1)
+        logger.warning(
+            "%s was QUEUED with a record behind its attempt %d: queued again at %d",
+            q.request_id,
+            f.attempt,
+            f.attempt + 1,
+        )

@@ -28,8 +28,12 @@ READ_COUNT = 1000  # entries of each stream one tick reads
 
 class Router:
     def __init__(self, settings: SchedulerSettings):
-        self.policy = Placement(settings.routing, settings.routing_overlap_weight, settings.routing_balance_abs,
-                                settings.routing_balance_rel)
+        self.policy = Placement(
+            settings.routing,
+            settings.routing_overlap_weight,
+            settings.routing_balance_abs,
+            settings.routing_balance_rel,
+        )
         self.index = KvIndex()
         self.groups = GroupAffinity()  # the choices of one n > 1 request: on one worker
         self.cursor = "0-0"  # a (re)started scheduler replays what the capped stream still holds
@@ -77,8 +81,9 @@ class Router:
         """The worker for queued request q among fits (live, with a free slot)."""
         ev = q.event
         num_tokens = len(ev.prompt_token_ids) + len(q.output_token_ids)
-        decision = self._with_group(q, fits, num_tokens, block_size) or \
-            self._route(q, fits, num_tokens, need_blocks, block_size)
+        decision = self._with_group(q, fits, num_tokens, block_size) or self._route(
+            q, fits, num_tokens, need_blocks, block_size
+        )
         self.groups.placed(ev.group_id, ev.group_size, decision.worker_id)
         return decision
 
@@ -98,13 +103,25 @@ class Router:
             # The engine computes the block holding the last token whatever it has cached (its logits are needed).
             usable = (num_tokens - 1) // block_size
             matched = self.index.match(ev.block_hashes[:usable])
-        cands = [Candidate(w.worker_id, matched.get(w.worker_id, 0), w.hb.total_blocks - w.free_blocks(),
-                           w.free_blocks(), w.hb.total_blocks, w.hb.num_running + w.hb.num_waiting + len(w.inflight))
-                 for w in fits]
+        cands = [
+            Candidate(
+                w.worker_id,
+                matched.get(w.worker_id, 0),
+                w.hb.total_blocks - w.free_blocks(),
+                w.free_blocks(),
+                w.hb.total_blocks,
+                w.hb.num_running + w.hb.num_waiting + len(w.inflight),
+            )
+            for w in fits
+        ]
         return self.policy.choose(-(-num_tokens // block_size), need_blocks, cands)
 
 
 def decision_fields(d: Decision) -> dict:
     """The placement decision as recorded in the request's exec layer."""
-    return {"routing": d.mode, "routing_reason": d.reason, "prompt_blocks": d.prompt_blocks,
-            "matched_blocks": d.matched}
+    return {
+        "routing": d.mode,
+        "routing_reason": d.reason,
+        "prompt_blocks": d.prompt_blocks,
+        "matched_blocks": d.matched,
+    }

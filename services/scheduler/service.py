@@ -17,8 +17,14 @@ import uuid
 import msgspec
 
 from services.scheduler.assignments import Assignments
-from services.scheduler.recovery import (GatewayWatch, QueueRecords, decode_queued, encode_queued, recover_lost,
-                                         requeue_undelivered)
+from services.scheduler.recovery import (
+    GatewayWatch,
+    QueueRecords,
+    decode_queued,
+    encode_queued,
+    recover_lost,
+    requeue_undelivered,
+)
 from services.scheduler.repair import HeldUnknown, PlacementSweep
 from services.scheduler.deadlines import Costs, DeadlinePolicy, Work
 from services.scheduler import batch, refusal
@@ -32,8 +38,7 @@ from shared.bus import Delivery, event_field, plain_events
 from shared.constants import GROUP_SCHEDULER
 from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled,
-                           TimedOut)
+from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled, TimedOut
 from shared.janitor import scheduler_janitor
 from shared.lifecycle import Publish, State, TransitionResult
 from shared.redis_client import sync_client
@@ -61,19 +66,25 @@ class SchedulerService(BusService):
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
-        self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s,
-                             settings.liveness_ttl_s)
+        self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
         # Heartbeats are read by every replica (plain XREAD), the other streams shared through the group.
-        self.streams = [*(self.names.preprocessed_stream(p) for p in self.names.all_partitions),
-                        self.names.control_stream]
+        self.streams = [
+            *(self.names.preprocessed_stream(p) for p in self.names.all_partitions),
+            self.names.control_stream,
+        ]
         # Start with the heartbeats of the last TTL, so a restarted scheduler knows the workers at once.
         self.hb_cursor = f"{int((time.time() - settings.liveness_ttl_s) * 1000)}-0"
         # Off the tick (a thread and client of its own): under sustained load a sweep deletes thousands of ended
         # contexts, and neither it nor the stream trimming may delay placements, deadlines or cancels.
         # The placement repair's sweep too: it reads every partition's SCHEDULED requests.
         repair = PlacementSweep(sync_client(settings), self.names, f"{writer}/repair", settings)
-        self.janitor_loop = scheduler_janitor(settings, self.names, self.id, [
-            *(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams], [repair.sweep])
+        self.janitor_loop = scheduler_janitor(
+            settings,
+            self.names,
+            self.id,
+            [*(self.names.received_stream(p) for p in self.names.all_partitions), *self.streams],
+            [repair.sweep],
+        )
         self.epoch = DatasetEpoch(self.names)
         self.deadlines = DeadlinePolicy(settings.timeout_safety_factor, settings.timeout_min_s, settings.timeout_max_s)
         # Redis contact: after an outage every heartbeat looks old; no worker is judged lost until the
@@ -130,8 +141,11 @@ class SchedulerService(BusService):
 
     def forget_dataset(self) -> None:
         """Redis lost its data: what this replica held in memory refers to requests that no longer exist."""
-        logger.error("dropping %d queued requests and %d placements of the lost dataset", len(self.queue),
-                     len(self.assignments.by_request))
+        logger.error(
+            "dropping %d queued requests and %d placements of the lost dataset",
+            len(self.queue),
+            len(self.assignments.by_request),
+        )
         self.queue = RequestQueue()
         self.assignments.by_request.clear()
         for w in self.workers.values():
@@ -203,48 +217,68 @@ class SchedulerService(BusService):
         predicted = costs.seconds(item.ahead, item.work())
         start = item.event.received_at if since is None else since
         item.deadline = self.deadlines.deadline(start, item.event.deadline, predicted)
-        self.store.update(client or self.r, item.request_id, "meta", {"deadline": item.deadline,
-                                                                     "predicted_s": predicted})
+        self.store.update(
+            client or self.r, item.request_id, "meta", {"deadline": item.deadline, "predicted_s": predicted}
+        )
 
     def extend_if_progressing(self, item, ahead_now: Work, now: float) -> bool:
         """Its allowance passed. While the queue ahead of it moves, or live workers are stepping (their step
         counters move: the hang timeout tells), it is progressing at the cluster's real rate, just slower than
         predicted: it gets a fresh allowance from now for the work left, priced with the latest costs. With
         neither (no live worker, or every one hung) its wait is a stall: it times out."""
-        moved = ahead_now.prefill_tokens + ahead_now.decode_tokens < \
-            item.ahead.prefill_tokens + item.ahead.decode_tokens
+        moved = (
+            ahead_now.prefill_tokens + ahead_now.decode_tokens < item.ahead.prefill_tokens + item.ahead.decode_tokens
+        )
         if not (moved or self._live_views()):
             return False
         item.ahead = ahead_now
         self.judge_deadline(item, since=now)
         return item.deadline > now
 
-    def requeue(self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str,
-                only_from: tuple[State, ...] = ON_A_WORKER) -> bool:
+    def requeue(
+        self, sch: Scheduled, output_token_ids: tuple[int, ...], reason: str, only_from: tuple[State, ...] = ON_A_WORKER
+    ) -> bool:
         """Put a request that left its worker back in the queue; the next worker resumes after
         output_token_ids. Each move counts as an attempt; past max_attempts the request fails. Fenced by the
         placement's attempt: a redelivered hand-back, or a loss noticed twice, finds the request moved on
         (another attempt, or QUEUED already) and changes nothing. True when this call moved it."""
         fence = {"fence": sch.attempt, "only_from": only_from}
         if sch.attempt >= self.s.max_attempts:
-            fail = Failed(request_id=sch.request_id, reason=Reason.WORKER_LOST, service="scheduler",
-                          message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
-                          traceparent=sch.traceparent)
+            fail = Failed(
+                request_id=sch.request_id,
+                reason=Reason.WORKER_LOST,
+                service="scheduler",
+                message=f"the request lost its worker {sch.attempt} times ({reason}); giving up",
+                traceparent=sch.traceparent,
+            )
             return self._try(sch.request_id, State.FAILED, Reason.WORKER_LOST, [Publish(sch.reply_to, fail)], **fence)
         if not self._try(sch.request_id, State.QUEUED, reason, (), **fence):
             return False  # settled or moved on meanwhile
         bs = self.s.block_size  # what it resumes from is prompt + outputs: the blocks to match are theirs
-        ev = Preprocessed(request_id=sch.request_id, reply_to=sch.reply_to, prompt_token_ids=sch.prompt_token_ids,
-                          sampling=sch.sampling, priority=sch.priority, deadline=sch.deadline,
-                          received_at=sch.received_at, traceparent=sch.traceparent, block_size=bs,
-                          block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs),
-                          group_id=sch.group_id)
+        ev = Preprocessed(
+            request_id=sch.request_id,
+            reply_to=sch.reply_to,
+            prompt_token_ids=sch.prompt_token_ids,
+            sampling=sch.sampling,
+            priority=sch.priority,
+            deadline=sch.deadline,
+            received_at=sch.received_at,
+            traceparent=sch.traceparent,
+            block_size=bs,
+            block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs),
+            group_id=sch.group_id,
+        )
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)
         if item is not None:
             self.records.put(sch.request_id, encode_queued(item))
-        logger.info("requeued %s (%s) with %d tokens done, attempt %d", sch.request_id, reason,
-                    len(output_token_ids), sch.attempt + 1)
+        logger.info(
+            "requeued %s (%s) with %d tokens done, attempt %d",
+            sch.request_id,
+            reason,
+            len(output_token_ids),
+            sch.attempt + 1,
+        )
         return True
 
     def _try(self, request_id: str, to: State, reason: str, publish, **kw) -> bool:
@@ -262,8 +296,10 @@ class SchedulerService(BusService):
         worker = self.r.hget(self.names.layer(ev.request_id, "exec"), "worker_id")
         if worker:
             wid = msgspec.json.decode(worker)
-            self.bus.publish(self.names.worker_stream(wid), msgspec.structs.replace(
-                ev, worker_id=wid, traceparent=telemetry.current_traceparent(ev.traceparent)))
+            self.bus.publish(
+                self.names.worker_stream(wid),
+                msgspec.structs.replace(ev, worker_id=wid, traceparent=telemetry.current_traceparent(ev.traceparent)),
+            )
 
     def read_heartbeats(self) -> None:
         """Heartbeats and the workers' KV events, in one XREAD; then ask any worker the KV index lost track of to
@@ -302,8 +338,12 @@ class SchedulerService(BusService):
         if not isinstance(rid, str) or not isinstance(reply_to, str):
             return
         self.queue.remove(rid)
-        fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="scheduler",
-                      message=f"the scheduler could not process this request ({why})")
+        fail = Failed(
+            request_id=rid,
+            reason=Reason.INTERNAL,
+            service="scheduler",
+            message=f"the scheduler could not process this request ({why})",
+        )
         res = self.lifecycle.transition(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])
         if not res.applied:
             logger.error("cannot fail dead-lettered %s: %s", rid, res.status.value)
@@ -317,10 +357,16 @@ class SchedulerService(BusService):
                 continue
             self.queue.remove(q.request_id)
             self.records.drop([q.request_id])
-            out = TimedOut(request_id=q.request_id, state=State.QUEUED, service="scheduler",
-                           traceparent=q.event.traceparent)
-            self._try(q.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(q.event.reply_to, out)],
-                      only_from=(State.QUEUED,))
+            out = TimedOut(
+                request_id=q.request_id, state=State.QUEUED, service="scheduler", traceparent=q.event.traceparent
+            )
+            self._try(
+                q.request_id,
+                State.TIMED_OUT,
+                Reason.DEADLINE,
+                [Publish(q.event.reply_to, out)],
+                only_from=(State.QUEUED,),
+            )
 
     def place(self) -> None:
         """Place queued requests in (priority, arrival) order while some live worker has room: up to PLACE_BATCH
@@ -335,8 +381,9 @@ class SchedulerService(BusService):
             best, reserve = self.workers[decision.worker_id], decision.new_blocks(need)
             self.queue.pop()
             best.add_inflight(head.request_id, batch.RESERVED, reserve)
-            picks.append(batch.Pick(head, best, reserve, decision,
-                                    batch.pick_spans(self, head, best, fits, need, decision)))
+            picks.append(
+                batch.Pick(head, best, reserve, decision, batch.pick_spans(self, head, best, fits, need, decision))
+            )
         if picks:
             batch.send_all(self, picks)
 

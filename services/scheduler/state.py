@@ -29,8 +29,10 @@ class QueuedRequest:
 
     def work(self) -> Work:
         """Its own work on a worker: prompt (and resumed tokens) to prefill, tokens left to generate."""
-        return Work(len(self.event.prompt_token_ids) + len(self.output_token_ids),
-                    self.event.sampling.max_tokens - len(self.output_token_ids))
+        return Work(
+            len(self.event.prompt_token_ids) + len(self.output_token_ids),
+            self.event.sampling.max_tokens - len(self.output_token_ids),
+        )
 
 
 class RequestQueue:
@@ -45,12 +47,25 @@ class RequestQueue:
         self._prefill = self._decode = 0
         self._last_key: tuple | None = None
 
-    def push(self, ev: Preprocessed, attempt: int = 1, output_token_ids: tuple[int, ...] = (),
-             deadline: float | None = None, ahead: Work | None = None) -> QueuedRequest | None:
+    def push(
+        self,
+        ev: Preprocessed,
+        attempt: int = 1,
+        output_token_ids: tuple[int, ...] = (),
+        deadline: float | None = None,
+        ahead: Work | None = None,
+    ) -> QueuedRequest | None:
         if ev.request_id in self._live:
             return None
-        item = QueuedRequest((ev.priority, ev.received_at, next(self._tie)), ev.request_id, ev,
-                             ev.deadline if deadline is None else deadline, attempt, output_token_ids, ahead)
+        item = QueuedRequest(
+            (ev.priority, ev.received_at, next(self._tie)),
+            ev.request_id,
+            ev,
+            ev.deadline if deadline is None else deadline,
+            attempt,
+            output_token_ids,
+            ahead,
+        )
         self._live[ev.request_id] = item
         heapq.heappush(self._heap, item)
         self._count(item, 1)

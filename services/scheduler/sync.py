@@ -78,7 +78,7 @@ class ReplicaSync:
         for p in parts:
             pipe.hgetall(svc.names.queue(p))
         got = pipe.execute()
-        figures, placed, queues = got[:len(streams)], got[len(streams):-len(parts)], got[-len(parts):]
+        figures, placed, queues = got[: len(streams)], got[len(streams) : -len(parts)], got[-len(parts) :]
         self.cursors = {s: Cursor(as_text(f[2]), int(f[0])) for s, f in zip(streams, figures)}
         svc.assignments.by_request = {as_text(k): decode_assignment(v) for part in placed for k, v in part.items()}
         for a in svc.assignments.by_request.values():
@@ -96,15 +96,16 @@ class ReplicaSync:
         for _ in range(10):  # more than one read only after a burst of over CHANGES_MAXLEN changes
             more = False
             streams = self.streams()
-            placements = set(streams[len(streams) // 2:])  # the assigned hashes' change streams
+            placements = set(streams[len(streams) // 2 :])  # the assigned hashes' change streams
             pipe = self.svc.r.pipeline(transaction=False)
             for stream in streams:
                 cur = self.cursors.setdefault(stream, Cursor())
                 self._read(keys=[stream], args=[cur.at, str(CHANGES_MAXLEN)], client=pipe)
             for stream, (added, length, _last, entries) in zip(streams, pipe.execute()):
                 if not self._advance(stream, int(added), int(length), entries):
-                    logger.warning("changes of %s were trimmed before this replica read them: reading everything",
-                                   stream)
+                    logger.warning(
+                        "changes of %s were trimmed before this replica read them: reading everything", stream
+                    )
                     return False
                 ids = {as_text(f[b"rid"]) for _id, f in _fields(entries) if as_text(f[b"by"]) != self.writer}
                 (placed if stream in placements else queued).update(ids)
@@ -132,14 +133,14 @@ class ReplicaSync:
         for rid in queued:
             pipe.hget(svc.names.queue(svc.names.partition(rid)), rid)
         got = pipe.execute()
-        for rid, raw in zip(placed, got[:len(placed)]):
+        for rid, raw in zip(placed, got[: len(placed)]):
             if raw is None:
                 svc.assignments.by_request.pop(rid, None)
                 continue
             a = svc.assignments.by_request[rid] = decode_assignment(raw)
             svc.workers.setdefault(a.worker_id, WorkerView(a.worker_id, None, time.monotonic()))
         stored = {}
-        for rid, raw in zip(queued, got[len(placed):]):
+        for rid, raw in zip(queued, got[len(placed) :]):
             if raw is None:
                 svc.queue.remove(rid)  # placed, cancelled or timed out by another replica
             else:

@@ -57,8 +57,9 @@ class Preprocessor:
         except jinja2.TemplateError as e:
             # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
             # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
-            raise PromptError(Reason.INVALID, "messages",
-                              f"messages: the model's chat template refuses them: {e}") from e
+            raise PromptError(
+                Reason.INVALID, "messages", f"messages: the model's chat template refuses them: {e}"
+            ) from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
@@ -72,12 +73,20 @@ class Preprocessor:
         if not ids:
             raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
         if len(ids) >= self.max_len:
-            raise PromptError(Reason.TOO_LONG, field, f"{field} is {len(ids)} tokens; the context window is "
-                              f"{self.max_len} tokens and at least 1 must be left for output")
+            raise PromptError(
+                Reason.TOO_LONG,
+                field,
+                f"{field} is {len(ids)} tokens; the context window is "
+                f"{self.max_len} tokens and at least 1 must be left for output",
+            )
         if len(ids) + ev.sampling.max_tokens > self.max_len:
-            raise PromptError(Reason.INVALID, "max_tokens", f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
-                              f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
-                              f"{self.max_len - len(ids)}")
+            raise PromptError(
+                Reason.INVALID,
+                "max_tokens",
+                f"max_tokens {ev.sampling.max_tokens} + {len(ids)} prompt "
+                f"tokens exceeds the context window of {self.max_len}; max_tokens may be at most "
+                f"{self.max_len - len(ids)}",
+            )
         return ids
 
 
@@ -160,8 +169,9 @@ class TokenizerService(BusService):
                 ids = self._traced_token_ids(ev)
             except PromptError as e:
                 fail = self._failed(ev, e, telemetry.current_traceparent(ev.traceparent))
-                plan.later = self.lifecycle.queue(pipe, ev.request_id, State.FAILED, e.reason,
-                                                  [Publish(ev.reply_to, fail)])
+                plan.later = self.lifecycle.queue(
+                    pipe, ev.request_id, State.FAILED, e.reason, [Publish(ev.reply_to, fail)]
+                )
                 plan.to, plan.at = State.FAILED, len(pipe) - 1
                 return plan
             self.store.update(pipe, ev.request_id, "input", {"prompt_token_ids": ids, "prompt_tokens": len(ids)})
@@ -196,29 +206,52 @@ class TokenizerService(BusService):
             raise
         except Exception as e:
             logger.exception("preprocessing %s failed; failing it alone", ev.request_id)
-            raise PromptError(Reason.INTERNAL, "", f"the tokenizer could not process this request "
-                              f"({type(e).__name__}: {str(e)[:200]})") from e
+            raise PromptError(
+                Reason.INTERNAL,
+                "",
+                f"the tokenizer could not process this request ({type(e).__name__}: {str(e)[:200]})",
+            ) from e
 
     def _preprocessed(self, ev: RequestReceived, ids: list[int], traceparent: str) -> Preprocessed:
         # The prompt's block hashes, computed once here: the scheduler matches them against its KV index.
         bs = self.s.block_size
-        return Preprocessed(request_id=ev.request_id, reply_to=ev.reply_to, prompt_token_ids=tuple(ids),
-                            sampling=ev.sampling, priority=ev.priority, deadline=ev.deadline,
-                            adaptive_deadline=ev.adaptive_deadline, received_at=ev.received_at,
-                            block_size=bs, block_hashes=block_hashes(ids, bs), traceparent=traceparent,
-                            group_id=ev.group_id, group_size=ev.group_size)
+        return Preprocessed(
+            request_id=ev.request_id,
+            reply_to=ev.reply_to,
+            prompt_token_ids=tuple(ids),
+            sampling=ev.sampling,
+            priority=ev.priority,
+            deadline=ev.deadline,
+            adaptive_deadline=ev.adaptive_deadline,
+            received_at=ev.received_at,
+            block_size=bs,
+            block_hashes=block_hashes(ids, bs),
+            traceparent=traceparent,
+            group_id=ev.group_id,
+            group_size=ev.group_size,
+        )
 
     @staticmethod
     def _failed(ev: RequestReceived, e: PromptError, traceparent: str) -> Failed:
-        return Failed(request_id=ev.request_id, reason=e.reason, message=str(e), param=e.param, service="tokenizer",
-                      traceparent=traceparent)
+        return Failed(
+            request_id=ev.request_id,
+            reason=e.reason,
+            message=str(e),
+            param=e.param,
+            service="tokenizer",
+            traceparent=traceparent,
+        )
 
     @staticmethod
     def _outcome(request_id: str, to: State, res: TransitionResult) -> TransitionResult:
         """The transition's result, logged when not applied (refused: already further along, a redelivery)."""
         if not res.applied:
-            logger.info("request %s not moved to %s: it is %s", request_id, to.value,
-                        res.previous.value if res.previous else "gone")
+            logger.info(
+                "request %s not moved to %s: it is %s",
+                request_id,
+                to.value,
+                res.previous.value if res.previous else "gone",
+            )
         return res
 
     def _settle(self, request_id: str, to: State, reason: str, publish: list[Publish]):
@@ -227,6 +260,10 @@ class TokenizerService(BusService):
     def _on_dead(self, stream: str, event, why: str) -> None:
         rid, reply_to = event_field(event, "request_id"), event_field(event, "reply_to")
         if isinstance(rid, str) and isinstance(reply_to, str):
-            fail = Failed(request_id=rid, reason=Reason.INTERNAL, service="tokenizer",
-                          message=f"the tokenizer could not process this request ({why})")
+            fail = Failed(
+                request_id=rid,
+                reason=Reason.INTERNAL,
+                service="tokenizer",
+                message=f"the tokenizer could not process this request ({why})",
+            )
             self._settle(rid, State.FAILED, Reason.INTERNAL, [Publish(reply_to, fail)])

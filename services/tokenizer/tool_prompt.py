@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import json
 
-CALL_FORMAT = ('To call one or more of these functions, reply with only a JSON array of calls, '
-               '[{"name": "<function name>", "arguments": {<its arguments>}}], and nothing else. '
-               'To answer without calling a function, reply with plain text.')
+CALL_FORMAT = (
+    "To call one or more of these functions, reply with only a JSON array of calls, "
+    '[{"name": "<function name>", "arguments": {<its arguments>}}], and nothing else. '
+    "To answer without calling a function, reply with plain text."
+)
 
 
 def tools_prompt(tools: list[dict]) -> str:
     lines = [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
-    return "You can call these functions (each with a JSON Schema of its arguments):\n" + "\n".join(lines) + \
-        "\n\n" + CALL_FORMAT
+    return (
+        "You can call these functions (each with a JSON Schema of its arguments):\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + CALL_FORMAT
+    )
 
 
 def template_takes_tools(tokenizer) -> bool:

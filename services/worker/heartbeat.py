@@ -68,7 +68,17 @@ class Heartbeater:
 
 def _summary(hb: Heartbeat) -> dict:
     """What the liveness entry shows besides at/ttl (read by /ready, /metrics and tests)."""
-    return {"at": hb.sent_at, "running": hb.num_running, "waiting": hb.num_waiting, "held": len(hb.request_ids),
-            "total_blocks": hb.total_blocks, "free_blocks": hb.free_blocks, "cached_blocks": hb.cached_blocks,
-            "preemptions": hb.num_preemptions, "prefix_cache_queries": hb.prefix_cache_queries,
-            "prefix_cache_hits": hb.prefix_cache_hits, "step": hb.step_no, "step_time_s": hb.step_time_s}
+    return {
+        "at": hb.sent_at,
+        "running": hb.num_running,
+        "waiting": hb.num_waiting,
+        "held": len(hb.request_ids),
+        "total_blocks": hb.total_blocks,
+        "free_blocks": hb.free_blocks,
+        "cached_blocks": hb.cached_blocks,
+        "preemptions": hb.num_preemptions,
+        "prefix_cache_queries": hb.prefix_cache_queries,
+        "prefix_cache_hits": hb.prefix_cache_hits,
+        "step": hb.step_no,
+        "step_time_s": hb.step_time_s,
+    }

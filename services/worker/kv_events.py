@@ -56,8 +56,15 @@ class KvEventPublisher:
 
     def _publish(self, cleared: bool, stored: list[bytes], removed: list[bytes]) -> None:
         self.seq += 1  # used up even if the write fails: a retry must not look like a redelivery of this one
-        ev = KvEvents(worker_id=self.worker_id, incarnation=self.incarnation, seq=self.seq,
-                      block_size=self.block_size, cleared=cleared, stored=tuple(stored), removed=tuple(removed))
+        ev = KvEvents(
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            block_size=self.block_size,
+            cleared=cleared,
+            stored=tuple(stored),
+            removed=tuple(removed),
+        )
         try:
             self.bus.publish(self.bus.names.kv_events_stream, ev, maxlen=KV_EVENTS_MAXLEN)
         except redis.RedisError:

@@ -68,8 +68,9 @@ class Active:
 
 
 class StepPublisher:
-    def __init__(self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore,
-                 token_ttl_s: int):
+    def __init__(
+        self, client, names: Names, worker_id: str, lifecycle: Lifecycle, store: ContextStore, token_ttl_s: int
+    ):
         self.r = client
         self.token_ttl_s = token_ttl_s  # refreshed by every append: an ended request's list lasts as its context
         self._deferred: list[tuple[str, State]] = []  # scheduling decisions not yet stamped (Redis was away)
@@ -163,16 +164,20 @@ class StepPublisher:
         return queued
 
     def _publish_once(self, step: int, result, active: dict[str, Active], kv_info, new: dict) -> set[str]:
-        touched = sorted({rid for rid, _ in [*self._deferred, *result.transitions] if rid in active} | set(new) |
-                         {o.request_id for o in result.outputs if o.finished and o.request_id in active})
+        touched = sorted(
+            {rid for rid, _ in [*self._deferred, *result.transitions] if rid in active}
+            | set(new)
+            | {o.request_id for o in result.outputs if o.finished and o.request_id in active}
+        )
         if not touched:
             return set()
         if self.names.cluster:
             return self._publish_fenced(step, result, active, kv_info, new, touched)
         return self._publish_transaction(step, result, active, kv_info, new, touched)
 
-    def _publish_transaction(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
-                             touched: list[str]) -> set[str]:
+    def _publish_transaction(
+        self, step: int, result, active: dict[str, Active], kv_info, new: dict, touched: list[str]
+    ) -> set[str]:
         """A single Redis: one MULTI/EXEC for the whole step, reply events included, WATCHing the exec layers."""
         with self.r.pipeline(transaction=True) as pipe:
             lost = self._stale(pipe, touched, active)
@@ -182,12 +187,13 @@ class StepPublisher:
             self._queue_tokens(pipe, step, result, active, new, lost)
             queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
             replies = pipe.execute()
-        self._note_behind(appended, replies[:len(appended)])
+        self._note_behind(appended, replies[: len(appended)])
         self._check(replies, queued, active)
         return lost
 
-    def _publish_fenced(self, step: int, result, active: dict[str, Active], kv_info, new: dict,
-                        touched: list[str]) -> set[str]:
+    def _publish_fenced(
+        self, step: int, result, active: dict[str, Active], kv_info, new: dict, touched: list[str]
+    ) -> set[str]:
         """A Redis Cluster: a transaction cannot span hash slots, and one per partition would cost three round trips
         each (WATCH, the attempts, MULTI/EXEC), one after the other. Instead every write carries the attempt it is
         made with and is refused inside its script when exec.attempt moved on (the tokens append, the layer
@@ -201,8 +207,8 @@ class StepPublisher:
         queued = self._queue_step(pipe, result, active, new, kv_info, set(touched))
         replies = pipe.execute()
         lost = {rid for rid, n in zip(appended, replies) if n == FENCED}
-        self._note_behind(appended, replies[:len(appended)])
-        later = self._check(replies[len(appended):], queued, active, lost)
+        self._note_behind(appended, replies[: len(appended)])
+        later = self._check(replies[len(appended) :], queued, active, lost)
         pipe = self.r.pipeline(transaction=False)
         self._queue_tokens(pipe, step, result, active, new, lost)
         self.lifecycle.complete(self.r, later, pipe)
@@ -221,8 +227,11 @@ class StepPublisher:
         from where the list stopped when it is known to be short."""
         if (n := self._behind.get(rid)) is not None and n < at:
             tokens, at = [*a.output_token_ids[n:], *tokens], n
-        self._append(keys=[self.names.tokens(rid), self.names.layer(rid, "exec")],
-                     args=["" if (f := self._fence(a)) is None else f, at, *tokens, self.token_ttl_s], client=pipe)
+        self._append(
+            keys=[self.names.tokens(rid), self.names.layer(rid, "exec")],
+            args=["" if (f := self._fence(a)) is None else f, at, *tokens, self.token_ttl_s],
+            client=pipe,
+        )
 
     def _fence(self, a: Active) -> int | None:
         """The attempt a write checks in its script: on a cluster (_publish_fenced); a single Redis's transaction
@@ -234,8 +243,12 @@ class StepPublisher:
             if n == FENCED:
                 continue
             if n >= 0:
-                logger.error("request %s: its tokens list has %d tokens, fewer than sent before (lost in a "
-                             "failover): sending them again", rid, n)
+                logger.error(
+                    "request %s: its tokens list has %d tokens, fewer than sent before (lost in a "
+                    "failover): sending them again",
+                    rid,
+                    n,
+                )
                 self._behind[rid] = n
             else:
                 self._behind.pop(rid, None)
@@ -246,8 +259,13 @@ class StepPublisher:
         for out in result.outputs:
             if out.request_id in new and out.request_id not in lost:
                 by_reply[active[out.request_id].reply_to].append(
-                    TokenDelta(out.request_id, out.first_index, tuple(out.new_token_ids),
-                               pack_logprobs(out.logprobs) if out.logprobs else None))
+                    TokenDelta(
+                        out.request_id,
+                        out.first_index,
+                        tuple(out.new_token_ids),
+                        pack_logprobs(out.logprobs) if out.logprobs else None,
+                    )
+                )
         for reply_to, items in by_reply.items():
             ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
             write_event(pipe, self.names, reply_to, ev)
@@ -255,8 +273,12 @@ class StepPublisher:
     def _queue_step(self, pipe, result, active: dict[str, Active], new: dict, kv_info, mine: set[str]) -> list:
         """The step's transitions of the requests in `mine` (deferred scheduling decisions, the step's own, then
         the endings): [(request id, target state, events to publish after it)]."""
-        queued = [(rid, to, ()) for rid, to in self._queue_transitions(
-            pipe, [(rid, st) for rid, st in self._deferred if rid in mine], active)]
+        queued = [
+            (rid, to, ())
+            for rid, to in self._queue_transitions(
+                pipe, [(rid, st) for rid, st in self._deferred if rid in mine], active
+            )
+        ]
         for rid, status in result.transitions:
             if rid in active and rid in mine:
                 if status is State.DECODING:
@@ -277,18 +299,41 @@ class StepPublisher:
     def _queue_end(self, pipe, a: Active, out, tokens: list[int], info) -> tuple[State, tuple[Publish, ...]]:
         cached = info[1] if info else 0
         if out.error_reason:
-            ev = Failed(request_id=a.request_id, reason=out.error_reason, message=out.error or out.error_reason,
-                        service="worker", traceparent=a.traceparent)
-            return State.FAILED, self.lifecycle.queue(pipe, a.request_id, State.FAILED, out.error_reason,
-                                                      [Publish(a.reply_to, ev)], fence=a.attempt)
-        self.store.update(pipe, a.request_id, "output", {
-            "token_ids": tokens, "finish_reason": out.finish_reason,
-            "output_tokens": len(tokens), "num_preemptions": a.num_preemptions}, fence=self._fence(a))
-        ev = Completed(request_id=a.request_id, worker_id=self.worker_id, finish_reason=out.finish_reason or "stop",
-                       prompt_tokens=a.prompt_len, output_tokens=len(tokens), cached_tokens=cached,
-                       num_preemptions=a.num_preemptions, traceparent=a.traceparent)
-        return State.FINISHED, self.lifecycle.queue(pipe, a.request_id, State.FINISHED, out.finish_reason or "stop",
-                                                    [Publish(a.reply_to, ev)], fence=a.attempt)
+            ev = Failed(
+                request_id=a.request_id,
+                reason=out.error_reason,
+                message=out.error or out.error_reason,
+                service="worker",
+                traceparent=a.traceparent,
+            )
+            return State.FAILED, self.lifecycle.queue(
+                pipe, a.request_id, State.FAILED, out.error_reason, [Publish(a.reply_to, ev)], fence=a.attempt
+            )
+        self.store.update(
+            pipe,
+            a.request_id,
+            "output",
+            {
+                "token_ids": tokens,
+                "finish_reason": out.finish_reason,
+                "output_tokens": len(tokens),
+                "num_preemptions": a.num_preemptions,
+            },
+            fence=self._fence(a),
+        )
+        ev = Completed(
+            request_id=a.request_id,
+            worker_id=self.worker_id,
+            finish_reason=out.finish_reason or "stop",
+            prompt_tokens=a.prompt_len,
+            output_tokens=len(tokens),
+            cached_tokens=cached,
+            num_preemptions=a.num_preemptions,
+            traceparent=a.traceparent,
+        )
+        return State.FINISHED, self.lifecycle.queue(
+            pipe, a.request_id, State.FINISHED, out.finish_reason or "stop", [Publish(a.reply_to, ev)], fence=a.attempt
+        )
 
     def _check(self, replies: list, queued: list, active: dict[str, Active], fenced: set[str] | None = None) -> list:
         """Pipeline replies of the transitions (layer writes interleave; keep only the transitions' replies, the

@@ -10,8 +10,14 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker.engine import (Engine, EngineConfig, EngineRequest, LLMEngine, RecoverableEngineError,
-                                   SamplingOptions)
+from services.worker.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    LLMEngine,
+    RecoverableEngineError,
+    SamplingOptions,
+)
 from services.worker.engine.request import GrammarSpec
 from services.worker.engine.sim_model import SimTiming
 from services.worker.engine.sim_runner import build_sim_engine
@@ -25,8 +31,17 @@ from shared.bus import Delivery
 from shared.constants import GROUP_WORKER
 from shared.dispatch import TypeDispatcher
 from shared.epoch import DatasetEpoch
-from shared.events import (CancelRequested, Failed, HandBack, Heartbeat, KvResyncRequested, Reason, Sampling,
-                           Scheduled, TimedOut)
+from shared.events import (
+    CancelRequested,
+    Failed,
+    HandBack,
+    Heartbeat,
+    KvResyncRequested,
+    Reason,
+    Sampling,
+    Scheduled,
+    TimedOut,
+)
 from shared.lifecycle import Publish, State
 from shared.model_files import resolve_model_dir
 from shared.runtime import StopFlag, run_loop
@@ -36,12 +51,20 @@ logger = logging.getLogger(__name__)
 
 
 def engine_config(s: WorkerSettings) -> EngineConfig:
-    return EngineConfig(block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
-                        gpu_memory_fraction=s.gpu_memory_fraction, max_num_seqs=s.max_num_seqs,
-                        max_num_batched_tokens=s.max_num_batched_tokens,
-                        enable_prefix_caching=s.enable_prefix_caching, device=s.device, dtype=s.dtype,
-                        gemm_tuning=s.gemm_tuning, cpu_kernels=s.cpu_kernels, fused_model=s.fused_model,
-                        tuning_cache_dir=str(s.cache_dir))
+    return EngineConfig(
+        block_size=s.block_size,
+        kv_cache_bytes=s.kv_cache_bytes,
+        gpu_memory_fraction=s.gpu_memory_fraction,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        enable_prefix_caching=s.enable_prefix_caching,
+        device=s.device,
+        dtype=s.dtype,
+        gemm_tuning=s.gemm_tuning,
+        cpu_kernels=s.cpu_kernels,
+        fused_model=s.fused_model,
+        tuning_cache_dir=str(s.cache_dir),
+    )
 
 
 def build_engine(s: WorkerSettings) -> Engine:
@@ -49,19 +72,34 @@ def build_engine(s: WorkerSettings) -> Engine:
     imported)."""
     model_dir = resolve_model_dir(s.model, s.cache_dir)
     if s.engine == "sim":
-        timing = SimTiming(s.sim_step_overhead_s, s.sim_prefill_s_per_token, s.sim_decode_s_per_seq,
-                           s.sim_decode_s_per_kv_token, s.sim_speedup)
+        timing = SimTiming(
+            s.sim_step_overhead_s,
+            s.sim_prefill_s_per_token,
+            s.sim_decode_s_per_seq,
+            s.sim_decode_s_per_kv_token,
+            s.sim_speedup,
+        )
         return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability, s.sim_step_log_dir)
     return LLMEngine.from_model_dir(model_dir, engine_config(s))
 
 
 def sampling_options(s: Sampling) -> SamplingOptions:
-    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                           repetition_penalty=s.repetition_penalty, seed=s.seed, max_tokens=s.max_tokens,
-                           min_tokens=s.min_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                           logprobs=s.logprobs,
-                           grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None)
+    return SamplingOptions(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs,
+        grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None,
+    )
 
 
 class WorkerService(BusService):
@@ -71,8 +109,7 @@ class WorkerService(BusService):
         super().__init__(settings)
         self.stream = self.names.worker_stream(self.id)
         self.engine = build_engine(settings)
-        self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store,
-                                       settings.context_ttl_s)
+        self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store, settings.context_ttl_s)
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)
         self.kv_events = KvEventPublisher(self.bus, self.id, self.engine, settings.block_size)
@@ -84,14 +121,24 @@ class WorkerService(BusService):
         self.step_time_avg = 0.0
         self.epoch = DatasetEpoch(self.names)
         self._epoch_checked = 0.0
-        self.handlers = TypeDispatcher({Scheduled: self.admit, CancelRequested: self.on_cancel,
-                                        KvResyncRequested: lambda _ev: self.kv_events.announce()})
+        self.handlers = TypeDispatcher(
+            {
+                Scheduled: self.admit,
+                CancelRequested: self.on_cancel,
+                KvResyncRequested: lambda _ev: self.kv_events.announce(),
+            }
+        )
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
         kernel selection) that would otherwise land on the first client's TTFT."""
-        self.engine.add_request(EngineRequest(request_id="warmup", prompt_token_ids=list(range(1, 33)),
-                                              sampling=SamplingOptions(temperature=0.0, max_tokens=2)))
+        self.engine.add_request(
+            EngineRequest(
+                request_id="warmup",
+                prompt_token_ids=list(range(1, 33)),
+                sampling=SamplingOptions(temperature=0.0, max_tokens=2),
+            )
+        )
         while self.engine.has_unfinished():
             self.engine.step()
 
@@ -136,8 +183,11 @@ class WorkerService(BusService):
             pipe.hget(self.names.layer(d.event.request_id, "meta"), "state")
             pipe.hget(self.names.layer(d.event.request_id, "exec"), "attempt")
         found = pipe.execute()
-        done = {d.entry_id for d, st, at in zip(placements, found[::2], found[1::2])
-                if st != State.SCHEDULED.value.encode() or at != str(d.event.attempt).encode()}
+        done = {
+            d.entry_id
+            for d, st, at in zip(placements, found[::2], found[1::2])
+            if st != State.SCHEDULED.value.encode() or at != str(d.event.attempt).encode()
+        }
         self.bus.ack_all([d for d in deliveries if d.entry_id in done])
         return [d for d in deliveries if d.entry_id not in done]
 
@@ -156,11 +206,16 @@ class WorkerService(BusService):
             self.hand_back(ev, list(ev.output_token_ids), Reason.SHUTDOWN)
             return
         try:
-            self.engine.add_request(EngineRequest(request_id=ev.request_id,
-                                                  prompt_token_ids=list(ev.prompt_token_ids),
-                                                  sampling=sampling_options(ev.sampling), priority=ev.priority,
-                                                  output_token_ids=list(ev.output_token_ids),
-                                                  group_id=ev.group_id))
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=ev.request_id,
+                    prompt_token_ids=list(ev.prompt_token_ids),
+                    sampling=sampling_options(ev.sampling),
+                    priority=ev.priority,
+                    output_token_ids=list(ev.output_token_ids),
+                    group_id=ev.group_id,
+                )
+            )
         except RecoverableEngineError as e:  # this request alone is at fault
             logger.warning("refusing %s: %s", ev.request_id, e)
             self.fail(ev, f"the worker refused it: {e}")
@@ -174,32 +229,53 @@ class WorkerService(BusService):
             self.engine.abort_request(ev.request_id)  # whatever part of it the engine took
             self.fail(ev, f"the worker could not start it ({type(e).__name__}: {str(e)[:200]})")
             return
-        self.active[ev.request_id] = Active(ev.request_id, ev.reply_to, telemetry.current_traceparent(ev.traceparent),
-                                            len(ev.prompt_token_ids),
-                                            ev.deadline, list(ev.output_token_ids), scheduled=ev, attempt=ev.attempt)
+        self.active[ev.request_id] = Active(
+            ev.request_id,
+            ev.reply_to,
+            telemetry.current_traceparent(ev.traceparent),
+            len(ev.prompt_token_ids),
+            ev.deadline,
+            list(ev.output_token_ids),
+            scheduled=ev,
+            attempt=ev.attempt,
+        )
 
     def fail(self, ev: Scheduled, message: str) -> None:
         """Settle a placement this worker cannot run as FAILED (worker_error), telling its client; fenced by its
         attempt, so a placement that has moved on is left alone."""
-        fail = Failed(request_id=ev.request_id, reason=Reason.WORKER_ERROR, message=message, service="worker",
-                      traceparent=ev.traceparent)
-        self.lifecycle.transition(ev.request_id, State.FAILED, Reason.WORKER_ERROR, [Publish(ev.reply_to, fail)],
-                                  fence=ev.attempt)
+        fail = Failed(
+            request_id=ev.request_id,
+            reason=Reason.WORKER_ERROR,
+            message=message,
+            service="worker",
+            traceparent=ev.traceparent,
+        )
+        self.lifecycle.transition(
+            ev.request_id, State.FAILED, Reason.WORKER_ERROR, [Publish(ev.reply_to, fail)], fence=ev.attempt
+        )
 
     def hand_back(self, ev: Scheduled, output_token_ids: list[int], reason: str) -> None:
         """Give a request back to the scheduler, which places it again; the next worker resumes after
         output_token_ids, so the client sees no gap and no repeat."""
-        out = HandBack(request_id=ev.request_id, worker_id=self.id, reason=reason, scheduled=ev,
-                       output_token_ids=tuple(output_token_ids), traceparent=ev.traceparent)
+        out = HandBack(
+            request_id=ev.request_id,
+            worker_id=self.id,
+            reason=reason,
+            scheduled=ev,
+            output_token_ids=tuple(output_token_ids),
+            traceparent=ev.traceparent,
+        )
         self.bus.publish(self.names.control_stream, out)
 
     def step(self) -> None:
         t_start_ns = time.time_ns()
-        result = self.engine.step(on_scheduled=lambda t: self.publisher.publish_scheduled(self.tracing.scheduled(t),
-                                                                                           self.active))
+        result = self.engine.step(
+            on_scheduled=lambda t: self.publisher.publish_scheduled(self.tracing.scheduled(t), self.active)
+        )
         self.step_no += 1
-        self.step_time_avg = 0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 \
-            else result.step_time_s
+        self.step_time_avg = (
+            0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 else result.step_time_s
+        )
         moved = self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
         self.tracing.on_step(result, self.active, t_start_ns, time.time_ns())
         for out in result.outputs:
@@ -242,22 +318,40 @@ class WorkerService(BusService):
             del self.active[a.request_id]
             self.tracing.abort(a.request_id, Reason.TIMEOUT)
             ev = TimedOut(request_id=a.request_id, state=a.state, service="worker", traceparent=a.traceparent)
-            self.lifecycle.transition(a.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(a.reply_to, ev)],
-                                      fence=a.attempt)
+            self.lifecycle.transition(
+                a.request_id, State.TIMED_OUT, Reason.DEADLINE, [Publish(a.reply_to, ev)], fence=a.attempt
+            )
 
     def snapshot(self) -> None:
         """Hand the heartbeat thread the current figures."""
         st = self.engine.stats()
-        self.beats.update(Heartbeat(
-            worker_id=self.id, sent_at=time.time(), max_num_seqs=st.max_num_seqs, draining=self.draining,
-            num_running=st.num_running, num_waiting=st.num_waiting, request_ids=tuple(self.active),
-            last_read_id=self.last_read_id, total_blocks=st.total_blocks, free_blocks=st.free_blocks,
-            cached_blocks=st.cached_blocks, block_size=st.block_size, step_time_s=self.step_time_avg,
-            prefill_s_per_token=st.prefill_s_per_token, decode_s_per_token=st.decode_s_per_token,
-            num_preemptions=st.num_preemptions, prefix_cache_queries=st.prefix_cache_queries,
-            prefix_cache_hits=st.prefix_cache_hits, step_no=self.step_no, busy=bool(self.active),
-            kv_incarnation=self.kv_events.incarnation, kv_seq=self.kv_events.seq,
-            decode_tokens_left=st.decode_tokens_left))
+        self.beats.update(
+            Heartbeat(
+                worker_id=self.id,
+                sent_at=time.time(),
+                max_num_seqs=st.max_num_seqs,
+                draining=self.draining,
+                num_running=st.num_running,
+                num_waiting=st.num_waiting,
+                request_ids=tuple(self.active),
+                last_read_id=self.last_read_id,
+                total_blocks=st.total_blocks,
+                free_blocks=st.free_blocks,
+                cached_blocks=st.cached_blocks,
+                block_size=st.block_size,
+                step_time_s=self.step_time_avg,
+                prefill_s_per_token=st.prefill_s_per_token,
+                decode_s_per_token=st.decode_s_per_token,
+                num_preemptions=st.num_preemptions,
+                prefix_cache_queries=st.prefix_cache_queries,
+                prefix_cache_hits=st.prefix_cache_hits,
+                step_no=self.step_no,
+                busy=bool(self.active),
+                kv_incarnation=self.kv_events.incarnation,
+                kv_seq=self.kv_events.seq,
+                decode_tokens_left=st.decode_tokens_left,
+            )
+        )
 
     def drain(self) -> None:
         """On SIGTERM: take no new work (a heartbeat with no room; anything still arriving is handed back),

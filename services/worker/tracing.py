@@ -56,9 +56,15 @@ class WorkerTracing:
         s = self.spans.setdefault(a.request_id, _Spans())
         if s.prefill is None and s.decode is None:
             s.prefill = telemetry.tracer().start_span(
-                "prefill", context=telemetry.context_from(a.traceparent), start_time=t_start_ns,
-                attributes={"conveyor.request_id": a.request_id, "gen_ai.usage.input_tokens": a.prompt_len,
-                            "conveyor.resumed_tokens": len(a.output_token_ids)})
+                "prefill",
+                context=telemetry.context_from(a.traceparent),
+                start_time=t_start_ns,
+                attributes={
+                    "conveyor.request_id": a.request_id,
+                    "gen_ai.usage.input_tokens": a.prompt_len,
+                    "conveyor.resumed_tokens": len(a.output_token_ids),
+                },
+            )
         span = s.prefill or s.decode
         telemetry.transition_event(a.request_id, State.PREFILLING, "", t_start_ns / 1e9, span=span)
 
@@ -74,8 +80,11 @@ class WorkerTracing:
                 self._close_prefill(a.request_id, s, t_ns)
             if s.decode is None:
                 s.decode = telemetry.tracer().start_span(
-                    "decode", context=telemetry.context_from(a.traceparent), start_time=t_ns,
-                    attributes={"conveyor.request_id": a.request_id})
+                    "decode",
+                    context=telemetry.context_from(a.traceparent),
+                    start_time=t_ns,
+                    attributes={"conveyor.request_id": a.request_id},
+                )
                 s.decode.add_event("first_token", timestamp=t_ns)
         elif status is State.PREEMPTED:
             s.preemptions += 1
@@ -97,12 +106,15 @@ class WorkerTracing:
             return
         span = s.decode or s.prefill
         if span is not None:
-            span.set_attributes({"gen_ai.usage.output_tokens": len(a.output_token_ids),
-                                 "conveyor.preemptions": s.preemptions,
-                                 "gen_ai.response.finish_reasons": [out.finish_reason or out.error_reason or ""]})
+            span.set_attributes(
+                {
+                    "gen_ai.usage.output_tokens": len(a.output_token_ids),
+                    "conveyor.preemptions": s.preemptions,
+                    "gen_ai.response.finish_reasons": [out.finish_reason or out.error_reason or ""],
+                }
+            )
             to = State.FAILED if out.error_reason else State.FINISHED
-            telemetry.transition_event(a.request_id, to, "", t_end_ns / 1e9, reason=out.error_reason or "",
-                                       span=span)
+            telemetry.transition_event(a.request_id, to, "", t_end_ns / 1e9, reason=out.error_reason or "", span=span)
             if out.error_reason:
                 telemetry.set_error(span, out.error_reason, out.error or out.error_reason)
         self._finish(s, t_end_ns)

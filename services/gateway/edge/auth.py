@@ -79,8 +79,9 @@ class ApiKeyAuth:
         if token is None and path.startswith(DASHBOARD_PREFIX):
             token = dashboard_token(scope)
         if token is None:
-            return await _refuse("no API key: send the header 'Authorization: Bearer <key>'", "missing_api_key",
-                                 scope, receive, send)
+            return await _refuse(
+                "no API key: send the header 'Authorization: Bearer <key>'", "missing_api_key", scope, receive, send
+            )
         digest = hashlib.sha256(token.encode()).digest()
         # Compare against every key, in constant time each, so timing tells nothing about which matched.
         admin = [hmac.compare_digest(digest, d) for d in self.admin_digests]
@@ -115,7 +116,7 @@ async def owned_snapshot(core, request, request_id: str):
     """The request's context if the caller may see it; else 404 (unknown and not-yours look alike)."""
     for prefix in ("chatcmpl-", "cmpl-"):  # the OpenAI API's response ids wrap the request id
         if request_id.startswith(prefix):
-            request_id = request_id[len(prefix):]
+            request_id = request_id[len(prefix) :]
     snap = await core.store.aread(core.ops_r, request_id)
     if snap is None or (not is_admin(request) and snap.layers["meta"].get("owner", "") != caller(request)):
         raise NotFound(f"no request {request_id} (unknown, or its context expired)", "request_id", "not_found")

@@ -12,16 +12,23 @@ class GatewayError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, extra: dict | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
         self.extra = extra or {}
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
-                          **self.extra}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+        }
 
 
 class InvalidRequest(GatewayError):

@@ -19,8 +19,13 @@ async def gateway_error_handler(_request: Request, e: GatewayError) -> JSONRespo
 async def http_error_handler(_request: Request, e: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (unknown path, wrong method, a body that is not text) in the same shape."""
     if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body": nested past Python's parser
-        return error_response(InvalidRequest(f"the body nests too deeply to be read; a JSON value may nest at most "
-                                             f"{MAX_NESTING} levels", None, "too_deep"))
+        return error_response(
+            InvalidRequest(
+                f"the body nests too deeply to be read; a JSON value may nest at most {MAX_NESTING} levels",
+                None,
+                "too_deep",
+            )
+        )
     kind = "invalid_request_error" if e.status_code < 500 else "server_error"
     kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, kind)
     code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
@@ -30,8 +35,9 @@ async def http_error_handler(_request: Request, e: StarletteHTTPException) -> JS
 
 def _union_branch(part) -> bool:
     """pydantic names the branch of a union in the location ("prompt", "list[str]"): not a field name."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.endswith("]")
-                                      or part.startswith(("constrained-", "function-")))
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or part.endswith("]") or part.startswith(("constrained-", "function-"))
+    )
 
 
 async def validation_error_handler(_request: Request, e: RequestValidationError) -> JSONResponse:
@@ -40,8 +46,9 @@ async def validation_error_handler(_request: Request, e: RequestValidationError)
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_branch(x)]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
-        return error_response(InvalidRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
-                                             None, "invalid_json"))
+        return error_response(
+            InvalidRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}", None, "invalid_json")
+        )
     msg = err.get("msg", "invalid value")
     given = err.get("input")
     detail = f"{param}: {msg}" if param else msg

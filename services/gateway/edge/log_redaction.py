@@ -14,8 +14,10 @@ import re
 from collections.abc import Iterable, Mapping
 
 REDACTED = "[redacted]"
-SECRET_PARAM = re.compile(r"(?i)([?&;](?:api[_-]?key|key|access[_-]?token|token|secret|password|passwd|auth|"
-                          r"authorization)=)[^&;#\s\"']*")
+SECRET_PARAM = re.compile(
+    r"(?i)([?&;](?:api[_-]?key|key|access[_-]?token|token|secret|password|passwd|auth|"
+    r"authorization)=)[^&;#\s\"']*"
+)
 _PLAIN = (int, float, bool, type(None))
 
 _keys: list[str] = []  # configured keys, longest first (one inside another is redacted whole)
@@ -36,6 +38,7 @@ def install(keys: Iterable[str]) -> None:
         record = make(*args, **kwargs)
         redact_record(record)
         return record
+
     logging.setLogRecordFactory(factory)
     _installed = True
 

@@ -72,12 +72,19 @@ class OpenRequestLimit:
         key = (scope.get("state") or {}).get(STATE_KEY) or ""
         busy = None
         if self.open >= self.limit:
-            busy = Overloaded(f"the gateway is serving {self.open} requests (limit {self.limit}); retry after "
-                              f"{self.retry_after_s} s", None, "too_many_open_requests")
+            busy = Overloaded(
+                f"the gateway is serving {self.open} requests (limit {self.limit}); retry after {self.retry_after_s} s",
+                None,
+                "too_many_open_requests",
+            )
         elif key and self.per_key_limit is not None and self.open_by_key.get(key, 0) >= self.per_key_limit:
-            busy = Overloaded(f"this API key has {self.open_by_key[key]} requests open on this gateway (limit "
-                              f"{self.per_key_limit}, CONVEYOR_MAX_OPEN_REQUESTS_PER_KEY); retry after "
-                              f"{self.retry_after_s} s", None, "too_many_open_requests_for_key")
+            busy = Overloaded(
+                f"this API key has {self.open_by_key[key]} requests open on this gateway (limit "
+                f"{self.per_key_limit}, CONVEYOR_MAX_OPEN_REQUESTS_PER_KEY); retry after "
+                f"{self.retry_after_s} s",
+                None,
+                "too_many_open_requests_for_key",
+            )
         if busy is not None:
             busy.headers = {"Retry-After": str(self.retry_after_s)}
             return await error_response(busy)(scope, receive, send)

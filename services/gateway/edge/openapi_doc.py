@@ -27,8 +27,13 @@ class ErrorResponse(BaseModel):
 
 
 _ERROR_DOC = {
-    400: "invalid request", 401: "no or bad API key", 404: "unknown model or request",
-    413: "body too large", 429: "overloaded (see Retry-After)", 503: "not ready", 504: "timed out",
+    400: "invalid request",
+    401: "no or bad API key",
+    404: "unknown model or request",
+    413: "body too large",
+    429: "overloaded (see Retry-After)",
+    503: "not ready",
+    504: "timed out",
 }
 
 
@@ -39,8 +44,10 @@ def error_responses(*codes: int) -> dict:
 
 def sse_or_json(model: type[BaseModel] | None, description: str) -> dict:
     """A 200 that is JSON (`model`) or, with "stream": true, Server-Sent Events."""
-    entry: dict = {"description": description,
-                   "content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE events"}}}}
+    entry: dict = {
+        "description": description,
+        "content": {"text/event-stream": {"schema": {"type": "string", "description": "SSE events"}}},
+    }
     if model is not None:
         entry["model"] = model
     return {200: entry}
@@ -49,8 +56,12 @@ def sse_or_json(model: type[BaseModel] | None, description: str) -> dict:
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)  # what a generation route can answer
 UNBOUNDED_PATHS = ("/health", "/ready")  # OpenRequestLimit lets these through under any load
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-_DESCRIPTIONS = {400: "invalid request", 401: "no or bad API key", 413: "body too large",
-                 429: "overloaded (see Retry-After)"}
+_DESCRIPTIONS = {
+    400: "invalid request",
+    401: "no or bad API key",
+    413: "body too large",
+    429: "overloaded (see Retry-After)",
+}
 
 
 def _error(status: int) -> dict:

@@ -97,7 +97,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app, settings: GatewaySettings) -> None:
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S, backlog=settings.listen_backlog)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+        backlog=settings.listen_backlog,
+    )
     GracefulServer(config, settings.shutdown_grace_s).run()
     logger.info("gateway stopped")

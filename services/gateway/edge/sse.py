@@ -39,8 +39,11 @@ class SseResponse(StreamingResponse):
         try:
             await super().stream_response(timed)
         except _TooSlow:
-            logger.warning("an SSE client read nothing for %.0f s: dropping it (request %s)", self.write_timeout_s,
-                           dict(self.raw_headers).get(b"x-request-id", b"-").decode())
+            logger.warning(
+                "an SSE client read nothing for %.0f s: dropping it (request %s)",
+                self.write_timeout_s,
+                dict(self.raw_headers).get(b"x-request-id", b"-").decode(),
+            )
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()  # its finally cancels the request and releases everything it held

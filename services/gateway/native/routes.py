@@ -34,12 +34,14 @@ async def generate(body: GenerateRequest, request: Request, core: Core):
     if body.stream:
         return SseResponse(stream(core, choices, request), core.s.sse_write_timeout_s, headers=headers)
     bodies = await collect_choices(core, choices, request)
-    return await json_response(lambda: _body(choices, bodies), sum(handle_weight(h) for h in choices.handles),
-                               headers)
+    return await json_response(lambda: _body(choices, bodies), sum(handle_weight(h) for h in choices.handles), headers)
 
 
 def _body(choices: Choices, bodies: list[dict]) -> dict:
     if len(bodies) == 1:  # a request of one choice answers with that choice's body
         return bodies[0]
-    return {"request_id": choices.primary.request_id, "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
-            "usage": merged_usage(bodies)}
+    return {
+        "request_id": choices.primary.request_id,
+        "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
+        "usage": merged_usage(bodies),
+    }

@@ -58,8 +58,9 @@ async def stream(core: GatewayCore, choices: Choices, request: Request) -> Async
             handle = choices.handles[index]
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
-                    yield await sse_events(lambda: [_of(delta_event(core, handle, chunk), index, n)],
-                                           chunk_weight(chunk))
+                    yield await sse_events(
+                        lambda: [_of(delta_event(core, handle, chunk), index, n)], chunk_weight(chunk)
+                    )
                 continue
             final = _of(await final_event(core, handle, chunk), index, n)
             yield sse(final)
@@ -68,8 +69,7 @@ async def stream(core: GatewayCore, choices: Choices, request: Request) -> Async
                 break
             finals[index] = final
         if n > 1 and len(finals) == n:
-            yield sse({"request_id": choices.primary.request_id,
-                       "usage": merged_usage([finals[i] for i in range(n)])})
+            yield sse({"request_id": choices.primary.request_id, "usage": merged_usage([finals[i] for i in range(n)])})
         yield sse("[DONE]")
     finally:
         run.close(failed)  # before any await: a cancelled handler's next await raises at once

@@ -20,8 +20,15 @@ from pydantic import ValidationError
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
-from services.gateway.openai.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                             CompletionResponse, ModelCard, ModelList, OpenAIRequest)
+from services.gateway.openai.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    OpenAIRequest,
+)
 from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
 from services.gateway.openai.tool_calls import turn_text
@@ -39,8 +46,22 @@ router = APIRouter(tags=["OpenAI-compatible"])
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 STARTED = int(time.time())  # "created" of the model card: when this gateway started serving it
 # Fields passed to the native request unchanged when given (both sides validate them alike).
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "seed", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "timeout", "stop")
+PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "priority",
+    "timeout",
+    "stop",
+)
 
 
 def _unsupported(param: str, message: str) -> InvalidRequest:
@@ -50,8 +71,9 @@ def _unsupported(param: str, message: str) -> InvalidRequest:
 def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
     name = core.model_name
     if body.model != name:
-        raise NotFound(f"the model '{body.model}' does not exist; this server serves '{name}'", "model",
-                       "model_not_found")
+        raise NotFound(
+            f"the model '{body.model}' does not exist; this server serves '{name}'", "model", "model_not_found"
+        )
     rules: list[tuple[str, bool, str]] = [
         ("logit_bias", bool(body.logit_bias), "not supported"),
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
@@ -72,8 +94,12 @@ def _check_completion(body: CompletionRequest) -> str:
             raise _unsupported(param, message)
     if isinstance(body.prompt, list):
         if len(body.prompt) != 1:
-            raise InvalidRequest(f"prompt: a list must hold exactly one string (got {len(body.prompt)}); "
-                                 "batched prompts are not supported", "prompt", "unsupported_parameter")
+            raise InvalidRequest(
+                f"prompt: a list must hold exactly one string (got {len(body.prompt)}); "
+                "batched prompts are not supported",
+                "prompt",
+                "unsupported_parameter",
+            )
         return body.prompt[0]
     return body.prompt
 
@@ -83,7 +109,6 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs not in (None, 0) and not body.logprobs:
         raise InvalidRequest("top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value")
     return (body.top_logprobs or 0) if body.logprobs else None
-
 
 
 def _messages(body: ChatCompletionRequest) -> list[Message]:
@@ -106,26 +131,47 @@ def _native(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, *
         raise InvalidRequest(f"{param}: {err['msg']}", param, err["type"]) from e
 
 
-async def _serve(core: GatewayCore, request: Request, body: OpenAIRequest, native: GenerateRequest, chat: bool,
-                 default_max_tokens: int | None = None, plan: OutputPlan = OutputPlan()):
-    meta = {"api": "openai.chat" if chat else "openai.completions", "user": body.user,
-            "client_request_id": body.request_id}
+async def _serve(
+    core: GatewayCore,
+    request: Request,
+    body: OpenAIRequest,
+    native: GenerateRequest,
+    chat: bool,
+    default_max_tokens: int | None = None,
+    plan: OutputPlan = OutputPlan(),
+):
+    meta = {
+        "api": "openai.chat" if chat else "openai.completions",
+        "user": body.user,
+        "client_request_id": body.request_id,
+    }
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n or 1
-    choices = await accept_choices(core, request, native, n, default_max_tokens, meta, constraint=plan.constraint,
-                                   tools=plan.tools_json)
+    choices = await accept_choices(
+        core, request, native, n, default_max_tokens, meta, constraint=plan.constraint, tools=plan.tools_json
+    )
     primary = choices.primary
     # One Shape per choice: a completion's log probabilities carry a text offset that runs on within its choice.
-    shapes = [Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}", int(time.time()), core.model_name,
-                    include_usage, core.token_strings if native.logprobs is not None else None, plan)
-              for _ in range(n)]
+    shapes = [
+        Shape(
+            chat,
+            f"{'chatcmpl' if chat else 'cmpl'}-{primary.request_id}",
+            int(time.time()),
+            core.model_name,
+            include_usage,
+            core.token_strings if native.logprobs is not None else None,
+            plan,
+        )
+        for _ in range(n)
+    ]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, choices, shapes, headers)
     # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
     bodies = await collect_choices(core, choices, request, with_logprobs=False)
-    return await json_response(lambda: choices_body(shapes, choices, bodies),
-                               sum(handle_weight(h) for h in choices.handles), headers)
+    return await json_response(
+        lambda: choices_body(shapes, choices, bodies), sum(handle_weight(h) for h in choices.handles), headers
+    )
 
 
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
@@ -136,19 +182,27 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
     return await _serve(core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
-@router.post("/v1/chat/completions",
-             responses={**sse_or_json(ChatCompletionResponse, "the assistant's message"), **GENERATION_ERRORS})
+@router.post(
+    "/v1/chat/completions",
+    responses={**sse_or_json(ChatCompletionResponse, "the assistant's message"), **GENERATION_ERRORS},
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     plan = await off_loop(lambda: plan_chat(body), plan_weight(body))  # its schemas compiled off the loop
-    native = _native(body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body),
-                     messages=_messages(body))
+    native = _native(
+        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=_messages(body)
+    )
     return await _serve(core, request, body, native, chat=True, plan=plan)
 
 
 def _card(core: GatewayCore) -> dict:
-    return {"id": core.model_name, "object": "model", "created": STARTED, "owned_by": "conveyor",
-            "max_model_len": core.max_len}
+    return {
+        "id": core.model_name,
+        "object": "model",
+        "created": STARTED,
+        "owned_by": "conveyor",
+        "max_model_len": core.max_len,
+    }
 
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401))
@@ -160,8 +214,9 @@ async def list_models(core: Core) -> dict:
 async def get_model(model_id: str, core: Core) -> dict:
     card = _card(core)
     if model_id != card["id"]:
-        raise NotFound(f"the model '{model_id}' does not exist; this server serves '{card['id']}'", "model",
-                       "model_not_found")
+        raise NotFound(
+            f"the model '{model_id}' does not exist; this server serves '{card['id']}'", "model", "model_not_found"
+        )
     return card
 
 

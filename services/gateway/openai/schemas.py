@@ -36,10 +36,15 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
-                                           "token already in the output (0 = off)")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's logit "
-                                            "once per time it is already in the output (0 = off)")
+    presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted from the logit of every token already in the output (0 = off)"
+    )
+    frequency_penalty: float | None = Field(
+        None,
+        ge=-2.0,
+        le=2.0,
+        description="subtracted from a token's logit once per time it is already in the output (0 = off)",
+    )
     logit_bias: dict[str, float] | None = Field(None, description="not supported: null or {}")
     user: str | None = Field(None, max_length=256, description="end-user id, recorded with the request")
     # vLLM's extra sampling and scheduling fields
@@ -57,8 +62,13 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each output token's log probability "
-                                 "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each output token's log probability "
+        "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)",
+    )
     echo: bool | None = Field(None, description="not supported: false")
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
@@ -73,11 +83,13 @@ class TextPart(BaseModel):
 class ChatMessageIn(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(..., description="text, or a list of text parts (null: an "
-                                                 "assistant turn of tool calls)")
+    content: str | list[TextPart] | None = Field(
+        ..., description="text, or a list of text parts (null: an assistant turn of tool calls)"
+    )
     name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
-    tool_calls: Annotated[list[dict[str, Any]], Shallow] | None = Field(None, max_length=128,
-                                                                        description="an assistant turn's calls")
+    tool_calls: Annotated[list[dict[str, Any]], Shallow] | None = Field(
+        None, max_length=128, description="an assistant turn's calls"
+    )
     tool_call_id: str | None = Field(None, max_length=256, description="a tool turn: the call it answers")
 
 
@@ -95,13 +107,16 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="most new tokens (wins over max_tokens)")
     logprobs: bool | None = Field(None, description="each output token's log probability in choices[].logprobs")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="with logprobs: the N most likely alternatives of each token")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the N most likely alternatives of each token"
+    )
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(
-        None, description="function tools (services/gateway/openai/tool_calls.py)")
+        None, description="function tools (services/gateway/openai/tool_calls.py)"
+    )
     tool_choice: str | Annotated[dict[str, Any], Shallow] | None = Field(
-        None, description="none | auto | required | a named function")
+        None, description="none | auto | required | a named function"
+    )
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -109,6 +124,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 # ---- responses ----
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int

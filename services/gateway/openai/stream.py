@@ -37,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def openai_usage(usage: dict) -> dict:
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"],
-            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+    }
 
 
 @dataclass(frozen=True)
@@ -81,16 +84,26 @@ class Shape:
             msg, finish = message(self.plan, native["text"], native["finish_reason"])
             choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
         elif self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": native["text"]}, "logprobs": lp,
-                      "finish_reason": native["finish_reason"]}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": native["text"]},
+                "logprobs": lp,
+                "finish_reason": native["finish_reason"],
+            }
         else:
             choice = {"index": 0, "text": native["text"], "logprobs": lp, "finish_reason": native["finish_reason"]}
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprob | None] | None = None,
-              delta: dict | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[TokenLogprob | None] | None = None,
+        delta: dict | None = None,
+    ) -> dict:
         """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from; delta: a chat
         delta made elsewhere (a tool call's pieces) instead of the text's."""
         lp = self._logprobs(token_ids, logprobs)
@@ -142,8 +155,9 @@ def at_index(out: dict, index: int) -> dict:
     return out
 
 
-async def start_stream(request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape],
-                       headers: dict) -> SseResponse:
+async def start_stream(
+    request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape], headers: dict
+) -> SseResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
     run = ChoiceRun(core, choices, request)
     try:
@@ -156,8 +170,9 @@ async def start_stream(request: Request, core: GatewayCore, choices: Choices, sh
     return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
 
 
-async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
-                  first: tuple[int, Chunk]) -> AsyncIterator[bytes]:
+async def _events(
+    core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk]
+) -> AsyncIterator[bytes]:
     n, shape = len(run.choices.handles), shapes[0]
     tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
@@ -168,9 +183,10 @@ async def _events(core: GatewayCore, run: ChoiceRun, shapes: list[Shape],
                 yield sse(at_index(shape.chunk(role=True), i))
         index, chunk = first
         while True:
-            if data := await sse_events(lambda: [at_index(out, index)
-                                                 for out in text_chunks(shapes[index], tools[index], chunk)],
-                                        chunk_weight(chunk)):
+            if data := await sse_events(
+                lambda: [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)],
+                chunk_weight(chunk),
+            ):
                 yield data
             try:
                 body = await first_outcome(core, run, index, chunk, with_logprobs=False)

@@ -62,8 +62,10 @@ def response_constraint(response_format) -> Constraint | None:
     unknown = set(extra) - {"json_schema"}
     spec = extra.get("json_schema")
     if unknown or not isinstance(spec, dict):
-        raise _bad("response_format.json_schema", "type 'json_schema' needs {'json_schema': {'name': ..., "
-                   "'schema': {...}}} and nothing else")
+        raise _bad(
+            "response_format.json_schema",
+            "type 'json_schema' needs {'json_schema': {'name': ..., 'schema': {...}}} and nothing else",
+        )
     unknown = set(spec) - {"name", "description", "schema", "strict"}
     if unknown:
         raise _bad("response_format.json_schema", f"unknown field(s) {sorted(unknown)}")
@@ -87,8 +89,9 @@ def plan_chat(body) -> OutputPlan:
     tools = check_tools(body.tools or [])
     mode, usable = chosen(tools, body.tool_choice)
     if mode != "none" and constraint is not None:
-        raise _bad("response_format", "cannot be combined with tools unless tool_choice is 'none'",
-                   "unsupported_parameter")
+        raise _bad(
+            "response_format", "cannot be combined with tools unless tool_choice is 'none'", "unsupported_parameter"
+        )
     # a named function is called once; "required" and "auto" may call several unless told otherwise
     parallel = not isinstance(body.tool_choice, dict) and body.parallel_tool_calls is not False
     if mode == "forced":
@@ -99,7 +102,9 @@ def plan_chat(body) -> OutputPlan:
         # Both would need tokens the grammar forbids: EOS ends a constrained output when it is complete.
         for param, broken in [("ignore_eos", bool(body.ignore_eos)), ("min_tokens", bool(body.min_tokens))]:
             if broken:
-                raise _bad(param, "cannot be combined with response_format json or tools (unless tool_choice is "
-                           "'none')",
-                           "unsupported_parameter")
+                raise _bad(
+                    param,
+                    "cannot be combined with response_format json or tools (unless tool_choice is 'none')",
+                    "unsupported_parameter",
+                )
     return OutputPlan(constraint, tuple(usable), mode)

@@ -75,8 +75,11 @@ def chosen(tools: list[Tool], tool_choice: Any) -> tuple[str, list[Tool]]:
         if tool_choice != "none" and not tools:
             raise _bad("tool_choice", f"{tool_choice!r} needs tools")
         return ("forced" if tool_choice == "required" else tool_choice), tools
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
-            and isinstance(tool_choice.get("function"), dict):
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
         name = tool_choice["function"].get("name")
         named = [t for t in tools if t.name == name]
         if not named:
@@ -101,12 +104,13 @@ def _scoped(params: dict, prefix: str, defs: dict) -> dict:
                     raise _bad("tools", "a parameters schema may not refer to its own root ('$ref': '#')")
                 for key in ("#/$defs/", "#/definitions/"):
                     if ref.startswith(key):
-                        node["$ref"] = f"#/$defs/{prefix}{ref[len(key):]}"
+                        node["$ref"] = f"#/$defs/{prefix}{ref[len(key) :]}"
             for v in node.values():
                 rewrite(v)
         elif isinstance(node, list):
             for v in node:
                 rewrite(v)
+
     rewrite(params)
     for name in [n for n in defs if n.startswith(prefix)]:
         rewrite(defs[name])
@@ -127,9 +131,15 @@ def auto_grammar(tools: list[Tool], parallel: bool) -> str:
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
     defs: dict = {}
-    calls = [{"type": "object", "properties": {"name": {"const": t.name},
-                                               "arguments": _scoped(t.parameters, f"f{i}_", defs)},
-              "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": _scoped(t.parameters, f"f{i}_", defs)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for i, t in enumerate(tools)
+    ]
     schema: dict = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
@@ -179,7 +189,7 @@ class CallParser:
                     break
                 if not self._buf.startswith(literal):
                     raise ValueError(f"expected {literal!r} in the tool calls, got {self._buf[:20]!r}")
-                self._buf = self._buf[len(literal):]
+                self._buf = self._buf[len(literal) :]
                 self._state = {"open": "head", "head": "name", "sep": "args", "close": "next"}[self._state]
             elif self._state == "name":
                 end = self._buf.find('"')
@@ -187,8 +197,14 @@ class CallParser:
                     break
                 call = Call(new_call_id(), self._buf[:end])
                 self.calls.append(call)
-                deltas.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
+                deltas.append(
+                    {
+                        "index": len(self.calls) - 1,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
                 self._buf, self._state = self._buf[end:], "sep"  # the closing quote starts _SEP
             elif self._state == "next":
                 if self._buf.startswith("]"):
@@ -248,7 +264,9 @@ def turn_text(i: int, role: str, text: str | None, tool_calls: list[dict] | None
                 raise TypeError("no function name")
             calls.append({"name": fn["name"], "arguments": json.loads(fn.get("arguments") or "{}")})
         except (TypeError, ValueError) as e:
-            raise _bad(f"messages[{i}].tool_calls[{j}]", "must be {'id', 'type': 'function', 'function': "
-                       "{'name', 'arguments': a JSON string}}") from e
+            raise _bad(
+                f"messages[{i}].tool_calls[{j}]",
+                "must be {'id', 'type': 'function', 'function': {'name', 'arguments': a JSON string}}",
+            ) from e
     written = json.dumps(calls, ensure_ascii=False)
     return f"{text}\n{written}" if text else written

@@ -31,8 +31,10 @@ def message(plan: OutputPlan, text: str, finish_reason: str) -> tuple[dict, str]
     if not shaper.calls:
         return {"role": "assistant", "content": text}, finish_reason
     content = "".join(d.get("content") or "" for d in deltas) or None
-    return ({"role": "assistant", "content": content, "tool_calls": [c.openai() for c in shaper.calls]},
-            shaper.finish_reason(finish_reason))
+    return (
+        {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in shaper.calls]},
+        shaper.finish_reason(finish_reason),
+    )
 
 
 class ToolShaper:

@@ -23,8 +23,14 @@ import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
-from services.gateway.edge.auth import (DASHBOARD_PREFIX, KEY_COOKIE, bearer_token, is_admin, owned_snapshot,
-                                        visible_owner)
+from services.gateway.edge.auth import (
+    DASHBOARD_PREFIX,
+    KEY_COOKIE,
+    bearer_token,
+    is_admin,
+    owned_snapshot,
+    visible_owner,
+)
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
 from services.gateway.edge.sse import SseResponse
@@ -52,8 +58,7 @@ async def page(request: Request):
         # An old `?key=` link: the key is not taken (a link would plant its sender's key in whoever opens it), and
         # is dropped from the address bar and the history.
         return RedirectResponse(DASHBOARD_PREFIX, status_code=303)
-    return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html",
-                        headers={"Cache-Control": "no-store"})
+    return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html", headers={"Cache-Control": "no-store"})
 
 
 @router.post("/login", status_code=204)
@@ -64,8 +69,9 @@ async def login(request: Request):
     request with an Authorization header needs a CORS preflight, which the gateway does not answer."""
     key = bearer_token(request.scope.get("headers") or [])
     if key is None:
-        raise InvalidRequest("send the key in the header 'Authorization: Bearer <key>'", "Authorization",
-                             "missing_api_key")
+        raise InvalidRequest(
+            "send the key in the header 'Authorization: Bearer <key>'", "Authorization", "missing_api_key"
+        )
     resp = Response(status_code=204)
     resp.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path=DASHBOARD_PREFIX)
     return resp
@@ -80,9 +86,13 @@ async def static(name: str):
 
 @router.get("/api/config")
 async def config(request: Request, core: Core):
-    return {"trace_url_template": core.s.trace_url_template, "admin": is_admin(request),
-            "states": [s.value for s in State], "terminal": sorted(s.value for s in TERMINAL),
-            "max_row_ids": MAX_ROW_IDS}
+    return {
+        "trace_url_template": core.s.trace_url_template,
+        "admin": is_admin(request),
+        "states": [s.value for s in State],
+        "terminal": sorted(s.value for s in TERMINAL),
+        "max_row_ids": MAX_ROW_IDS,
+    }
 
 
 async def _stream(core: GatewayCore, owner: str | None):
@@ -110,8 +120,11 @@ async def _stream(core: GatewayCore, owner: str | None):
 
 @router.get("/api/events")
 async def events(request: Request, core: Core):
-    return SseResponse(_stream(core, visible_owner(request)), core.s.sse_write_timeout_s,
-                       headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return SseResponse(
+        _stream(core, visible_owner(request)),
+        core.s.sse_write_timeout_s,
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get("/api/rows")

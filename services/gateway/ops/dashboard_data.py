@@ -43,14 +43,24 @@ async def read_rows(core: GatewayCore, ids: list[str], owner: str | None) -> lis
     raw = await pipe.execute() if ids else []
     rows = []
     for i, rid in enumerate(ids):
-        meta, exec_, cached, prompt, produced = raw[5 * i: 5 * i + 5]
+        meta, exec_, cached, prompt, produced = raw[5 * i : 5 * i + 5]
         state, since, created, row_owner = (_value(v) for v in meta)
         if state is None or (owner is not None and (row_owner or "") != owner):
             continue  # expired meanwhile, or not the caller's
         worker, attempt = (_value(v) for v in exec_)
-        rows.append({"rid": rid, "state": state, "since": since, "created": created, "worker": worker or "",
-                     "attempt": attempt or 0, "prompt": _value(prompt), "output": produced,
-                     "cached": _value(cached)})
+        rows.append(
+            {
+                "rid": rid,
+                "state": state,
+                "since": since,
+                "created": created,
+                "worker": worker or "",
+                "attempt": attempt or 0,
+                "prompt": _value(prompt),
+                "output": produced,
+                "cached": _value(cached),
+            }
+        )
     return rows
 
 
@@ -72,6 +82,9 @@ def detail(snap_dict: dict, trace_url_template: str) -> dict:
     """A request's whole context for the page: layers, history, intervals, and the link to its trace."""
     tid = trace_id(snap_dict.get("meta", {}).get("traceparent", ""))
     metrics = (snap_dict.get("output") or {}).get("metrics") or {}
-    return {**snap_dict, "intervals": {**lifecycle_intervals(snap_dict["history"]), **metrics},
-            "trace_id": tid,
-            "trace_url": trace_url_template.replace("{trace_id}", tid) if tid and trace_url_template else ""}
+    return {
+        **snap_dict,
+        "intervals": {**lifecycle_intervals(snap_dict["history"]), **metrics},
+        "trace_id": tid,
+        "trace_url": trace_url_template.replace("{trace_id}", tid) if tid and trace_url_template else "",
+    }

@@ -44,14 +44,19 @@ async def metrics(core: Core) -> Response:
 
 
 @router.get("/v1/requests")
-async def list_requests(request: Request, core: Core, state: State | None = None,
-                        limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0)):
+async def list_requests(
+    request: Request,
+    core: Core,
+    state: State | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    offset: int = Query(0, ge=0),
+):
     """Requests in one state (default: every live state), oldest first, with their layers. With API keys
     set, a caller sees only its own requests (an admin key: every request)."""
     states = [state] if state is not None else [s for s in State if s not in TERMINAL]
     ids = await ids_in_states(core, visible_owner(request), states)
     data = []
-    for _score, rid in ids[offset:offset + limit]:  # at most `limit` contexts read
+    for _score, rid in ids[offset : offset + limit]:  # at most `limit` contexts read
         snap = await core.store.aread(core.ops_r, rid)
         if snap is not None:  # expired meanwhile
             data.append(snap.to_dict())
@@ -67,8 +72,11 @@ async def cancel_owned(core: GatewayCore, request: Request, request_id: str) -> 
     for rid in await members(core, snap.layers["meta"], request_id):  # a choice of n > 1: the whole request
         cancelled = await core.cancel(rid, "client_cancel", snap.layers["meta"].get("reply_to", "")) or cancelled
     after = await core.store.aread(core.ops_r, request_id)
-    return {"request_id": request_id, "cancelled": cancelled,
-            "state": after.state.value if after and after.state else None}
+    return {
+        "request_id": request_id,
+        "cancelled": cancelled,
+        "state": after.state.value if after and after.state else None,
+    }
 
 
 @router.get("/v1/requests/{request_id}", responses=error_responses(401, 404))

@@ -58,12 +58,20 @@ class Admission:
     def _overloaded(self, e: WaitingFull) -> Overloaded:
         s = self.core.s
         if e.which == "key_overloaded":
-            return Overloaded(f"this API key has {e.waiting} requests waiting (limit {s.max_waiting_requests_per_key}, "
-                              f"CONVEYOR_MAX_WAITING_REQUESTS_PER_KEY); retry after {s.retry_after_s} s",
-                              None, "key_overloaded", headers=self._retry())
-        return Overloaded(f"the server is overloaded: {e.waiting} requests are waiting (limit "
-                          f"{s.max_waiting_requests}); retry after {s.retry_after_s} s", None, "overloaded",
-                          headers=self._retry())
+            return Overloaded(
+                f"this API key has {e.waiting} requests waiting (limit {s.max_waiting_requests_per_key}, "
+                f"CONVEYOR_MAX_WAITING_REQUESTS_PER_KEY); retry after {s.retry_after_s} s",
+                None,
+                "key_overloaded",
+                headers=self._retry(),
+            )
+        return Overloaded(
+            f"the server is overloaded: {e.waiting} requests are waiting (limit "
+            f"{s.max_waiting_requests}); retry after {s.retry_after_s} s",
+            None,
+            "overloaded",
+            headers=self._retry(),
+        )
 
     async def _check_ready(self) -> None:
         now = time.monotonic()
@@ -79,6 +87,11 @@ class Admission:
         found = await self.core.ready()
         missing = [s for s, n in found.items() if n == 0]
         if missing:
-            raise Unavailable(f"not ready: no live {', '.join(missing)}", None, "not_ready",
-                              extra={"live": found}, headers=self._retry())
+            raise Unavailable(
+                f"not ready: no live {', '.join(missing)}",
+                None,
+                "not_ready",
+                extra={"live": found},
+                headers=self._retry(),
+            )
         self._ready_until = time.monotonic() + READY_CACHE_S

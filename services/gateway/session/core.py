@@ -27,8 +27,7 @@ from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import active, finish_trace, published, refused, start_trace
 from shared.context_store import ContextStore
 from shared.errors import FatalError
-from shared.events import (CancelRequested, Cancelled, ChatMessage, Constraint, RequestReceived, Sampling,
-                           TimedOut)
+from shared.events import CancelRequested, Cancelled, ChatMessage, Constraint, RequestReceived, Sampling, TimedOut
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
@@ -80,11 +79,12 @@ class GatewayCore(ReplyReader):
         self.id = instance_id(settings, "gateway")
         self.token = uuid.uuid4().hex  # this process's mark in its liveness entry: another under its id is refused
         self._loop_moved = time.monotonic()  # set by the event loop's keep-alive round; read by the liveness thread
-        self.liveness = LivenessThread(sync_client(settings), Liveness(self.names, "gateway", self.id,
-                                                                       settings.heartbeat_interval_s,
-                                                                       settings.liveness_ttl_s),
-                                       lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S,
-                                       info={"token": self.token})
+        self.liveness = LivenessThread(
+            sync_client(settings),
+            Liveness(self.names, "gateway", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s),
+            lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S,
+            info={"token": self.token},
+        )
         self.reply_to = self.names.reply_stream(self.id)
         self.tokenizer = tokenizer
         self.token_strings = TokenStrings(tokenizer)  # log probabilities' token strings and bytes
@@ -102,21 +102,31 @@ class GatewayCore(ReplyReader):
         # Wall time up to which the reply stream has been read: every event published before it has been routed.
         # Behind the clock when the reader lags; what services.gateway.session.reconcile measures silence against.
         self.replies_read_to = 0.0
-        Gauge("conveyor:gateway_open_requests", "requests this gateway holds a client for",
-              registry=self.metrics.registry).set_function(lambda: len(self.handles))
+        Gauge(
+            "conveyor:gateway_open_requests", "requests this gateway holds a client for", registry=self.metrics.registry
+        ).set_function(lambda: len(self.handles))
         # The dashboards' one reader of the lifecycle feed, with a connection of its own (its XREAD blocks).
-        self.feed_hub = FeedHub(lambda: async_client(settings, 1, settings.redis_pool_timeout_s), self.names,
-                                settings.read_block_ms, settings.dashboard_queue_events)
-        Gauge("conveyor:gateway_dashboard_connections", "dashboards connected to this gateway's event stream",
-              registry=self.metrics.registry).set_function(lambda: len(self.feed_hub.subscribers))
+        self.feed_hub = FeedHub(
+            lambda: async_client(settings, 1, settings.redis_pool_timeout_s),
+            self.names,
+            settings.read_block_ms,
+            settings.dashboard_queue_events,
+        )
+        Gauge(
+            "conveyor:gateway_dashboard_connections",
+            "dashboards connected to this gateway's event stream",
+            registry=self.metrics.registry,
+        ).set_function(lambda: len(self.feed_hub.subscribers))
 
     async def start(self) -> None:
         await self._claim_id()
         await self._ensure_group()
         await self.epoch.acheck(self.r)
         self.liveness.start()
-        self._tasks = [asyncio.create_task(self._read_replies(), name="replies"),
-                       asyncio.create_task(self._keep_alive(), name="liveness")]
+        self._tasks = [
+            asyncio.create_task(self._read_replies(), name="replies"),
+            asyncio.create_task(self._keep_alive(), name="liveness"),
+        ]
 
     async def _claim_id(self) -> None:
         """Take this gateway's liveness entry, or refuse to start (FatalError) while a live gateway holds its id:
@@ -128,12 +138,17 @@ class GatewayCore(ReplyReader):
             at = liveness.entry_at(held)
             refreshed = first_seen is not None and at != first_seen
             if refreshed or time.monotonic() > deadline:
-                raise FatalError(f"CONVEYOR_INSTANCE_ID {self.id!r} is held by a live gateway (its liveness entry "
-                                 f"was refreshed {time.time() - at:.1f} s ago): give each gateway its own id, or "
-                                 f"leave the setting empty for a made-up one")
+                raise FatalError(
+                    f"CONVEYOR_INSTANCE_ID {self.id!r} is held by a live gateway (its liveness entry "
+                    f"was refreshed {time.time() - at:.1f} s ago): give each gateway its own id, or "
+                    f"leave the setting empty for a made-up one"
+                )
             if first_seen is None:
-                logger.warning("gateway id %s has a live entry: waiting up to %.1f s to see whether its holder is "
-                               "alive", self.id, ttl)
+                logger.warning(
+                    "gateway id %s has a live entry: waiting up to %.1f s to see whether its holder is alive",
+                    self.id,
+                    ttl,
+                )
                 first_seen = at
             await asyncio.sleep(min(0.1, self.s.heartbeat_interval_s))
 
@@ -152,42 +167,88 @@ class GatewayCore(ReplyReader):
         await self.ops_r.aclose()
         logger.info("gateway core stopped")
 
-    async def submit(self, req: GenerateRequest, max_tokens: int, traceparent: str = "", owner: str = "",
-                     extra_meta: dict | None = None, route: str = "/generate", request_id: str = "",
-                     group_id: str = "", group_size: int = 1, constraint: Constraint | None = None,
-                     tools: str = "") -> RequestHandle:
+    async def submit(
+        self,
+        req: GenerateRequest,
+        max_tokens: int,
+        traceparent: str = "",
+        owner: str = "",
+        extra_meta: dict | None = None,
+        route: str = "/generate",
+        request_id: str = "",
+        group_id: str = "",
+        group_size: int = 1,
+        constraint: Constraint | None = None,
+        tools: str = "",
+    ) -> RequestHandle:
         """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
         n > 1 request comes with its id and its group's (intake.accept_choices); constraint and tools: what
         openai.structured_output.plan_chat decided (already checked)."""
         if self.draining:
-            raise Unavailable("the gateway is shutting down; retry on another", None, "shutting_down",
-                              headers={"Retry-After": "1"})
+            raise Unavailable(
+                "the gateway is shutting down; retry on another", None, "shutting_down", headers={"Retry-After": "1"}
+            )
         rid = request_id or uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
         timeout = req.timeout or self.s.request_timeout_s
-        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            top_k=max(0, req.top_k), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                            seed=req.seed, min_tokens=req.min_tokens, stop_token_ids=tuple(req.stop_token_ids),
-                            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs, constraint=constraint)
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(0, req.top_k),
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=req.logprobs,
+            constraint=constraint,
+        )
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
-        ev = RequestReceived(request_id=rid, reply_to=self.reply_to, prompt=req.prompt, messages=messages,
-                             sampling=sampling, priority=req.priority, deadline=now + timeout,
-                             adaptive_deadline=req.timeout is None, received_at=now, traceparent=rt.publish_tp,
-                             group_id=group_id, group_size=group_size, tools=tools)
+        ev = RequestReceived(
+            request_id=rid,
+            reply_to=self.reply_to,
+            prompt=req.prompt,
+            messages=messages,
+            sampling=sampling,
+            priority=req.priority,
+            deadline=now + timeout,
+            adaptive_deadline=req.timeout is None,
+            received_at=now,
+            traceparent=rt.publish_tp,
+            group_id=group_id,
+            group_size=group_size,
+            tools=tools,
+        )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt
         handle.epoch = self.epoch.known
         handle.logprobs = [] if req.logprobs is not None else None
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
-        meta = {"model": self.model_name, "priority": req.priority, "deadline": now + timeout,
-                "timeout": req.timeout, "deadline_source": "adaptive" if req.timeout is None else "client",
-                "reply_to": self.reply_to, "gateway": self.id, "stream": req.stream, "traceparent": rt.traceparent,
-                "owner": owner, **(extra_meta or {})}
-        input_ = {"prompt": req.prompt, "messages": [m.model_dump() for m in req.messages] if req.messages else None,
-                  "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__}, "stop": stops}
+        meta = {
+            "model": self.model_name,
+            "priority": req.priority,
+            "deadline": now + timeout,
+            "timeout": req.timeout,
+            "deadline_source": "adaptive" if req.timeout is None else "client",
+            "reply_to": self.reply_to,
+            "gateway": self.id,
+            "stream": req.stream,
+            "traceparent": rt.traceparent,
+            "owner": owner,
+            **(extra_meta or {}),
+        }
+        input_ = {
+            "prompt": req.prompt,
+            "messages": [m.model_dump() for m in req.messages] if req.messages else None,
+            "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__},
+            "stop": stops,
+        }
         try:
             await self.admission.create(rid, meta, input_, ev)
         except BaseException as e:
@@ -203,8 +264,7 @@ class GatewayCore(ReplyReader):
         if self.handles.pop(handle.request_id, None) is not None:
             finish_trace(handle)
             if handle.ended is not None:
-                self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times,
-                                         len(handle.token_ids))
+                self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times, len(handle.token_ids))
 
     def abandon(self, handle: RequestHandle, reason: str) -> None:
         """The client left before the end: forget the handle now, and cancel the work in a task of its own.
@@ -212,8 +272,9 @@ class GatewayCore(ReplyReader):
         its detokenizer and its spans would be kept for ever.)"""
         tp = getattr(handle.trace, "traceparent", "")
         self.release(handle)
-        task = asyncio.get_running_loop().create_task(self.cancel(handle.request_id, reason, handle.reply_to, tp),
-                                                      name=f"cancel-{handle.request_id}")
+        task = asyncio.get_running_loop().create_task(
+            self.cancel(handle.request_id, reason, handle.reply_to, tp), name=f"cancel-{handle.request_id}"
+        )
         self._background.add(task)
         task.add_done_callback(self._cancel_done)
 
@@ -225,10 +286,10 @@ class GatewayCore(ReplyReader):
     async def cancel(self, request_id: str, reason: str, reply_to: str, traceparent: str = "") -> bool:
         """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""
         tp = traceparent or getattr(getattr(self.handles.get(request_id), "trace", None), "traceparent", "")
-        publish = [Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway",
-                                               traceparent=tp)),
-                   Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason,
-                                                                      traceparent=tp))]
+        publish = [
+            Publish(reply_to, Cancelled(request_id=request_id, reason=reason, service="gateway", traceparent=tp)),
+            Publish(self.names.control_stream, CancelRequested(request_id=request_id, reason=reason, traceparent=tp)),
+        ]
         with active(self.handles.get(request_id)):
             res = await self.lifecycle.atransition(request_id, State.CANCELLED, reason, publish)
         return res.applied
@@ -238,10 +299,13 @@ class GatewayCore(ReplyReader):
         is on its way to the handle (this one, or the one that settled it first); False when none will come
         (the context is gone, or Redis is away)."""
         tp = getattr(handle.trace, "traceparent", "")
-        publish = [Publish(handle.reply_to, TimedOut(request_id=handle.request_id, service="gateway",
-                                                     traceparent=tp)),
-                   Publish(self.names.control_stream, CancelRequested(request_id=handle.request_id, reason="timeout",
-                                                                      traceparent=tp))]
+        publish = [
+            Publish(handle.reply_to, TimedOut(request_id=handle.request_id, service="gateway", traceparent=tp)),
+            Publish(
+                self.names.control_stream,
+                CancelRequested(request_id=handle.request_id, reason="timeout", traceparent=tp),
+            ),
+        ]
         try:
             with active(handle):
                 res = await self.lifecycle.atransition(handle.request_id, State.TIMED_OUT, "deadline", publish)
@@ -264,8 +328,7 @@ class GatewayCore(ReplyReader):
             raise Unavailable("the gateway is shutting down", None, "shutting_down")
         await r.ping()
         if stalled := self.stalled_loops():
-            raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None,
-                              "not_ready")
+            raise Unavailable(f"not ready: the gateway's {', '.join(stalled)} loop is not running", None, "not_ready")
         found = {}
         for service in BUS_SERVICES:
             found[service] = len(await liveness.aread_live(r, self.names, service))  # one HGETALL, no SCAN

@@ -32,8 +32,7 @@ DEADLINE_GRACE_S = 2.0  # the scheduler/worker report timeouts; the gateway sett
 MIN_WAIT_S = 0.05  # shortest wait for output (a deadline just passed is looked at again this soon)
 
 
-async def drive(core: GatewayCore, handle: RequestHandle, request: Request,
-                watch: bool = True) -> AsyncIterator[Chunk]:
+async def drive(core: GatewayCore, handle: RequestHandle, request: Request, watch: bool = True) -> AsyncIterator[Chunk]:
     """Chunks until the terminal one; cancels on client disconnect, times out as a backstop.
 
     A waiting request sleeps until output arrives, its client leaves (a watcher task wakes it) or its deadline's
@@ -89,12 +88,19 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
     extra = {"partial": partial, "request_id": handle.request_id}
     metrics = handle.metrics = await request_metrics(core, handle)
     if how.outcome.ok:
-        body = {"request_id": handle.request_id, "text": handle.full_text, "token_ids": handle.token_ids,
-                "finish_reason": how.reason,
-                "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": len(handle.token_ids),
-                          "total_tokens": end.prompt_tokens + len(handle.token_ids),
-                          "cached_tokens": end.cached_tokens},
-                "metrics": metrics}
+        body = {
+            "request_id": handle.request_id,
+            "text": handle.full_text,
+            "token_ids": handle.token_ids,
+            "finish_reason": how.reason,
+            "usage": {
+                "prompt_tokens": end.prompt_tokens,
+                "completion_tokens": len(handle.token_ids),
+                "total_tokens": end.prompt_tokens + len(handle.token_ids),
+                "cached_tokens": end.cached_tokens,
+            },
+            "metrics": metrics,
+        }
         if handle.logprobs is not None and with_logprobs:  # made as the answer is encoded (render.Sliced)
             body["logprobs"] = lp_shapes.native_sliced(core.token_strings, handle.token_ids, handle.logprobs)
         try:
@@ -165,8 +171,9 @@ class ChoiceRun:
             self.core.release(h)
 
 
-async def first_outcome(core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk,
-                        with_logprobs: bool = True) -> dict | None:
+async def first_outcome(
+    core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk, with_logprobs: bool = True
+) -> dict | None:
     """A choice's native body once it ended (None while it has not); raises the GatewayError of one that did not
     complete (the caller then closes the run, which cancels its siblings). with_logprobs: final_body's."""
     if chunk.end is None:
@@ -174,8 +181,9 @@ async def first_outcome(core: GatewayCore, run: ChoiceRun, index: int, chunk: Ch
     return await final_body(core, run.choices.handles[index], with_logprobs)  # raises unless it completed
 
 
-async def collect_choices(core: GatewayCore, choices: Choices, request: Request,
-                          with_logprobs: bool = True) -> list[dict]:
+async def collect_choices(
+    core: GatewayCore, choices: Choices, request: Request, with_logprobs: bool = True
+) -> list[dict]:
     """Every choice's native body (text, finish_reason, usage), in choice order; or the first error."""
     run = ChoiceRun(core, choices, request)
     bodies: dict[int, dict] = {}
@@ -201,5 +209,9 @@ def merged_usage(bodies: list[dict]) -> dict:
     the others reuse what that prefill computed)."""
     prompt = bodies[0]["usage"]["prompt_tokens"]
     completion = sum(b["usage"]["completion_tokens"] for b in bodies)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "cached_tokens": min(b["usage"].get("cached_tokens", 0) for b in bodies)}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "cached_tokens": min(b["usage"].get("cached_tokens", 0) for b in bodies),
+    }

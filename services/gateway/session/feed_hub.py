@@ -163,6 +163,15 @@ async def worker_figures(client, names: Names) -> dict:
     """The live workers' heartbeat summaries (one HGETALL): running, waiting, KV blocks, step time, preemptions.
     Cluster-wide load, like /metrics shows to any key; no request of anyone is in it."""
     live = await liveness.aread_live(client, names, "worker")
-    keep = ("running", "waiting", "held", "total_blocks", "free_blocks", "cached_blocks", "preemptions", "step",
-            "step_time_s")
+    keep = (
+        "running",
+        "waiting",
+        "held",
+        "total_blocks",
+        "free_blocks",
+        "cached_blocks",
+        "preemptions",
+        "step",
+        "step_time_s",
+    )
     return {"at": time.time(), "workers": {w: {k: e.get(k) for k in keep} for w, e in sorted(live.items())}}

@@ -100,8 +100,12 @@ class RequestHandle:
         if self.logprobs is not None:
             entries = unpack(delta.logprobs) if delta.logprobs is not None else []
             if len(entries) != len(delta.token_ids):  # a worker that does not know them (an older version)
-                logger.error("request %s: %d log probabilities for %d tokens", self.request_id, len(entries),
-                             len(delta.token_ids))
+                logger.error(
+                    "request %s: %d log probabilities for %d tokens",
+                    self.request_id,
+                    len(entries),
+                    len(delta.token_ids),
+                )
                 entries = [None] * len(delta.token_ids)
             self.logprobs.extend(entries[skip:])
         return new
@@ -139,9 +143,9 @@ class RequestHandle:
         self.token_times.append(now)
         text, used = self.detok.push(new)
         if used < len(new):  # a stop string completed inside these deltas: the later tokens are not output
-            del self.token_ids[index + used:]
+            del self.token_ids[index + used :]
             if self.logprobs is not None:
-                del self.logprobs[index + used:]
+                del self.logprobs[index + used :]
             new = new[:used]
         self.text.append(text)
         return Chunk(text, new, index, logprobs=None if self.logprobs is None else self.logprobs[index:])

@@ -24,9 +24,15 @@ if TYPE_CHECKING:
     from shared.events import Constraint
 
 
-async def accept_choices(core: GatewayCore, request: Request, body: GenerateRequest, n: int,
-                         default_max_tokens: int | None = None, extra_meta: dict | None = None,
-                         **output) -> Choices:
+async def accept_choices(
+    core: GatewayCore,
+    request: Request,
+    body: GenerateRequest,
+    n: int,
+    default_max_tokens: int | None = None,
+    extra_meta: dict | None = None,
+    **output,
+) -> Choices:
     """Create the n choices, the first first (its trace holds the others'); all or none (raises GatewayError).
     output: accept's constraint and tools, the same for every choice."""
     if n == 1:  # a group of one: no group id, no seed offset
@@ -39,8 +45,20 @@ async def accept_choices(core: GatewayCore, request: Request, body: GenerateRequ
             if i == 0:
                 meta["group_members"] = ids  # what a cancel of any choice reads (groups.members)
             tp = handles[0].trace.traceparent if handles else None
-            handles.append(await accept(core, request, choice_body(body, i), default_max_tokens, meta,
-                                        request_id=rid, group_id=ids[0], group_size=n, traceparent=tp, **output))
+            handles.append(
+                await accept(
+                    core,
+                    request,
+                    choice_body(body, i),
+                    default_max_tokens,
+                    meta,
+                    request_id=rid,
+                    group_id=ids[0],
+                    group_size=n,
+                    traceparent=tp,
+                    **output,
+                )
+            )
     except BaseException:
         for h in handles:  # refused whole: what was created is cancelled (in tasks: this may be a cancellation)
             core.abandon(h, SIBLING_FAILED)
@@ -48,9 +66,16 @@ async def accept_choices(core: GatewayCore, request: Request, body: GenerateRequ
     return Choices(handles)
 
 
-async def accept(core: GatewayCore, request: Request, body: GenerateRequest, default_max_tokens: int | None = None,
-                 extra_meta: dict | None = None, constraint: Constraint | None = None, tools: str = "",
-                 **choice) -> RequestHandle:
+async def accept(
+    core: GatewayCore,
+    request: Request,
+    body: GenerateRequest,
+    default_max_tokens: int | None = None,
+    extra_meta: dict | None = None,
+    constraint: Constraint | None = None,
+    tools: str = "",
+    **choice,
+) -> RequestHandle:
     """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). constraint and
     tools: what openai.structured_output.plan_chat decided (already checked). choice: a choice of an n > 1 request
     (accept_choices) gives its request_id, group_id, group_size and traceparent."""
@@ -59,18 +84,30 @@ async def accept(core: GatewayCore, request: Request, body: GenerateRequest, def
         raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
     vocab = len(core.tokenizer)  # the worker would refuse an id beyond it, as its own error (a 500)
     if any(t >= vocab for t in body.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids: every id must be below the vocabulary size {vocab}", "stop_token_ids",
-                             "token_id_out_of_range")
+        raise InvalidRequest(
+            f"stop_token_ids: every id must be below the vocabulary size {vocab}",
+            "stop_token_ids",
+            "token_id_out_of_range",
+        )
     limit = min(core.s.max_tokens_limit, core.max_len - 1) if core.max_len else core.s.max_tokens_limit
     max_tokens = body.max_tokens or min(default_max_tokens or core.s.default_max_tokens, limit)
     if max_tokens > limit:
-        raise InvalidRequest(f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens",
-                             "max_tokens_too_large")
+        raise InvalidRequest(
+            f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens", "max_tokens_too_large"
+        )
     if caller(request) and not is_admin(request) and body.priority < core.s.priority_floor:
         # An urgent priority is an entitlement: one key at -1000 would starve every other key until their timeouts.
         extra_meta = {**(extra_meta or {}), "priority_requested": body.priority}
         body = body.model_copy(update={"priority": core.s.priority_floor})
     traceparent = choice.pop("traceparent", None) or request.headers.get("traceparent", "")
-    return await core.submit(body, max_tokens, owner=caller(request), extra_meta=extra_meta,
-                             traceparent=traceparent, route=request.url.path, constraint=constraint, tools=tools,
-                             **choice)
+    return await core.submit(
+        body,
+        max_tokens,
+        owner=caller(request),
+        extra_meta=extra_meta,
+        traceparent=traceparent,
+        route=request.url.path,
+        constraint=constraint,
+        tools=tools,
+        **choice,
+    )

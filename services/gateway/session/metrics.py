@@ -22,6 +22,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+
         def h(name: str, doc: str) -> Histogram:
             return Histogram(f"conveyor:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
@@ -46,8 +47,13 @@ class GatewayMetrics:
         how = ending(end)
         for gap in (b - a for a, b in zip(token_times, token_times[1:])):
             self.itl.observe(gap)
-        for hist, key in ((self.ttft, "ttft"), (self.e2e, "e2e"), (self.queue, "queue_wait"),
-                          (self.prefill, "prefill_time"), (self.decode, "decode_time")):
+        for hist, key in (
+            (self.ttft, "ttft"),
+            (self.e2e, "e2e"),
+            (self.queue, "queue_wait"),
+            (self.prefill, "prefill_time"),
+            (self.decode, "decode_time"),
+        ):
             if m.get(key) is not None:
                 hist.observe(m[key])
         self.generation_tokens.inc(n_tokens)
@@ -76,7 +82,8 @@ async def cluster_figures(r, names: Names) -> dict:
     counts = [sum(c) for c in zip(*_chunks(await pipe.execute(), per))]
     total = sum(w.get("total_blocks", 0) for w in workers)
     return {
-        "waiting": counts[0], "states": dict(zip((s.value for s in LIVE_STATES), counts[1:])),
+        "waiting": counts[0],
+        "states": dict(zip((s.value for s in LIVE_STATES), counts[1:])),
         "running": sum(w.get("running", 0) for w in workers),
         "kv_usage": 1.0 - sum(w.get("free_blocks", 0) for w in workers) / total if total else 0.0,
         "preemptions": sum(w.get("preemptions", 0) for w in workers),
@@ -107,4 +114,4 @@ class _Snapshot:
 
 
 def _chunks(xs: list, n: int) -> list[list]:
-    return [xs[i:i + n] for i in range(0, len(xs), n)]
+    return [xs[i : i + n] for i in range(0, len(xs), n)]

@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from services.gateway.edge.errors import (GatewayError, InvalidRequest, Overloaded, RequestCancelled,
-                                          RequestFailed, RequestTimedOut, Unavailable)
+from services.gateway.edge.errors import (
+    GatewayError,
+    InvalidRequest,
+    Overloaded,
+    RequestCancelled,
+    RequestFailed,
+    RequestTimedOut,
+    Unavailable,
+)
 from shared.context_store import Snapshot
 from shared.events import AnyEvent, Cancelled, Completed, Failed, TimedOut
 from shared.lifecycle import State
@@ -46,23 +53,29 @@ class Outcome:
         return self.error is None
 
 
-OUTCOMES: Mapping[str, Outcome] = MappingProxyType({
-    "completed": Outcome(State.FINISHED, None, None, "success"),
-    "invalid": Outcome(State.FAILED, InvalidRequest, "error", "failure", partial=False),
-    "unavailable": Outcome(State.FAILED, Unavailable, "error", "failure"),
-    "overloaded": Outcome(State.FAILED, Overloaded, "error", "failure", partial=False, retry_after=True),
-    "failed": Outcome(State.FAILED, RequestFailed, "error", "failure"),
-    "timed_out": Outcome(State.TIMED_OUT, RequestTimedOut, "timeout", "timeouts", labelled=False),
-    "cancelled": Outcome(State.CANCELLED, RequestCancelled, "cancelled", "cancellations"),
-    # No ending reached the handle: the client left first (its handler cancels the request as it goes).
-    "client_gone": Outcome(State.CANCELLED, RequestCancelled, "cancelled", None),
-})
+OUTCOMES: Mapping[str, Outcome] = MappingProxyType(
+    {
+        "completed": Outcome(State.FINISHED, None, None, "success"),
+        "invalid": Outcome(State.FAILED, InvalidRequest, "error", "failure", partial=False),
+        "unavailable": Outcome(State.FAILED, Unavailable, "error", "failure"),
+        "overloaded": Outcome(State.FAILED, Overloaded, "error", "failure", partial=False, retry_after=True),
+        "failed": Outcome(State.FAILED, RequestFailed, "error", "failure"),
+        "timed_out": Outcome(State.TIMED_OUT, RequestTimedOut, "timeout", "timeouts", labelled=False),
+        "cancelled": Outcome(State.CANCELLED, RequestCancelled, "cancelled", "cancellations"),
+        # No ending reached the handle: the client left first (its handler cancels the request as it goes).
+        "client_gone": Outcome(State.CANCELLED, RequestCancelled, "cancelled", None),
+    }
+)
 # A failure's row by its reason (shared.events.Failed.reason); any other reason is "failed", a 500.
-FAILED_ROWS: Mapping[str, str] = MappingProxyType({
-    "invalid": "invalid", "too_long": "invalid",  # the input was refused: nothing ran
-    "worker_lost": "unavailable", "state_lost": "unavailable",  # the cluster lost it: send it again
-    "overloaded": "overloaded",  # refused by the scheduler before it could start
-})
+FAILED_ROWS: Mapping[str, str] = MappingProxyType(
+    {
+        "invalid": "invalid",
+        "too_long": "invalid",  # the input was refused: nothing ran
+        "worker_lost": "unavailable",
+        "state_lost": "unavailable",  # the cluster lost it: send it again
+        "overloaded": "overloaded",  # refused by the scheduler before it could start
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -80,14 +93,14 @@ class Ending:
         """What a native stream's last event says: the completion's finish_reason, or the kind of error."""
         return self.outcome.stream_finish or self.reason
 
-    def error(self, extra: dict | None = None, headers: dict | None = None,
-              retry_after_s: int = 0) -> GatewayError:
+    def error(self, extra: dict | None = None, headers: dict | None = None, retry_after_s: int = 0) -> GatewayError:
         """The client's error (raise it); extra: the output so far, kept when the row carries it."""
         assert self.outcome.error is not None, "a completion is no error"
         if self.outcome.retry_after:
             headers = {**(headers or {}), "Retry-After": str(retry_after_s)}
-        return self.outcome.error(self.message, self.param, self.reason,
-                                  extra=extra if self.outcome.partial else None, headers=headers)
+        return self.outcome.error(
+            self.message, self.param, self.reason, extra=extra if self.outcome.partial else None, headers=headers
+        )
 
 
 def ending(end: AnyEvent | None) -> Ending:
@@ -100,12 +113,17 @@ def ending(end: AnyEvent | None) -> Ending:
         return Ending(row, end.reason, end.message, end.message, param)
     if isinstance(end, TimedOut):
         where = end.state or end.service or "unknown"  # the state it timed out in, else who timed it out
-        return Ending(OUTCOMES["timed_out"], "timeout",
-                      f"the request did not finish within its timeout (it was {where})",
-                      f"timed out while {where}", "timeout")
+        return Ending(
+            OUTCOMES["timed_out"],
+            "timeout",
+            f"the request did not finish within its timeout (it was {where})",
+            f"timed out while {where}",
+            "timeout",
+        )
     if isinstance(end, Cancelled):
-        return Ending(OUTCOMES["cancelled"], end.reason, f"the request was cancelled ({end.reason})",
-                      f"cancelled ({end.reason})")
+        return Ending(
+            OUTCOMES["cancelled"], end.reason, f"the request was cancelled ({end.reason})", f"cancelled ({end.reason})"
+        )
     if end is None:
         return Ending(OUTCOMES["client_gone"], CLIENT_GONE, "the client went away", "the client went away")
     name = type(end).__name__  # a defect: no other event ends a request
@@ -120,15 +138,22 @@ def ending_from_context(rid: str, snap: Snapshot | None) -> AnyEvent | None:
     reason = str(meta.get("reason") or "")
     if snap.state == OUTCOMES["completed"].state:
         kv, inp, ex = snap.layers.get("kv", {}), snap.layers.get("input", {}), snap.layers.get("exec", {})
-        return Completed(request_id=rid, worker_id=str(ex.get("worker_id") or ""),
-                         finish_reason=str(out.get("finish_reason") or reason or "stop"),
-                         prompt_tokens=int(inp.get("prompt_tokens") or 0),
-                         output_tokens=int(out.get("output_tokens") or 0),
-                         cached_tokens=int(kv.get("cached_tokens") or 0),
-                         num_preemptions=int(out.get("num_preemptions") or 0))
+        return Completed(
+            request_id=rid,
+            worker_id=str(ex.get("worker_id") or ""),
+            finish_reason=str(out.get("finish_reason") or reason or "stop"),
+            prompt_tokens=int(inp.get("prompt_tokens") or 0),
+            output_tokens=int(out.get("output_tokens") or 0),
+            cached_tokens=int(kv.get("cached_tokens") or 0),
+            num_preemptions=int(out.get("num_preemptions") or 0),
+        )
     if snap.state == OUTCOMES["failed"].state:
-        return Failed(request_id=rid, reason=reason or "internal", service="gateway",
-                      message=str(meta.get("message") or f"the request failed ({reason or 'internal'})"))
+        return Failed(
+            request_id=rid,
+            reason=reason or "internal",
+            service="gateway",
+            message=str(meta.get("message") or f"the request failed ({reason or 'internal'})"),
+        )
     if snap.state == OUTCOMES["cancelled"].state:
         return Cancelled(request_id=rid, reason=reason or "client_cancel", service="gateway")
     history = snap.history

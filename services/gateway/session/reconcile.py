@@ -45,8 +45,9 @@ async def fill_gap(core, h) -> None:
                 logger.error("request %s: tokens %d..%d missing from its list too", h.request_id, start, end)
                 h.expected = end
             else:
-                logger.warning("request %s: %d tokens read from its list (their events never came)",
-                               h.request_id, len(raw))
+                logger.warning(
+                    "request %s: %d tokens read from its list (their events never came)", h.request_id, len(raw)
+                )
             h.release(TokenDelta(h.request_id, start, tuple(int(t) for t in raw)))
     finally:
         h.filling = False
@@ -66,8 +67,14 @@ async def _read_tokens(core, rid: str, start: int, end: int) -> list:
 
 async def repair_silent(core) -> None:
     read_to = core.replies_read_to
-    silent = sorted((h for h in core.handles.values() if h.exists and h.ended is None and not h.filling
-                     and read_to - h.last_event_at > SILENT_S), key=lambda h: h.last_event_at)[:MAX_PER_PASS]
+    silent = sorted(
+        (
+            h
+            for h in core.handles.values()
+            if h.exists and h.ended is None and not h.filling and read_to - h.last_event_at > SILENT_S
+        ),
+        key=lambda h: h.last_event_at,
+    )[:MAX_PER_PASS]
     if not silent:
         return
     pipe = core.r.pipeline(transaction=False)
@@ -85,13 +92,21 @@ async def repair_silent(core) -> None:
             h.hold(TokenDelta(h.request_id, length, ()))  # a marker delta at the list's end: fills up to it
             await fill_gap(core, h)
         if state is None:
-            h.deliver(Failed(request_id=h.request_id, reason="state_lost", service="gateway",
-                             message="the request's state is gone from Redis (lost in a failover, or expired); "
-                                     "send it again"))
+            h.deliver(
+                Failed(
+                    request_id=h.request_id,
+                    reason="state_lost",
+                    service="gateway",
+                    message="the request's state is gone from Redis (lost in a failover, or expired); send it again",
+                )
+            )
         elif ended:
             if (end := await _ending(core, h.request_id)) is not None:
-                logger.warning("request %s: settled as %s without its ending reaching this gateway; built from "
-                               "its context", h.request_id, state.decode())
+                logger.warning(
+                    "request %s: settled as %s without its ending reaching this gateway; built from its context",
+                    h.request_id,
+                    state.decode(),
+                )
                 h.deliver(end)
 
 

@@ -45,8 +45,9 @@ class ReplyReader:
 
     async def _read_replies_once(self) -> None:
         started = time.time()
-        reply = await self.loop_r.xreadgroup(GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ,
-                                             block=self.s.read_block_ms)
+        reply = await self.loop_r.xreadgroup(
+            GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ, block=self.s.read_block_ms
+        )
         self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -78,9 +79,15 @@ class ReplyReader:
         await self._ensure_group()
         await self.epoch.acheck(self.loop_r)
         for handle in [h for h in self.handles.values() if h.epoch != self.epoch.known]:
-            handle.deliver(Failed(request_id=handle.request_id, reason="state_lost", service="gateway",
-                                  message="Redis lost the request's state (a restart without persistence or a "
-                                          "flush) while it was in flight; send it again"))
+            handle.deliver(
+                Failed(
+                    request_id=handle.request_id,
+                    reason="state_lost",
+                    service="gateway",
+                    message="Redis lost the request's state (a restart without persistence or a "
+                    "flush) while it was in flight; send it again",
+                )
+            )
 
     def _route(self, fields: dict, entry_id: bytes | str = "") -> None:
         try:

@@ -33,8 +33,9 @@ def nesting(value: Any, limit: int = MAX_NESTING) -> int:
 def shallow(value: Any) -> Any:
     """A validator: the value, if it nests at most MAX_NESTING levels."""
     if nesting(value) > MAX_NESTING:
-        raise PydanticCustomError("too_deep", "nests deeper than {limit} levels; at most {limit} levels are accepted",
-                                  {"limit": MAX_NESTING})
+        raise PydanticCustomError(
+            "too_deep", "nests deeper than {limit} levels; at most {limit} levels are accepted", {"limit": MAX_NESTING}
+        )
     return value
 
 
@@ -62,10 +63,18 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from the logit of "
-                                    "every token already in the output (0 = off)")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's logit "
-                                     "once per time it is already in the output (0 = off)")
+    presence_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="OpenAI's: subtracted from the logit of every token already in the output (0 = off)",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="OpenAI's: subtracted from a token's logit once per time it is already in the output (0 = off)",
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
@@ -73,7 +82,11 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each output token's log probability "
-                                 "and its N most likely alternatives (null = none)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each output token's log probability and its N most likely alternatives (null = none)",
+    )
     stream: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")

@@ -40,11 +40,26 @@ async def finish_at_stop(core, handle: RequestHandle) -> Chunk | None:
     if not await _settle(core, handle):
         return None
     prompt_tokens, cached = await _prompt_counts(core, rid)
-    end = Completed(request_id=rid, worker_id="", finish_reason="stop", prompt_tokens=prompt_tokens,
-                    output_tokens=len(handle.token_ids), cached_tokens=cached, num_preemptions=0)
-    await core.store.update(core.r, rid, "output", {
-        "token_ids": handle.token_ids, "finish_reason": "stop", "stop_string": handle.stop_matched,
-        "output_tokens": len(handle.token_ids)})
+    end = Completed(
+        request_id=rid,
+        worker_id="",
+        finish_reason="stop",
+        prompt_tokens=prompt_tokens,
+        output_tokens=len(handle.token_ids),
+        cached_tokens=cached,
+        num_preemptions=0,
+    )
+    await core.store.update(
+        core.r,
+        rid,
+        "output",
+        {
+            "token_ids": handle.token_ids,
+            "finish_reason": "stop",
+            "stop_string": handle.stop_matched,
+            "output_tokens": len(handle.token_ids),
+        },
+    )
     return handle.finish(end)
 
 
@@ -58,11 +73,15 @@ async def _settle(core, handle: RequestHandle) -> bool:
             await asyncio.sleep(SETTLE_BACKOFF_S * (attempt + 1))
             continue
         if not res.applied:  # it ended on its own meanwhile (length, eos): nothing left to stop
-            logger.info("request %s matched a stop string but was already %s", rid,
-                        res.previous.value if res.previous else "gone")
+            logger.info(
+                "request %s matched a stop string but was already %s",
+                rid,
+                res.previous.value if res.previous else "gone",
+            )
         return True
-    logger.info("request %s matched a stop string while not decoding (preempted or moving): settled once it "
-                "decodes again", rid)
+    logger.info(
+        "request %s matched a stop string while not decoding (preempted or moving): settled once it decodes again", rid
+    )
     return False
 
 

@@ -36,20 +36,38 @@ def start_trace(rid: str, req, sampling, model: str, route: str, client_tp: str,
     t0_ns = time.time_ns()
     if not telemetry.enabled():
         sc = telemetry.parse(client_tp)
-        tp = f"00-{sc.trace_id:032x}-{os.urandom(8).hex()}-{int(sc.trace_flags):02x}" if sc is not None \
+        tp = (
+            f"00-{sc.trace_id:032x}-{os.urandom(8).hex()}-{int(sc.trace_flags):02x}"
+            if sc is not None
             else telemetry.new_traceparent()
+        )
         return RequestTrace(INVALID_SPAN, tp, INVALID_SPAN, tp, t0_ns, t0_perf)
     attrs = telemetry.genai_request_attrs("chat" if req.messages else "text_completion", model, sampling)
-    attrs.update({"conveyor.request_id": rid, "gen_ai.response.id": rid, "http.request.method": "POST",
-                  "http.route": route, "url.path": route, "conveyor.priority": req.priority,
-                  "conveyor.stream": bool(req.stream)})
+    attrs.update(
+        {
+            "conveyor.request_id": rid,
+            "gen_ai.response.id": rid,
+            "http.request.method": "POST",
+            "http.route": route,
+            "url.path": route,
+            "conveyor.priority": req.priority,
+            "conveyor.stream": bool(req.stream),
+        }
+    )
     if telemetry.capture_content():
-        attrs["gen_ai.prompt"] = req.prompt if req.prompt is not None else \
-            "\n".join(f"{m.role}: {m.content}" for m in req.messages or [])
-    root = telemetry.tracer().start_span(f"POST {route}", context=telemetry.context_from(client_tp),
-                                         kind=SpanKind.SERVER, start_time=t0_ns, attributes=attrs)
-    pub = telemetry.tracer().start_span("publish received", context=trace.set_span_in_context(root),
-                                        kind=SpanKind.PRODUCER)
+        attrs["gen_ai.prompt"] = (
+            req.prompt if req.prompt is not None else "\n".join(f"{m.role}: {m.content}" for m in req.messages or [])
+        )
+    root = telemetry.tracer().start_span(
+        f"POST {route}",
+        context=telemetry.context_from(client_tp),
+        kind=SpanKind.SERVER,
+        start_time=t0_ns,
+        attributes=attrs,
+    )
+    pub = telemetry.tracer().start_span(
+        "publish received", context=trace.set_span_in_context(root), kind=SpanKind.PRODUCER
+    )
     return RequestTrace(root, telemetry.traceparent_of(root), pub, telemetry.traceparent_of(pub), t0_ns, t0_perf)
 
 
@@ -81,8 +99,9 @@ def reply_processed(handle, ev, stream: str, group: str, consumer: str, entry_id
     attrs = telemetry.messaging_attrs("process", stream, group, eid, consumer)
     attrs.update({"conveyor.request_id": handle.request_id, "conveyor.event": type(ev).__struct_config__.tag})
     ctx = telemetry.context_from(ev.traceparent) or trace.set_span_in_context(rt.root)
-    telemetry.tracer().start_span(f"process {telemetry.short(stream)}", context=ctx, kind=SpanKind.CONSUMER,
-                                  attributes=attrs).end()
+    telemetry.tracer().start_span(
+        f"process {telemetry.short(stream)}", context=ctx, kind=SpanKind.CONSUMER, attributes=attrs
+    ).end()
 
 
 def active(handle):
@@ -103,11 +122,16 @@ def finish_trace(handle) -> None:
     if rt is None or not rt.root.is_recording():
         return
     end_ns = _wall(rt, handle.ended_at if handle.ended_at is not None else time.perf_counter())
-    stream = telemetry.tracer().start_span("stream", context=trace.set_span_in_context(rt.root),
-                                           start_time=rt.sent_ns or rt.t0_ns,
-                                           attributes={"conveyor.request_id": handle.request_id,
-                                                       "gen_ai.usage.output_tokens": len(handle.token_ids),
-                                                       "conveyor.deliveries": len(handle.token_times)})
+    stream = telemetry.tracer().start_span(
+        "stream",
+        context=trace.set_span_in_context(rt.root),
+        start_time=rt.sent_ns or rt.t0_ns,
+        attributes={
+            "conveyor.request_id": handle.request_id,
+            "gen_ai.usage.output_tokens": len(handle.token_ids),
+            "conveyor.deliveries": len(handle.token_times),
+        },
+    )
     if handle.first_token_at is not None:
         stream.add_event("first_token", timestamp=_wall(rt, handle.first_token_at))
     _outcome(rt.root, stream, handle)
@@ -123,10 +147,14 @@ def _outcome(root: Span, stream: Span, handle) -> None:
             root.set_attribute(f"conveyor.metrics.{k}", v)
     how = ending(end)
     if how.outcome.ok:
-        root.set_attributes({"gen_ai.response.finish_reasons": [how.reason],
-                             "gen_ai.usage.input_tokens": end.prompt_tokens,
-                             "conveyor.cached_tokens": end.cached_tokens,
-                             "http.response.status_code": how.outcome.status})
+        root.set_attributes(
+            {
+                "gen_ai.response.finish_reasons": [how.reason],
+                "gen_ai.usage.input_tokens": end.prompt_tokens,
+                "conveyor.cached_tokens": end.cached_tokens,
+                "http.response.status_code": how.outcome.status,
+            }
+        )
         if telemetry.capture_content():
             root.set_attribute("gen_ai.completion", handle.full_text)
         return

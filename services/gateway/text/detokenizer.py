@@ -25,23 +25,23 @@ class IncrementalDetokenizer:
     def push(self, token_ids) -> str:
         """Add tokens; return the newly complete text (possibly empty)."""
         self.ids.extend(token_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if new_text == prefix_text:
             # The new tokens decode to nothing (special tokens, skipped): forget them. Kept, they would stay in the
             # window, which only moves on with text, and every later push would decode them again: a long run
             # of them (a model repeating a special token) cost quadratic time on the gateway's event loop.
-            del self.ids[self.read_offset:]
+            del self.ids[self.read_offset :]
             return ""
         if len(new_text) < len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """The text still held back, less the replacement characters of an incomplete character at the very end.
         (A model emitting U+FFFD itself as its last character loses it too: the bytes cannot tell them apart.)"""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):].rstrip("\ufffd") if len(new_text) > len(prefix_text) else ""
+        return new_text[len(prefix_text) :].rstrip("\ufffd") if len(new_text) > len(prefix_text) else ""

@@ -31,8 +31,9 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the printable character each byte is written as, reversed."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -83,8 +84,9 @@ class TokenStrings:
         if self._special is None:
             tok = self.tok
             added = getattr(tok, "added_tokens_decoder", {}) or {}
-            self._special = frozenset(getattr(tok, "all_special_ids", ()) or ()) | \
-                {i for i, t in added.items() if getattr(t, "special", False)}
+            self._special = frozenset(getattr(tok, "all_special_ids", ()) or ()) | {
+                i for i, t in added.items() if getattr(t, "special", False)
+            }
             self._bytes_map = _byte_level_decoder() if _is_byte_level(tok) else {}
         return self._special
 
@@ -132,21 +134,36 @@ def native(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[To
     """/generate's shape: per token, its id, string, log probability and alternatives."""
     out = []
     for tid, e in zip(token_ids, entries):
-        out.append({"token_id": tid, "token": strings.text(tid), "logprob": clamp(e.logprob) if e else None,
-                    "top_logprobs": [{"token_id": i, "token": strings.text(i), "logprob": clamp(v)}
-                                     for i, v in zip(e.top_ids, e.top_logprobs)] if e else []})
+        out.append(
+            {
+                "token_id": tid,
+                "token": strings.text(tid),
+                "logprob": clamp(e.logprob) if e else None,
+                "top_logprobs": [
+                    {"token_id": i, "token": strings.text(i), "logprob": clamp(v)}
+                    for i, v in zip(e.top_ids, e.top_logprobs)
+                ]
+                if e
+                else [],
+            }
+        )
     return out
 
 
 def chat(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
     """OpenAI chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+
     def one(tid: int, value: float | None) -> dict:
         return {"token": strings.text(tid), "logprob": clamp(value), "bytes": strings.byte_list(tid)}
 
     content = []
     for tid, e in zip(token_ids, entries):
-        content.append({**one(tid, e.logprob if e else None),
-                        "top_logprobs": [one(i, v) for i, v in zip(e.top_ids, e.top_logprobs)] if e else []})
+        content.append(
+            {
+                **one(tid, e.logprob if e else None),
+                "top_logprobs": [one(i, v) for i, v in zip(e.top_ids, e.top_logprobs)] if e else [],
+            }
+        )
     return {"content": content, "refusal": None}
 
 

@@ -138,7 +138,7 @@ class _Writer:
         elif isinstance(value, dict):
             self.items(value.items(), self.value)
         elif isinstance(value, (list, tuple)) and len(value) > SLICE:  # plain values (token ids): in slices
-            self.array([self.dumps(list(value[i:i + SLICE])) for i in range(0, len(value), SLICE)])
+            self.array([self.dumps(list(value[i : i + SLICE])) for i in range(0, len(value), SLICE)])
         elif isinstance(value, (list, tuple)):
             self.out.append(b"[")
             for i, v in enumerate(value):

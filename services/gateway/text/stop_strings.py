@@ -66,10 +66,10 @@ class StopMatcher:
             done = [a.s for a in self._automata if a.step(c)]  # every automaton steps: their states stay right
             if done:
                 self.matched, self.held = max(done, key=len), ""  # ending here, the longest started first
-                return pending[:base + i + 1 - len(self.matched)]
+                return pending[: base + i + 1 - len(self.matched)]
         keep = max(a.state for a in self._automata)
-        self.held = pending[len(pending) - keep:] if keep else ""
-        return pending[:len(pending) - keep]
+        self.held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep]
 
     def flush(self) -> str:
         """At the end of the output: what was held back was no stop string after all."""

@@ -7,14 +7,38 @@ simulator (sim_runner.py). Importing this package does not import torch.
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.errors import (OOM, TOO_LONG, WORKER_ERROR, EngineError, EngineLoadError,
-                                           FatalEngineError, InvalidRequestError, RecoverableEngineError)
+from services.worker.engine.errors import (
+    OOM,
+    TOO_LONG,
+    WORKER_ERROR,
+    EngineError,
+    EngineLoadError,
+    FatalEngineError,
+    InvalidRequestError,
+    RecoverableEngineError,
+)
 from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult, TokenLogprobs
 from services.worker.engine.protocol import Engine, ModelRunner
 from services.worker.engine.request import EngineRequest, SamplingOptions, SequenceStatus
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineError", "EngineLoadError", "EngineRequest", "EngineStats", "FatalEngineError",
-    "InvalidRequestError", "LLMEngine", "ModelRunner", "OOM", "RecoverableEngineError", "RequestOutput",
-    "SamplingOptions", "SequenceStatus", "StepResult", "TOO_LONG", "TokenLogprobs", "WORKER_ERROR",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineLoadError",
+    "EngineRequest",
+    "EngineStats",
+    "FatalEngineError",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelRunner",
+    "OOM",
+    "RecoverableEngineError",
+    "RequestOutput",
+    "SamplingOptions",
+    "SequenceStatus",
+    "StepResult",
+    "TOO_LONG",
+    "TokenLogprobs",
+    "WORKER_ERROR",
 ]

@@ -64,8 +64,9 @@ class PagedAttentionMetadata:
     prefills: tuple[AttnGroup, ...] = ()
 
 
-def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
-            window: int | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float, window: int | None
+) -> torch.Tensor:
     """q [S, Q, H, D] -> [S, Q, H, D] attending to each sequence's cached K/V."""
     s, qlen, heads, dim = q.shape
     kvh = cache.num_kv_heads
@@ -73,8 +74,9 @@ def _attend(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, 
     # [S, Q, KVH, G, D] -> [S, KVH, G, Q, D] -> [S, KVH, G*Q, D]
     q = q.view(s, qlen, kvh, groups, dim).permute(0, 2, 3, 1, 4).reshape(s, kvh, groups * qlen, dim)
     k, v = cache.gather(layer, group.block_tables)  # [S, L, KVH, D]
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask_for(window),
-                                         scale=scaling)
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask_for(window), scale=scaling
+    )
     return out.view(s, kvh, groups, qlen, dim).permute(0, 3, 1, 2, 4).reshape(s, qlen, heads, dim)
 
 
@@ -83,25 +85,35 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     Why not _attend: no gather from the pool, and with is_causal (no explicit mask) SDPA skips the upper
     half of the product (a 512-token prefill's attention: 4.2 -> 2.9 ms a layer on the 2-core VM).
     Pad rows repeat a real row's q/k/v; a real row i only sees keys <= i, all real."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         scale=scaling, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
-def _decode_kernel(q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float,
-                   window: int | None) -> torch.Tensor:
+def _decode_kernel(
+    q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float, window: int | None
+) -> torch.Tensor:
     """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp); float32 arithmetic whatever the
     pool's dtype (like SDPA's on CPU for 16-bit inputs)."""
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     key, value = cache.layer_slots(layer)
-    torch.ops.conveyor.paged_decode(out, qf, key, value, group.block_tables, group.context_lens, cache.block_size,
-                                    scaling, window or 0)
+    torch.ops.conveyor.paged_decode(
+        out, qf, key, value, group.block_tables, group.context_lens, cache.block_size, scaling, window or 0
+    )
     return out.to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, layer: int,
-                    scaling: float, window: int | None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    layer: int,
+    scaling: float,
+    window: int | None,
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (rotary applied) -> [T, H, D]; writes k/v into the pool first."""
     meta.kv_cache.write(layer, meta.slot_mapping, k, v)
     parts = []
@@ -125,9 +137,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pag
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window: int | None = None, conveyor_attn: PagedAttentionMetadata | None = None,
-                            **kwargs):
+def paged_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window: int | None = None,
+    conveyor_attn: PagedAttentionMetadata | None = None,
+    **kwargs,
+):
     """transformers' attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
     if conveyor_attn is None:
         raise RuntimeError("conveyor_paged attention called without step metadata (use the engine's runner)")
@@ -135,8 +156,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     # Mistral/Qwen2-style models pass the window of sliding layers (None on full-attention layers)
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    out = paged_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), conveyor_attn, module.layer_idx,
-                          scale, window)
+    out = paged_attention(
+        q, key[0].transpose(0, 1), value[0].transpose(0, 1), conveyor_attn, module.layer_idx, scale, window
+    )
     return out.unsqueeze(0), None
 
 

@@ -53,5 +53,8 @@ class EngineConfig:
         if problems:
             raise EngineLoadError("invalid EngineConfig: " + "; ".join(problems))
         if self.max_num_batched_tokens < self.max_num_seqs:
-            logger.warning("max_num_batched_tokens (%d) < max_num_seqs (%d): some running sequences will skip "
-                           "steps", self.max_num_batched_tokens, self.max_num_seqs)
+            logger.warning(
+                "max_num_batched_tokens (%d) < max_num_seqs (%d): some running sequences will skip steps",
+                self.max_num_batched_tokens,
+                self.max_num_seqs,
+            )

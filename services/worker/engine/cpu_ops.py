@@ -59,13 +59,25 @@ def _build_and_load(cache_dir: str | None) -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         # cpp_extension runs `ninja` by name; a worker started as .venv/bin/python may lack that bin on PATH
         with this_pythons_bin_on_path():
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
-                               verbose=False)
-        ok = all(hasattr(torch.ops.conveyor, op) for op in ("paged_decode", "add_rms_norm", "rotary", "silu_mul", "sample_rows"))
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+        ok = all(
+            hasattr(torch.ops.conveyor, op)
+            for op in ("paged_decode", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
+        )
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
-        logger.warning("CPU kernels unavailable (%s: %s); paged attention gathers K/V in torch instead",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logger.warning(
+            "CPU kernels unavailable (%s: %s); paged attention gathers K/V in torch instead",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return False
     logger.info("CPU kernels loaded (%s)", name)
     return ok

@@ -35,8 +35,15 @@ Sampled = tuple[Sequence, int, TokenLogprobs | None]  # a sequence, its sampled 
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_ids: frozenset[int], vocab_size: int,
-                 context_len: int, structured: StructuredOutputs | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+        context_len: int,
+        structured: StructuredOutputs | None = None,
+    ):
         """runner computes the steps over its pool of runner.num_blocks KV blocks; vocab_size bounds valid
         token ids; context_len is the model's context window; structured: the grammar matchers of constrained
         requests (None: such requests are refused)."""
@@ -57,8 +64,13 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._prefill_s_per_token = 0.0
         self._decode_s_per_token = 0.0
-        logger.info("engine ready: %d KV blocks x %d tokens, max_len %d, eos %s", num_blocks,
-                    config.block_size, self.max_len, sorted(self.eos_token_ids))
+        logger.info(
+            "engine ready: %d KV blocks x %d tokens, max_len %d, eos %s",
+            num_blocks,
+            config.block_size,
+            self.max_len,
+            sorted(self.eos_token_ids),
+        )
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str, config: EngineConfig) -> LLMEngine:
@@ -67,8 +79,9 @@ class LLMEngine:
         device = resolve_device(config.device)
         model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
         engine = cls.from_model(model, config, eos_token_ids(model_dir, model))
-        engine.structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", engine.vocab_size,
-                                              engine.eos_token_ids)
+        engine.structured = StructuredOutputs(
+            Path(model_dir) / "tokenizer.json", engine.vocab_size, engine.eos_token_ids
+        )
         return engine
 
     @classmethod
@@ -93,11 +106,18 @@ class LLMEngine:
         seq = Sequence(req, next(self._arrivals), self.eos_token_ids)
         if seq.num_tokens >= self.max_len:
             seq.status = SequenceStatus.FAILED
-            self._pending.append(RequestOutput(
-                req.request_id, [], seq.num_emitted, finished=True, error_reason=TOO_LONG,
-                error=f"{seq.num_tokens} prompt+output tokens leave no room to generate: the limit is "
-                      f"{self.max_len} (context window {self._model_max_len}, KV pool "
-                      f"{self.blocks.num_blocks * self.blocks.block_size} tokens)"))
+            self._pending.append(
+                RequestOutput(
+                    req.request_id,
+                    [],
+                    seq.num_emitted,
+                    finished=True,
+                    error_reason=TOO_LONG,
+                    error=f"{seq.num_tokens} prompt+output tokens leave no room to generate: the limit is "
+                    f"{self.max_len} (context window {self._model_max_len}, KV pool "
+                    f"{self.blocks.num_blocks * self.blocks.block_size} tokens)",
+                )
+            )
             return
         done = self._already_done(seq)
         if done is not None:  # resumed with nothing left to generate
@@ -121,8 +141,9 @@ class LLMEngine:
         if seq.sampling.grammar is None:
             return
         if self.structured is None:
-            raise InvalidRequestError(f"request {seq.request_id!r} has an output constraint and this engine has no "
-                                      "tokenizer to compile it")
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} has an output constraint and this engine has no tokenizer to compile it"
+            )
         self.structured.attach(seq)
 
     def _validate(self, req: EngineRequest) -> None:
@@ -203,8 +224,7 @@ class LLMEngine:
             self.scheduler.register_computed_blocks(seq)
         return self._sample(logits, step.sample_seqs, result, masks)
 
-    def _sample(self, logits, seqs: list[Sequence], result: StepResult,
-                masks: MaskJob | None = None) -> list[Sampled]:
+    def _sample(self, logits, seqs: list[Sequence], result: StepResult, masks: MaskJob | None = None) -> list[Sampled]:
         if not seqs:
             return []
         allowed = None
@@ -225,8 +245,8 @@ class LLMEngine:
         out = []
         for i, seq in enumerate(seqs):
             try:
-                row = allowed[i:i + 1] if allowed is not None else None
-                tokens, logprobs = self.runner.sample(logits[i:i + 1], [seq], row)
+                row = allowed[i : i + 1] if allowed is not None else None
+                tokens, logprobs = self.runner.sample(logits[i : i + 1], [seq], row)
                 out.append((seq, tokens[0], logprobs[0] if logprobs else None))
             except Exception as e:
                 logger.exception("sampling failed for %s", seq.request_id)
@@ -249,9 +269,17 @@ class LLMEngine:
                 reason = "length"
             index = seq.num_emitted
             seq.num_emitted += 1
-            result.outputs.append(RequestOutput(seq.request_id, [token], index, reason is not None, reason,
-                                                num_cached_tokens=seq.num_cached_tokens,
-                                                logprobs=None if logprobs is None else [logprobs]))
+            result.outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [token],
+                    index,
+                    reason is not None,
+                    reason,
+                    num_cached_tokens=seq.num_cached_tokens,
+                    logprobs=None if logprobs is None else [logprobs],
+                )
+            )
             if reason is not None:
                 seq.finish_reason = reason
                 self._end(seq, SequenceStatus.FINISHED)
@@ -263,8 +291,9 @@ class LLMEngine:
         if seq.is_done:
             return
         seq.error_reason, seq.error = reason, message
-        result.outputs.append(RequestOutput(seq.request_id, [], seq.num_emitted, True, None, reason, message,
-                                            seq.num_cached_tokens))
+        result.outputs.append(
+            RequestOutput(seq.request_id, [], seq.num_emitted, True, None, reason, message, seq.num_cached_tokens)
+        )
         self._end(seq, SequenceStatus.FAILED)
 
     def _end(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -295,14 +324,22 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         b = self.blocks
         return EngineStats(
-            total_blocks=b.num_blocks, free_blocks=b.num_free_blocks, cached_blocks=b.num_cached_blocks,
-            block_size=b.block_size, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), max_num_seqs=self.config.max_num_seqs,
-            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=b.prefix_queries,
-            prefix_cache_hits=b.prefix_hits, prefill_s_per_token=self._prefill_s_per_token,
+            total_blocks=b.num_blocks,
+            free_blocks=b.num_free_blocks,
+            cached_blocks=b.num_cached_blocks,
+            block_size=b.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            max_num_seqs=self.config.max_num_seqs,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=b.prefix_queries,
+            prefix_cache_hits=b.prefix_hits,
+            prefill_s_per_token=self._prefill_s_per_token,
             decode_s_per_token=self._decode_s_per_token,
-            decode_tokens_left=sum(max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values()
-                                   if not s.is_done))
+            decode_tokens_left=sum(
+                max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values() if not s.is_done
+            ),
+        )
 
     def request_kv_info(self, request_id: str) -> tuple[int, int] | None:
         """(blocks held, prompt tokens served from the prefix cache); requests that ended in the

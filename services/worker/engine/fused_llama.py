@@ -35,14 +35,22 @@ def _fuse(parts: list[nn.Linear]) -> nn.Linear:
     fused = nn.Linear(w.shape[1], w.shape[0], bias=any(has_bias), device=w.device, dtype=w.dtype)
     fused.weight = nn.Parameter(w, requires_grad=False)
     if any(has_bias):
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
-                                             torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
-                                             for p in parts]), requires_grad=False)
+        fused.bias = nn.Parameter(
+            torch.cat(
+                [
+                    p.bias.detach()
+                    if p.bias is not None
+                    else torch.zeros(p.out_features, dtype=w.dtype, device=w.device)
+                    for p in parts
+                ]
+            ),
+            requires_grad=False,
+        )
     row = 0
     for p in parts:
-        p.weight = nn.Parameter(fused.weight[row:row + p.out_features], requires_grad=False)
+        p.weight = nn.Parameter(fused.weight[row : row + p.out_features], requires_grad=False)
         if p.bias is not None:
-            p.bias = nn.Parameter(fused.bias[row:row + p.out_features], requires_grad=False)
+            p.bias = nn.Parameter(fused.bias[row : row + p.out_features], requires_grad=False)
         row += p.out_features
     return fused
 
@@ -107,15 +115,23 @@ class FusedLlama:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.native_ops = False  # set by the runner once the CPU kernels are loaded (use_native_ops)
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
-            self.layers.append(FusedLayer(
-                i, _fuse([a.q_proj, a.k_proj, a.v_proj]), a.o_proj, _fuse([m.gate_proj, m.up_proj]), m.down_proj,
-                _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
-                _window(a, cfg)))
+            self.layers.append(
+                FusedLayer(
+                    i,
+                    _fuse([a.q_proj, a.k_proj, a.v_proj]),
+                    a.o_proj,
+                    _fuse([m.gate_proj, m.up_proj]),
+                    m.down_proj,
+                    _norm(layer.input_layernorm),
+                    _norm(layer.post_attention_layernorm),
+                    _window(a, cfg),
+                )
+            )
             self.scaling = getattr(a, "scaling", self.scaling)
 
     @classmethod
@@ -142,21 +158,23 @@ class FusedLlama:
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         return (qk * cos) + (rotated * sin)
 
-    def _layer(self, x: FusedLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               meta: PagedAttentionMetadata) -> torch.Tensor:
+    def _layer(
+        self, x: FusedLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x.qkv(rms_norm(h, x.norm1))
-        qk = self._rotate(qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
-        v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        qk = self._rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(qk[:, :nq], qk[:, nq:], v, meta, x.index, self.scaling, x.window)
         h = h + x.o(attn.reshape(t, nq * d))
         gate, up = x.gate_up(rms_norm(h, x.norm2)).chunk(2, dim=-1)
         return h + x.down(F.silu(gate) * up)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
-                logits_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids/positions [T] -> logits [N, V] of the packed rows `logits_rows`."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
@@ -168,8 +186,9 @@ class FusedLlama:
                 h = self._layer(x, h, cos, sin, meta)
         return self.lm_head(rms_norm(h[logits_rows], self.final_norm))
 
-    def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       meta: PagedAttentionMetadata) -> torch.Tensor:
+    def _native_layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
         """The layers through csrc/layer_ops.cpp: h is the residual stream (updated in place); each residual add
         is fused with the RMSNorm after it (the next layer's input norm included); cos/sin [T, D]."""
         ops = torch.ops.conveyor
@@ -179,10 +198,11 @@ class FusedLlama:
         ops.add_rms_norm(normed, h, None, *self.layers[0].norm1)
         for i, x in enumerate(self.layers):
             qkv = x.qkv(normed)
-            qk = qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d)
+            qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
             ops.rotary(qk, cos, sin)
-            attn = paged_attention(qk[:, :nq], qk[:, nq:], qkv[:, (nq + nkv) * d:].view(t, nkv, d), meta, x.index,
-                                   self.scaling, x.window)
+            attn = paged_attention(
+                qk[:, :nq], qk[:, nq:], qkv[:, (nq + nkv) * d :].view(t, nkv, d), meta, x.index, self.scaling, x.window
+            )
             ops.add_rms_norm(normed, h, x.o(attn.reshape(t, nq * d)), *x.norm2)
             gate_up = x.gate_up(normed)
             act = gate_up.new_empty(t, gate_up.shape[1] // 2)

@@ -99,8 +99,9 @@ def cpu_name() -> str:
 
 
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int) -> str:
-    return "|".join(map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), dtype, out_features,
-                              in_features, buckets)))
+    return "|".join(
+        map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets))
+    )
 
 
 def _usable(name: str, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> bool:
@@ -133,8 +134,10 @@ def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, .
     plans: dict[str, list[str]] = {k: [] for k in names}
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
-        xs = {m.in_features: torch.randn(2 ** i, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-              for m, _ in live}
+        xs = {
+            m.in_features: torch.randn(2**i, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+            for m, _ in live
+        }
         best: dict[tuple[str, str], float] = {}
         for rep in range(1 + _REPS):
             for n in KERNELS:
@@ -148,8 +151,13 @@ def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, .
     return {k: tuple(v) for k, v in plans.items()}
 
 
-def _timed_pass(name: str, live: list[tuple[nn.Linear, str]], names: dict[str, list[str]],
-                xs: dict[int, torch.Tensor], packs: dict[int, torch.Tensor | None]) -> dict[str, float]:
+def _timed_pass(
+    name: str,
+    live: list[tuple[nn.Linear, str]],
+    names: dict[str, list[str]],
+    xs: dict[int, torch.Tensor],
+    packs: dict[int, torch.Tensor | None],
+) -> dict[str, float]:
     sums: dict[str, float] = {}
     for m, k in live:
         if name not in names[k]:
@@ -180,8 +188,11 @@ class PlanStore:
         if self.path is None or not self.path.exists():
             return
         try:
-            self._disk = {k: v for k, v in json.loads(self.path.read_text()).items()
-                          if isinstance(v, list) and v and all(n in KERNELS for n in v)}
+            self._disk = {
+                k: v
+                for k, v in json.loads(self.path.read_text()).items()
+                if isinstance(v, list) and v and all(n in KERNELS for n in v)
+            }
         except (OSError, ValueError, TypeError, AttributeError) as e:
             logger.warning("ignoring unreadable GEMM plan file %s: %s", self.path, e)
 
@@ -225,8 +236,7 @@ class PlanStore:
                 json.dump(self._disk, f, indent=0)
             os.replace(tmp, self.path)  # atomic: concurrent workers never read half a file
         except OSError as e:
-            logger.warning("cannot save the GEMM plan to %s (it will be measured again next start): %s",
-                           self.path, e)
+            logger.warning("cannot save the GEMM plan to %s (it will be measured again next start): %s", self.path, e)
 
 
 def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -239,8 +249,9 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def tune_linears(layers: list[nn.Linear], head: nn.Linear | None, max_rows: int, max_head_rows: int,
-                 cache_dir: Path | str | None) -> int:
+def tune_linears(
+    layers: list[nn.Linear], head: nn.Linear | None, max_rows: int, max_head_rows: int, cache_dir: Path | str | None
+) -> int:
     """Give each of `layers` (plain nn.Linear) a measured kernel plan; returns how many use more than `linear`.
 
     max_rows: most rows a layer sees in one step (the step's token budget); max_head_rows: most rows
@@ -262,8 +273,12 @@ def tune_linears(layers: list[nn.Linear], head: nn.Linear | None, max_rows: int,
         packed_bytes += module.weight.nbytes if "packed" in plan else 0
         module.forward = types.MethodType(_planned_forward, module)
         mixed += any(n != "linear" for n in plan)
-    logger.info("GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; packed weight copies "
-                "%.1f MiB", mixed, len(targets), packed_bytes / 2**20)
+    logger.info(
+        "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; packed weight copies %.1f MiB",
+        mixed,
+        len(targets),
+        packed_bytes / 2**20,
+    )
     return mixed
 
 

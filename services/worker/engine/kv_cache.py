@@ -51,8 +51,14 @@ class PagedKVCache:
         self.value = torch.zeros(shape, dtype=dtype, device=device)
         self._flat_key = self.key.view(layers, num_blocks * block_size, kv_heads, head_dim)
         self._flat_value = self.value.view(layers, num_blocks * block_size, kv_heads, head_dim)
-        logger.info("KV pool: %d blocks x %d tokens, %d layers, %.1f MiB on %s", num_blocks, block_size, layers,
-                    2 * self.key.numel() * self.key.element_size() / 2**20, device)
+        logger.info(
+            "KV pool: %d blocks x %d tokens, %d layers, %.1f MiB on %s",
+            num_blocks,
+            block_size,
+            layers,
+            2 * self.key.numel() * self.key.element_size() / 2**20,
+            device,
+        )
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """slots [T] long; key/value [T, KVH, D]."""

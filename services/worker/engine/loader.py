@@ -82,8 +82,12 @@ def kv_pool_blocks(config: EngineConfig, model, device: torch.device) -> int:
     else:
         budget = config.kv_cache_bytes
     n = num_blocks_for_budget(model.config, config.block_size, dtype, budget)
-    logger.info("KV budget %.1f MiB -> %d blocks of %d bytes", budget / 2**20, n,
-                bytes_per_block(model.config, config.block_size, dtype))
+    logger.info(
+        "KV budget %.1f MiB -> %d blocks of %d bytes",
+        budget / 2**20,
+        n,
+        bytes_per_block(model.config, config.block_size, dtype),
+    )
     return n
 
 

@@ -39,8 +39,14 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, device: torch.device, fused: FusedLlama | None = None,
-                 decode_kernel: bool = False):
+    def __init__(
+        self,
+        model,
+        kv_cache: PagedKVCache,
+        device: torch.device,
+        fused: FusedLlama | None = None,
+        decode_kernel: bool = False,
+    ):
         """fused: the engine's own forward for this model (else transformers' modules); decode_kernel: decode
         attention through the CPU kernel (cpu_ops.py) instead of gather + SDPA."""
         self.model = model
@@ -70,9 +76,14 @@ class ModelRunner:
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
-        logger.info("torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s", device, model.dtype,
-                    num_blocks, ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
-                    "CPU kernel" if kernel else "gather + SDPA")
+        logger.info(
+            "torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s",
+            device,
+            model.dtype,
+            num_blocks,
+            ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
+            "CPU kernel" if kernel else "gather + SDPA",
+        )
         return cls(model, kv_cache, device, fused, kernel)
 
     def init_sequence(self, seq: Sequence) -> None:
@@ -87,8 +98,9 @@ class ModelRunner:
             gen.manual_seed(seq.sampling.seed)
         seq.generator = gen
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               allowed=None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], allowed=None
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         return sample(logits, seqs, native=self.decode_kernel, allowed=allowed)
 
     def is_out_of_memory(self, error: BaseException) -> bool:
@@ -129,7 +141,7 @@ class ModelRunner:
         tokens, positions, slots, tables, starts, lens = [], [], [], [], [], []
         for seq, n in items:
             start = seq.num_computed_tokens
-            tokens.extend(seq.token_ids[start:start + n])
+            tokens.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -148,8 +160,12 @@ class ModelRunner:
         mask = (self._iota(bt.shape[1] * bs)[None, None, :] <= rows_pos[:, :, None]).unsqueeze(1)
         out_index = valid.reshape(-1).nonzero().squeeze(1)
         causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
-        return (AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal, num_rows=len(tokens)), tokens,
-                positions, slots)
+        return (
+            AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal, num_rows=len(tokens)),
+            tokens,
+            positions,
+            slots,
+        )
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
         """items: (sequence, number of tokens to compute from its num_computed_tokens)."""
@@ -158,8 +174,7 @@ class ModelRunner:
         resumed = [it for it in items if it[1] > 1 and it[0].num_computed_tokens > 0]
         tokens, positions, slots = [], [], []
         groups: list[AttnGroup | None] = []
-        for part, build in ((decode, self._decode_group), (fresh, self._prefill_group),
-                            (resumed, self._prefill_group)):
+        for part, build in ((decode, self._decode_group), (fresh, self._prefill_group), (resumed, self._prefill_group)):
             if not part:
                 groups.append(None)
                 continue
@@ -175,11 +190,20 @@ class ModelRunner:
                 rows.append(row - 1)
                 sample_seqs.append(seq)
         dev = self.device
-        meta = PagedAttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev),
-                                      len(decode), groups[0], tuple(g for g in groups[1:] if g is not None))
-        return PreparedStep(torch.tensor([tokens], dtype=torch.long, device=dev),
-                            torch.tensor([positions], dtype=torch.long, device=dev),
-                            torch.tensor(rows, dtype=torch.long, device=dev), sample_seqs, meta)
+        meta = PagedAttentionMetadata(
+            self.kv_cache,
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            len(decode),
+            groups[0],
+            tuple(g for g in groups[1:] if g is not None),
+        )
+        return PreparedStep(
+            torch.tensor([tokens], dtype=torch.long, device=dev),
+            torch.tensor([positions], dtype=torch.long, device=dev),
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            sample_seqs,
+            meta,
+        )
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> tuple[torch.Tensor, float]:
@@ -188,8 +212,13 @@ class ModelRunner:
         if self.fused is not None:
             logits = self.fused.forward(step.input_ids[0], step.positions[0], step.meta, step.logits_rows)
         else:
-            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, logits_to_keep=step.logits_rows,
-                                use_cache=False, conveyor_attn=step.meta).logits[0]
+            logits = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.positions,
+                logits_to_keep=step.logits_rows,
+                use_cache=False,
+                conveyor_attn=step.meta,
+            ).logits[0]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the measured time is the device's, not the launch's
         return logits, time.perf_counter() - t0

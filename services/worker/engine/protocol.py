@@ -65,8 +65,9 @@ class ModelRunner(Protocol):
     def forward(self, step: Any) -> tuple[Seq[Any], float]:
         """-> (one row of scores per step.sample_seqs, sliceable by row; seconds the compute took)."""
 
-    def sample(self, rows: Seq[Any], seqs: list[Sequence],
-               allowed: Any = None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    def sample(
+        self, rows: Seq[Any], seqs: list[Sequence], allowed: Any = None
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Next token of each sequence from its row (honouring its SamplingOptions), and the TokenLogprobs of
         each whose request asked for them (None for the others; None alone when none asked). allowed: None, or
         the tokens each row may take (structured.py's bitmask, a numpy int32 array [rows, ceil(vocab / 32)])."""

@@ -100,10 +100,28 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """The engine's mutable state of one request. Owned by the scheduler; never shared."""
 
-    __slots__ = ("request_id", "sampling", "priority", "arrival", "token_ids", "num_prompt_tokens",
-                 "num_emitted", "status", "block_table", "block_hashes", "num_computed_tokens",
-                 "num_cached_tokens", "num_registered_blocks", "generator", "finish_reason",
-                 "error_reason", "error", "stop_ids", "group_id", "grammar")
+    __slots__ = (
+        "request_id",
+        "sampling",
+        "priority",
+        "arrival",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_emitted",
+        "status",
+        "block_table",
+        "block_hashes",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_registered_blocks",
+        "generator",
+        "finish_reason",
+        "error_reason",
+        "error",
+        "stop_ids",
+        "group_id",
+        "grammar",
+    )
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
@@ -141,7 +159,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def importance_key(self) -> tuple[int, int]:

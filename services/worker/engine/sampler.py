@@ -22,8 +22,11 @@ from services.worker.engine.request import Sequence
 
 def _needs_penalty(seq: Sequence) -> bool:
     o = seq.sampling
-    return (o.repetition_penalty != 1.0 or seq.num_outputs < o.min_tokens
-            or (seq.num_outputs > 0 and (o.frequency_penalty != 0.0 or o.presence_penalty != 0.0)))
+    return (
+        o.repetition_penalty != 1.0
+        or seq.num_outputs < o.min_tokens
+        or (seq.num_outputs > 0 and (o.frequency_penalty != 0.0 or o.presence_penalty != 0.0))
+    )
 
 
 def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -109,7 +112,7 @@ def _allow_only(logits: torch.Tensor, allowed) -> torch.Tensor:
     word w = token 32w + j; structured.py) does not allow."""
     words = torch.from_numpy(allowed).to(logits.device)
     bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
-    ok = bits.flatten(1)[:, :logits.shape[1]].bool()
+    ok = bits.flatten(1)[:, : logits.shape[1]].bool()
     return logits.masked_fill(~ok, float("-inf"))
 
 
@@ -130,13 +133,14 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> 
     out: list[TokenLogprobs | None] = [None] * len(seqs)
     for r, i in enumerate(rows):
         n = seqs[i].sampling.logprobs
-        out[i] = TokenLogprobs(values[r][0], tuple(ids[r][:n]), tuple(values[r][1:n + 1]))
+        out[i] = TokenLogprobs(values[r][0], tuple(ids[r][:n]), tuple(values[r][1 : n + 1]))
     return out
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], native: bool = False,
-           allowed=None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], native: bool = False, allowed=None
+) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """logits [N, V] (any float dtype) for seqs (len N) -> (next token of each, and per row its TokenLogprobs
     where the request asked for them, else None; None alone when no row asked: nothing extra is computed).
     native: see _draw; allowed: see _allow_only (None = no row is constrained). A constrained row's log

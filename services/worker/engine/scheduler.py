@@ -159,8 +159,9 @@ class Scheduler:
     @staticmethod
     def _note_prefill(seq: Sequence, computing: dict[str, int]) -> None:
         if seq.group_id and seq.num_computed_tokens < seq.num_prompt_tokens:
-            computing[seq.group_id] = min(computing.get(seq.group_id, seq.num_registered_blocks),
-                                          seq.num_registered_blocks)
+            computing[seq.group_id] = min(
+                computing.get(seq.group_id, seq.num_registered_blocks), seq.num_registered_blocks
+            )
 
     def _held(self, seq: Sequence, computing: dict[str, int]) -> bool:
         """Whether a running sibling (same group: the choices of one n > 1 request, one prompt) is still computing

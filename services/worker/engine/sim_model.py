@@ -31,8 +31,12 @@ class SimTiming:
     speedup: float = 1.0
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
-        t = (self.step_overhead_s + self.prefill_s_per_token * prefill_tokens
-             + self.decode_s_per_seq * decode_seqs + self.decode_s_per_kv_token * kv_tokens)
+        t = (
+            self.step_overhead_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.decode_s_per_seq * decode_seqs
+            + self.decode_s_per_kv_token * kv_tokens
+        )
         return t / self.speedup
 
 
@@ -45,8 +49,9 @@ class SimVocab:
     eos_token_ids: frozenset[int]
     words: tuple[int, ...]  # what the simulator emits: plain words (" the", " river"), never special tokens
 
-    def next_token(self, key: bytes, index: int, stop_ids: frozenset[int], may_stop: bool,
-                   eos_probability: float) -> int:
+    def next_token(
+        self, key: bytes, index: int, stop_ids: frozenset[int], may_stop: bool, eos_probability: float
+    ) -> int:
         """Output token `index` of the sequence keyed by (prompt, seed): the same whatever the batch, the
         worker or the step it is computed on. A stop id is never chosen before may_stop (min_tokens)."""
         pick, draw = _hash(key, index)
@@ -68,8 +73,16 @@ class SimVocab:
                     break
         return out
 
-    def logprobs(self, key: bytes, index: int, token: int, stop_ids: frozenset[int], may_stop: bool,
-                 eos_probability: float, k: int) -> tuple[float, tuple[int, ...], tuple[float, ...]]:
+    def logprobs(
+        self,
+        key: bytes,
+        index: int,
+        token: int,
+        stop_ids: frozenset[int],
+        may_stop: bool,
+        eos_probability: float,
+        k: int,
+    ) -> tuple[float, tuple[int, ...], tuple[float, ...]]:
         """Synthetic log probabilities of output `index` (no model computes them): the simulator's stand-in
         distribution gives EOS eos_probability where EOS may end the output, and the words next_token tries,
         in its order, (1 - that) times 1/2, 1/4, 1/8, ... (the first is what it emits unless it emits EOS).
@@ -90,7 +103,7 @@ class SimVocab:
 def _hash(key: bytes, index: int) -> tuple[int, float]:
     """(which word, a uniform draw) for output `index` of the sequence keyed by key."""
     h = hashlib.blake2b(key + index.to_bytes(8, "little"), digest_size=16).digest()
-    return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little") / 2.0 ** 64
+    return int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little") / 2.0**64
 
 
 def _log(p: float) -> float:
@@ -126,8 +139,9 @@ def load_vocab(model_dir: Path) -> SimVocab:
     ids = [i for i in range(min(vocab_size, tok.get_vocab_size())) if i not in special]
     texts = tok.decode_batch([[i] for i in ids])
     words = [i for i, s in zip(ids, texts) if len(s) >= 3 and s[0] == " " and s[1:].isascii() and s[1:].isalpha()]
-    return SimVocab(vocab_size, info.max_len, frozenset(info.eos_token_ids),
-                    tuple(words if len(words) >= _MIN_WORDS else ids))
+    return SimVocab(
+        vocab_size, info.max_len, frozenset(info.eos_token_ids), tuple(words if len(words) >= _MIN_WORDS else ids)
+    )
 
 
 def kv_pool_blocks(model_dir: Path, config: EngineConfig) -> int:

@@ -46,8 +46,15 @@ class SimStep:
 
 
 class SimRunner:
-    def __init__(self, timing: SimTiming, vocab: SimVocab, num_blocks: int, eos_probability: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep, step_log: TextIO | None = None):
+    def __init__(
+        self,
+        timing: SimTiming,
+        vocab: SimVocab,
+        num_blocks: int,
+        eos_probability: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+        step_log: TextIO | None = None,
+    ):
         self.timing = timing
         self.vocab = vocab
         self.num_blocks = num_blocks
@@ -59,7 +66,7 @@ class SimRunner:
         # Greedy ignores the seed, as the real sampler does; a sampled request without one gets a random one.
         opts = seq.sampling
         seed = 0 if opts.greedy else (opts.seed if opts.seed is not None else random.getrandbits(63))
-        seq.generator = sequence_key(seq.token_ids[:seq.num_prompt_tokens], seed)
+        seq.generator = sequence_key(seq.token_ids[: seq.num_prompt_tokens], seed)
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> SimStep:
         step = SimStep()
@@ -78,28 +85,49 @@ class SimRunner:
         modelled = self.timing.step_time(step.prefill_tokens, step.decode_seqs, step.kv_tokens)
         self._sleep(modelled)
         if self.step_log is not None:
-            self.step_log.write(f"{time.time():.6f} {modelled:.6f} {step.prefill_tokens} {step.decode_seqs} "
-                                f"{step.kv_tokens} {len(step.sample_seqs)}\n")
+            self.step_log.write(
+                f"{time.time():.6f} {modelled:.6f} {step.prefill_tokens} {step.decode_seqs} "
+                f"{step.kv_tokens} {len(step.sample_seqs)}\n"
+            )
         return [None] * len(step.sample_seqs), modelled
 
-    def sample(self, rows: list[None], seqs: list[Sequence],
-               allowed: np.ndarray | None = None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    def sample(
+        self, rows: list[None], seqs: list[Sequence], allowed: np.ndarray | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Each sequence's next word (a constrained one keeps to its grammar: _constrained); where a request asks
         for log probabilities, synthetic ones of the simulator's stand-in distribution (SimVocab.logprobs).
         Penalties, temperature and the top-k/top-p/min-p filters do not change what the simulator emits (seeds
         and min_tokens do)."""
         tokens = []
         for i, seq in enumerate(seqs):
-            token = self.vocab.next_token(seq.generator, seq.num_outputs, seq.stop_ids,
-                                          seq.num_outputs >= seq.sampling.min_tokens, self.eos_probability)
+            token = self.vocab.next_token(
+                seq.generator,
+                seq.num_outputs,
+                seq.stop_ids,
+                seq.num_outputs >= seq.sampling.min_tokens,
+                self.eos_probability,
+            )
             if allowed is not None and seq.grammar is not None:
                 token = self._constrained(token, allowed[i], seq)
             tokens.append(token)
         if all(seq.sampling.logprobs is None for seq in seqs):
             return tokens, None
-        return tokens, [None if seq.sampling.logprobs is None else TokenLogprobs(*self.vocab.logprobs(
-            seq.generator, seq.num_outputs, token, seq.stop_ids, seq.num_outputs >= seq.sampling.min_tokens,
-            self.eos_probability, seq.sampling.logprobs)) for seq, token in zip(seqs, tokens)]
+        return tokens, [
+            None
+            if seq.sampling.logprobs is None
+            else TokenLogprobs(
+                *self.vocab.logprobs(
+                    seq.generator,
+                    seq.num_outputs,
+                    token,
+                    seq.stop_ids,
+                    seq.num_outputs >= seq.sampling.min_tokens,
+                    self.eos_probability,
+                    seq.sampling.logprobs,
+                )
+            )
+            for seq, token in zip(seqs, tokens)
+        ]
 
     def _constrained(self, token: int, row: np.ndarray, seq: Sequence) -> int:
         """A constrained sequence keeps to its grammar: EOS as soon as the grammar may end, else the word it would
@@ -133,13 +161,16 @@ def open_step_log(folder: str) -> TextIO | None:
     return open(Path(folder) / f"sim-steps-{os.getpid()}.log", "a", buffering=1)
 
 
-def build_sim_engine(model_dir: Path | str, config: EngineConfig, timing: SimTiming,
-                     eos_probability: float = 0.0, step_log_dir: str = "") -> LLMEngine:
+def build_sim_engine(
+    model_dir: Path | str, config: EngineConfig, timing: SimTiming, eos_probability: float = 0.0, step_log_dir: str = ""
+) -> LLMEngine:
     """An LLMEngine whose steps are simulated: reads the model folder's config and tokenizer, no weights."""
     vocab = load_vocab(Path(model_dir))
-    runner = SimRunner(timing, vocab, kv_pool_blocks(Path(model_dir), config), eos_probability,
-                       step_log=open_step_log(step_log_dir))
-    logger.info("simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words),
-                eos_probability)
+    runner = SimRunner(
+        timing, vocab, kv_pool_blocks(Path(model_dir), config), eos_probability, step_log=open_step_log(step_log_dir)
+    )
+    logger.info(
+        "simulated runner: %s, %d words to emit, EOS probability %.3f", timing, len(vocab.words), eos_probability
+    )
     structured = StructuredOutputs(Path(model_dir) / "tokenizer.json", vocab.vocab_size, vocab.eos_token_ids)
     return LLMEngine(runner, config, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len, structured)

@@ -101,8 +101,9 @@ class StructuredOutputs:
         m = self._template(g).deep_copy()
         for i, token in enumerate(seq.output_token_ids):
             if not m.consume_token(token) or m.is_error():
-                raise InvalidRequestError(f"output token {i} ({token}) of the resumed request does not fit its "
-                                          f"constraint: {m.get_error()}")
+                raise InvalidRequestError(
+                    f"output token {i} ({token}) of the resumed request does not fit its constraint: {m.get_error()}"
+                )
         seq.grammar = m
 
     @staticmethod
