@@ -86,7 +86,7 @@ async def level(cluster: ConveyorUp, r: redis.Redis, k: int, window: float) -> d
 
 def browser_window(url: str, window: float, screenshot: str) -> dict:
     """Chromium on the page: time to the first full table, and the longest main-thread task while it updates."""
-    from tests.browser import headless_page, unavailable_reason
+    from tests.support.browser import headless_page, unavailable_reason
 
     if reason := unavailable_reason():
         return {"skipped": reason}

@@ -4,7 +4,7 @@ One run starts, in turn (--order, by default single, cluster, cluster, single: e
 drift of the shared machine's load shows as a difference between a setup's two runs, not as a difference
 between the setups), a fresh `conveyor up --engine sim --workers 4` (benchmarks/control_plane.py's settings):
 - single: on the redis-server `conveyor up` starts itself (appendonly yes), as today;
-- cluster: on a LocalRedisCluster (tests/redis_cluster.py: 3 masters + 1 replica each, on loopback), with
+- cluster: on a LocalRedisCluster (tests/support/redis_cluster.py: 3 masters + 1 replica each, on loopback), with
   `--redis-cluster` (16 partitions), every node set to appendonly yes as the single one is (docs/deploy.md).
 Each run measures first an idle window (the services' polling alone: commands/s and CPU with no request), then
 the levels of benchmarks/control_plane.py (N client loops streaming greedy requests, every stream checked).
@@ -38,7 +38,7 @@ from benchmarks import control_plane_measure as m
 from benchmarks.common import ROOT, ConveyorUp, log_summary, raise_fd_limit, stamp, write_json
 from shared.constants import CLUSTER_PARTITIONS, Names
 from shared.settings import CommonSettings
-from tests.redis_cluster import LocalRedisCluster
+from tests.support.redis_cluster import LocalRedisCluster
 
 SERVICES = ["gateway", "tokenizer", "scheduler", "worker"]
 

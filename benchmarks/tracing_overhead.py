@@ -1,7 +1,7 @@
 """Tracing overhead: cluster throughput at 16 concurrent requests, tracing exported vs off, in one run.
 
 Two local clusters run side by side (one worker each): one exports every span over OTLP/HTTP to a
-real receiver (tests/otlp_receiver.py, in a process of its own, decoding every export), the other
+real receiver (tests/support/otlp_receiver.py, in a process of its own, decoding every export), the other
 has no endpoint (the no-op tracer). Rounds alternate between them (A B B A ...), so drift of a shared
 machine hits both alike; each round sends `--requests` greedy requests (ignore_eos, `--max-tokens` each)
 with 16 in flight.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.cluster import Cluster
-from tests.conftest import CACHE_DIR
-from tests.otlp_receiver import OtlpReceiver
+from tests.support.cluster import Cluster
+from tests.support.cache import CACHE_DIR
+from tests.support.otlp_receiver import OtlpReceiver
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",
            "List three fruits.", "Why is the sky blue?", "Tell me a fun fact about octopuses.",

@@ -1,4 +1,13 @@
-"""Fixtures shared by the whole suite: the real model folder, real Redis servers."""
+"""Fixtures shared by the whole suite: the real model folder and its tokenizer, real Redis servers, clusters of real
+service processes, the engine's model and references. Helpers the tests import are in tests/support/.
+
+The suite is in tiers, one folder each, marked from here (`-m unit`, `-m "unit or redis"`, ...):
+  unit/     pure: no Redis, no process (the model's tokenizer may be loaded)
+  redis/    a real redis-server (or Redis Cluster) of the test's own, services' code run in the test's process
+  e2e/      real service processes, the real model's weights, clusters over HTTP
+  browser/  a headless Chromium against a cluster
+  docker/   compose on a Docker engine: `make test-docker` only
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,54 @@ from pathlib import Path
 import pytest
 
 from shared.model_files import resolve_model_dir
+from tests.support.cache import CACHE_DIR
 
 # tests/docker builds an image and starts a compose cluster (minutes): `make test-docker` runs it, `make test` not.
 collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
 
-# One conversion cache for the whole run (and across runs on the same machine).
-CACHE_DIR = Path(os.environ.get("CONVEYOR_CACHE_DIR", str(Path.home() / ".cache" / "conveyor")))
+TESTS = Path(__file__).parent
+TIERS = ("unit", "redis", "e2e", "browser")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its tier, the folder it is in."""
+    for item in items:
+        try:
+            tier = Path(item.fspath).relative_to(TESTS).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted from GGUF once."""
     return resolve_model_dir("", CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    """The served model's tokenizer (transformers' AutoTokenizer, as the services load it)."""
+    from shared.tokenization import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def token_strings(tokenizer):
+    """The gateway's token-to-text table of the served tokenizer (logprobs' `token` and `bytes`)."""
+    from services.gateway.logprobs import TokenStrings
+
+    return TokenStrings(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vocab(model_dir):
+    """The simulated engine's vocabulary, from the served tokenizer."""
+    from services.worker.engine.sim_model import load_vocab
+
+    return load_vocab(model_dir)
 
 
 @pytest.fixture
@@ -34,10 +79,10 @@ def redis_server(tmp_path):
 
 @pytest.fixture
 def redis_cluster(tmp_path):
-    """A Redis Cluster of this test's own: 3 masters with a replica each (tests/redis_cluster.py; ~2 s to create).
-    Skipped, saying why, where no redis-server or redis-cli can be found."""
+    """A Redis Cluster of this test's own: 3 masters with a replica each (tests/support/redis_cluster.py; ~2 s to
+    create). Skipped, saying why, where no redis-server or redis-cli can be found."""
     from shared.errors import FatalError
-    from tests.redis_cluster import LocalRedisCluster
+    from tests.support.redis_cluster import LocalRedisCluster
 
     try:
         LocalRedisCluster.binaries()
@@ -101,18 +146,80 @@ def hf_reference(model_dir):
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, model_dir):
     """One worker and one of each other service, shared by the end-to-end tests that harm nothing.
-    Tests that kill or stop processes start a cluster of their own."""
-    from tests.cluster import Cluster
+    Tests that kill or stop processes start a cluster of their own (`start_cluster`)."""
+    from tests.support.cluster import Cluster, running
 
     if os.environ.get("CONVEYOR_TEST_REDIS_CLUSTER") == "1":  # the same tests on a Redis Cluster (issue 16)
-        from tests.redis_cluster import LocalRedisCluster
+        from tests.support.redis_cluster import LocalRedisCluster
 
-        rc = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
-        c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR, redis_url=rc.url, redis_cluster=True).start()
-        yield c
-        c.stop()
-        rc.stop()
+        with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as rc:
+            with running(Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR, redis_url=rc.url,
+                                 redis_cluster=True)) as c:
+                yield c
         return
-    c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR).start()
-    yield c
-    c.stop()
+    with running(Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The official OpenAI client pointed at the module's `cluster` (the shared one unless the module has its own)."""
+    from tests.support.openai_fixtures import openai_client
+
+    return openai_client(cluster.url)
+
+
+@pytest.fixture
+def start_cluster(tmp_path, model_dir):
+    """start_cluster(**Cluster's keywords) -> a started cluster of this test's own, stopped after the test whatever
+    happened (also one that failed to start). For tests that kill, stop or reconfigure processes."""
+    from tests.support.cluster import Cluster
+
+    started: list = []
+
+    def start(cls=Cluster, **kw):
+        c = cls(tmp_path / f"cluster{len(started)}", CACHE_DIR, **kw)
+        started.append(c)
+        return c.start()
+
+    yield start
+    for c in reversed(started):
+        c.stop()
+
+
+# The engine's own tests (tests/e2e/engine): one model for the engine and greedy references computed once.
+
+@pytest.fixture(scope="session")
+def chat(tokenizer):
+    """question (and system, history) -> the chat template's prompt ids."""
+    def encode(question: str, system: str | None = None, history: list[dict] | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + (history or [])
+        messages.append({"role": "user", "content": question})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    return encode
+
+
+@pytest.fixture(scope="session")
+def engine_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(model_dir: Path):
+    """HF greedy continuations on a model of their own, cached on disk next to the converted model."""
+    from tests.support.engine import ReferenceOutputs
+
+    return ReferenceOutputs(model_dir)
+
+
+@pytest.fixture
+def make_engine(engine_model):
+    from services.worker.engine import EngineConfig, LLMEngine
+
+    def build(**overrides) -> LLMEngine:
+        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64} | overrides
+        return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
+    return build

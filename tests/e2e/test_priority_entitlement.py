@@ -1,0 +1,56 @@
+"""A priority more urgent than CONVEYOR_PRIORITY_FLOOR is an entitlement of admin keys: another key's request is
+clamped to the floor (it would otherwise starve every other key until their timeouts), never refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.cluster import Cluster, running
+from tests.support.cache import CACHE_DIR
+from tests.support.sim_reference import SIM
+from tests.support.cluster import KEY_A, KeyedCluster
+from tests.support.cluster import auth as _auth
+
+ADMIN = "key-admin-5555555555"
+SMALL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, model_dir):
+    env = {**SIM, "CONVEYOR_API_KEYS": KEY_A, "CONVEYOR_ADMIN_API_KEYS": ADMIN}
+    with running(KeyedCluster(tmp_path_factory.mktemp("priority"), CACHE_DIR, env=env)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def open_cluster(tmp_path_factory, model_dir):
+    with running(Cluster(tmp_path_factory.mktemp("priority-open"), CACHE_DIR, env=SIM)) as c:
+        yield c
+
+
+def _priority(url: str, key: str | None, priority: int, path: str = "/generate") -> int:
+    headers = _auth(key) if key else {}
+    body = {**SMALL, "priority": priority, **({"model": "SmolLM2-135M-Instruct"} if path != "/generate" else {})}
+    r = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    rid = r.json().get("request_id") or r.json()["id"].split("-", 1)[1]
+    meta = httpx.get(f"{url}/v1/requests/{rid}", headers=_auth(ADMIN) if key else {}, timeout=10).json()["meta"]
+    return meta["priority"]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_plain_keys_urgent_priority_is_clamped_to_the_floor(keyed, path):
+    assert _priority(keyed.url, KEY_A, -1000, path) == 0
+
+
+def test_a_plain_key_may_lower_its_own_priority(keyed):
+    assert _priority(keyed.url, KEY_A, 50) == 50
+
+
+def test_an_admin_key_may_ask_for_any_priority(keyed):
+    assert _priority(keyed.url, ADMIN, -1000) == -1000
+
+
+def test_without_api_keys_every_caller_may_ask_for_any_priority(open_cluster):
+    assert _priority(open_cluster.url, None, -1000) == -1000
