@@ -156,7 +156,9 @@ def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str],
 
 
 def print_level(f: dict) -> None:
-    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"
+    def ms(v) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
     print(f"\n== {f['streams']} streams: {f['requests']} requests, {f['ok']} ok, {f['failed']} failed "
           f"{f['failures'] or ''}in {f['duration_s']:.1f} s, {f['tokens_per_s']:.0f} tok/s", flush=True)
     e = f["engine"]

@@ -15,8 +15,12 @@ LOG_Y = ("ttft-added", "health-latency")  # spanning orders of magnitude (always
 
 def _series(levels: list[dict]) -> dict[str, tuple[str, dict[str, list]]]:
     """metric file stem -> (y label, line label -> values per level)."""
-    ms = lambda key: [None if f.get(key) is None else f[key] * 1000 for f in levels]  # noqa: E731
-    per_service = lambda key, scale=1.0: {s: [f[key].get(s, 0) * scale for f in levels] for s in SERVICES}
+    def ms(key: str) -> list:
+        return [None if f.get(key) is None else f[key] * 1000 for f in levels]
+
+    def per_service(key: str, scale: float = 1.0) -> dict:
+        return {s: [f[key].get(s, 0) * scale for f in levels] for s in SERVICES}
+
     return {
         "ttft-added": ("TTFT added by the pipeline (ms)", {"p50": ms("ttft_added_p50"), "p99": ms("ttft_added_p99")}),
         "itl-added": ("ITL added by the pipeline (ms)", {"p50": ms("itl_added_p50"), "p99": ms("itl_added_p99")}),

@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from tests.support.browser import headless_page, unavailable_reason
-from tests.support.cache import CACHE_DIR
-from tests.support.cluster import KEY_A, KeyedCluster
+from tests.support.cluster import KEY_A, KeyedCluster, cluster_fixture
 from tests.support.cluster import auth as _auth
 from tests.e2e.test_dashboard_api import _submit
 
@@ -29,15 +28,9 @@ def page():
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir):
-    c = KeyedCluster(tmp_path_factory.mktemp("dashboard-browser"), CACHE_DIR,
-                     env={"CONVEYOR_API_KEYS": KEY_A, "CONVEYOR_ENGINE": "sim",
-                          "CONVEYOR_TRACE_URL_TEMPLATE": "http://127.0.0.1:16686/trace/{trace_id}"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+cluster = cluster_fixture("dashboard-browser", KeyedCluster, env={
+    "CONVEYOR_API_KEYS": KEY_A, "CONVEYOR_ENGINE": "sim",
+    "CONVEYOR_TRACE_URL_TEMPLATE": "http://127.0.0.1:16686/trace/{trace_id}"})
 
 
 def _shot(page, name: str) -> None:

@@ -12,8 +12,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
 
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.openai_fixtures import MODEL
 from tests.support.sim_reference import SIM
 
@@ -37,14 +36,8 @@ CHECKS = [no_server_error, status_code_conformance, content_type_conformance, re
           response_schema_conformance]
 
 
-@pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory, model_dir):
-    env = {**SIM, "CONVEYOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS), "CONVEYOR_DEFAULT_MAX_TOKENS": str(MAX_TOKENS)}
-    c = Cluster(tmp_path_factory.mktemp("fuzz"), CACHE_DIR, env=env)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+fuzzed = cluster_fixture("fuzz", env={**SIM, "CONVEYOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS),
+                                       "CONVEYOR_DEFAULT_MAX_TOKENS": str(MAX_TOKENS)})
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,15 @@ import httpx
 import openai
 import pytest
 
-from tests.support.cluster import KEY_A, KEY_B, KeyedCluster, auth as _auth
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import KEY_A, KEY_B, KeyedCluster, cluster_fixture
+from tests.support.cluster import auth as _auth
 from tests.support.openai_fixtures import MODEL, openai_client, request_id
 from tests.support.sim_reference import SIM
 
 SMALL = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory, model_dir):
-    c = KeyedCluster(tmp_path_factory.mktemp("auth"), CACHE_DIR, env={**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+keyed = cluster_fixture("auth", KeyedCluster, env={**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}"})
 
 
 def test_missing_key_is_401_in_openai_shape(keyed):

@@ -8,12 +8,11 @@ import time
 
 import httpx
 import openai
-import pytest
 import redis
 
 from shared.constants import Names
 from shared.liveness import read_live
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.cache import CACHE_DIR
 from tests.support.openai_fixtures import MODEL, async_openai_client
 from tests.support.sim_reference import SIM
@@ -23,16 +22,9 @@ BOUND = 4
 BLOCKER_TOKENS = 64  # keeps the only sequence slot busy while the others arrive
 
 
-@pytest.fixture(scope="module")
-def slow(tmp_path_factory, model_dir):
-    """One worker that runs one sequence at a time and takes no more: everything else waits in the queue."""
-    env = {**SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0",
-           "CONVEYOR_MAX_WAITING_REQUESTS": str(BOUND)}
-    c = Cluster(tmp_path_factory.mktemp("slow"), CACHE_DIR, env=env)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+# One worker that runs one sequence at a time and takes no more: everything else waits in the queue.
+slow = cluster_fixture("slow", env={**SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0",
+                                    "CONVEYOR_MAX_WAITING_REQUESTS": str(BOUND)})
 
 
 def _worker_running(cluster) -> bool:

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from shared.constants import Names
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.openai_fixtures import MODEL, request_id, worker_idle
+from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
 
 N = 4
@@ -24,13 +24,7 @@ CHAT = [{"role": "user", "content": PROMPT}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CONVEYOR_ENGINE", "sim")
-        c = Cluster(tmp_path_factory.mktemp("choices"), CACHE_DIR, workers=2).start()
-    yield c
-    c.stop()
+cluster = cluster_fixture("choices", workers=2, env=SIM)
 
 
 @pytest.fixture(scope="module")

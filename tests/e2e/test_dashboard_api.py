@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from services.gateway.feed_hub import RESET, Subscriber
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.sse_reader import SseReader
 from tests.support.cluster import KEY_A, KEY_B, KeyedCluster
 from tests.support.cluster import auth as _auth
@@ -22,15 +21,9 @@ ADMIN = "key-admin-5555555555"
 EVENTS = "/dashboard/api/events"
 
 
-@pytest.fixture(scope="module")
-def dash(tmp_path_factory, model_dir):
-    env = {"CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}", "CONVEYOR_ADMIN_API_KEYS": ADMIN, "CONVEYOR_ENGINE": "sim",
-           "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}"}
-    c = KeyedCluster(tmp_path_factory.mktemp("dashboard"), CACHE_DIR, env=env)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+dash = cluster_fixture("dashboard", KeyedCluster, env={
+    "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}", "CONVEYOR_ADMIN_API_KEYS": ADMIN, "CONVEYOR_ENGINE": "sim",
+    "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}"})
 
 
 def _submit(c: Cluster, key: str, max_tokens: int = 8) -> dict:

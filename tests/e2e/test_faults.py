@@ -25,7 +25,6 @@ from shared.constants import Names
 from shared.liveness import read_live
 from shared.redis_server import RedisServer
 from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
 from tests.support.sim_reference import SIM, sim_greedy
 from tests.support.waiting import wait_for
 
@@ -114,20 +113,17 @@ def _run_with_fault(c: Cluster, fault) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _two_workers_fault_on_worker0(tmp_path, hf_reference, fault, env: dict):
+def _two_workers_fault_on_worker0(start_cluster, hf_reference, fault, env: dict):
     """Two workers, PROMPTS streamed, fault(worker0's process) mid-generation; yields (cluster, victim,
     request ids) once every stream checked out, then waits for the surviving worker to hold nothing."""
     expected = _expected(hf_reference)
-    c = Cluster(tmp_path, CACHE_DIR, workers=2, env=env).start()
-    try:
-        wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
-        victim = c.procs["worker0"]
-        results = _run_with_fault(c, lambda: fault(victim))
-        _check_streams(results, expected)
-        yield c, victim, [res["final"]["request_id"] for res in results]
-        wait_for(lambda: _idle(c), 30, what="surviving worker idle")
-    finally:
-        c.stop()
+    c = start_cluster(workers=2, env=env)
+    wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
+    victim = c.procs["worker0"]
+    results = _run_with_fault(c, lambda: fault(victim))
+    _check_streams(results, expected)
+    yield c, victim, [res["final"]["request_id"] for res in results]
+    wait_for(lambda: _idle(c), 30, what="surviving worker idle")
 
 
 def _moved(c: Cluster, rids: list[str], reason: str) -> list[str]:
@@ -136,8 +132,8 @@ def _moved(c: Cluster, rids: list[str], reason: str) -> list[str]:
                                        httpx.get(f"{c.url}/v1/requests/{rid}").json()["history"])]
 
 
-def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_reference):
-    with _two_workers_fault_on_worker0(tmp_path, hf_reference, lambda p: os.kill(p.pid, signal.SIGKILL),
+def test_worker_killed_mid_generation_loses_no_request(start_cluster, hf_reference):
+    with _two_workers_fault_on_worker0(start_cluster, hf_reference, lambda p: os.kill(p.pid, signal.SIGKILL),
                                        FAST) as (c, _victim, rids):
         moved = _moved(c, rids, "worker_lost")
         assert moved, "no request was on the killed worker"
@@ -145,100 +141,87 @@ def test_worker_killed_mid_generation_loses_no_request(tmp_path, model_dir, hf_r
         assert snap["exec"]["attempt"] == 2
 
 
-def test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost(tmp_path, sim_reference):
-    with _two_workers_fault_on_worker0(tmp_path, sim_reference, lambda p: p.send_signal(signal.SIGTERM),
+def test_worker_sigterm_hands_back_what_it_cannot_finish_and_nothing_is_lost(start_cluster, sim_reference):
+    with _two_workers_fault_on_worker0(start_cluster, sim_reference, lambda p: p.send_signal(signal.SIGTERM),
                                        {**FAST, **SIM, "CONVEYOR_DRAIN_TIMEOUT_S": "0.5"}) as (c, victim, rids):
         assert victim.wait(30) == 0, c.logs("worker0")
         assert _moved(c, rids, "shutdown"), "no request was handed back by the stopping worker"
 
 
-def test_hung_worker_is_treated_as_dead(tmp_path, sim_reference):
+def test_hung_worker_is_treated_as_dead(start_cluster, sim_reference):
     expected = _expected(sim_reference)
-    c = Cluster(tmp_path, CACHE_DIR, workers=2, env={**FAST, **SIM}).start()
-    try:
-        wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
-        victim = c.procs["worker0"]
-        results = _run_with_fault(c, lambda: os.kill(victim.pid, signal.SIGSTOP))
-        _check_streams(results, expected)
-        os.kill(victim.pid, signal.SIGCONT)  # it wakes up, finds its requests moved, and drops them
-        wait_for(lambda: len(_live_workers(c)) == 2 and _idle(c), 60, what="both workers idle")
-    finally:
-        c.stop()
+    c = start_cluster(workers=2, env={**FAST, **SIM})
+    wait_for(lambda: len(_live_workers(c)) == 2, 30, what="two workers")
+    victim = c.procs["worker0"]
+    results = _run_with_fault(c, lambda: os.kill(victim.pid, signal.SIGSTOP))
+    _check_streams(results, expected)
+    os.kill(victim.pid, signal.SIGCONT)  # it wakes up, finds its requests moved, and drops them
+    wait_for(lambda: len(_live_workers(c)) == 2 and _idle(c), 60, what="both workers idle")
 
 
 @pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
-def test_scheduler_killed_with_queued_requests_loses_none(tmp_path, model_dir, replica):
-    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"}
-                ).start()
-    try:
-        if replica:
-            c.start_service("scheduler2")
-        t, box = _send_in_background(c, "Item", 4, 12)
-        r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 2, 60, what="requests queued")
-        os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
-        c.procs["scheduler"].wait()
-        if not replica:
-            c.start_service("scheduler3")
-        t.join(240)
-        assert [x.status_code for x in box["r"]] == [200] * 4
-        assert all(len(x.json()["token_ids"]) == 12 for x in box["r"])
-        wait_for(lambda: _idle(c), 30, what="worker idle")
-    finally:
-        c.stop()
+def test_scheduler_killed_with_queued_requests_loses_none(start_cluster, replica):
+    c = start_cluster(env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"})
+    if replica:
+        c.start_service("scheduler2")
+    t, box = _send_in_background(c, "Item", 4, 12)
+    r = redis.Redis.from_url(c.redis.url)
+    wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 2, 60, what="requests queued")
+    os.kill(c.procs["scheduler"].pid, signal.SIGKILL)
+    c.procs["scheduler"].wait()
+    if not replica:
+        c.start_service("scheduler3")
+    t.join(240)
+    assert [x.status_code for x in box["r"]] == [200] * 4
+    assert all(len(x.json()["token_ids"]) == 12 for x in box["r"])
+    wait_for(lambda: _idle(c), 30, what="worker idle")
 
 
-def test_redis_restart_with_append_only_file_finishes_queued_and_running(tmp_path, model_dir):
-    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"})
-    c.redis = RedisServer(tmp_path / "redis", appendonly=True)
-    c.start()
-    try:
-        t, box = _send_in_background(c, "Entry", 3, 24)
-        r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 1 and r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60,
-                 what="one running, others queued")
-        port = c.redis.port
-        c.redis.stop()  # SIGTERM: Redis flushes its append-only file
-        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 503, 20, what="not ready")
-        c.redis = RedisServer(tmp_path / "redis", port=port, appendonly=True).start()
-        t.join(240)
-        assert [x.status_code for x in box["r"]] == [200] * 3, [x.text for x in box["r"]]
-        assert all(len(x.json()["token_ids"]) == 24 for x in box["r"])
-        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 200, 30, what="ready again")
-        wait_for(lambda: _idle(c), 30, what="worker idle")
-    finally:
-        c.stop()
+def test_redis_restart_with_append_only_file_finishes_queued_and_running(start_cluster):
+    c = start_cluster(env={**FAST, **SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0"},
+                      redis_appendonly=True)
+    t, box = _send_in_background(c, "Entry", 3, 24)
+    r = redis.Redis.from_url(c.redis.url)
+    wait_for(lambda: r.hlen(Names(c.ns).queue(0)) >= 1 and r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60,
+             what="one running, others queued")
+    port = c.redis.port
+    c.redis.stop()  # SIGTERM: Redis flushes its append-only file
+    wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 503, 20, what="not ready")
+    c.redis = RedisServer(c.redis.data_dir, port=port, appendonly=True).start()
+    t.join(240)
+    assert [x.status_code for x in box["r"]] == [200] * 3, [x.text for x in box["r"]]
+    assert all(len(x.json()["token_ids"]) == 24 for x in box["r"])
+    wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=5).status_code == 200, 30, what="ready again")
+    wait_for(lambda: _idle(c), 30, what="worker idle")
 
 
-def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed(tmp_path, model_dir):
-    c = Cluster(tmp_path, CACHE_DIR, env={**FAST, **SIM}).start()
-    try:
-        other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
-        c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})
-        wait_for(lambda: _ok(f"http://127.0.0.1:{other_port}/ready"), 120, what="second gateway")
-        def orphan():
-            try:
-                with httpx.stream("POST", f"{c.url}/generate", json={"prompt": "Count:", "max_tokens": 3000,
-                                                                     "ignore_eos": True, "stream": True},
-                                  timeout=60) as r:
-                    for _ in r.iter_lines():
-                        pass
-            except httpx.HTTPError:
-                return  # its gateway died under it: expected
-        t = threading.Thread(target=orphan)
-        t.start()
-        r = redis.Redis.from_url(c.redis.url)
-        wait_for(lambda: r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60, what="decoding")
-        rid = r.zrange(Names(c.ns).state_set(0, "DECODING"), 0, 0)[0].decode()
-        os.kill(c.procs["gateway"].pid, signal.SIGKILL)
-        t.join(60)
-        ok = httpx.post(f"http://127.0.0.1:{other_port}/generate", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
-        assert ok.status_code == 200
-        wait_for(lambda: r.hget(Names(c.ns).layer(rid, "meta"), "state") == b"CANCELLED", 30, what="orphan cancelled")
-        assert r.hget(Names(c.ns).layer(rid, "meta"), "reason") == b"client_disconnect"
-        wait_for(lambda: _idle(c), 30, what="worker idle")
-    finally:
-        c.stop()
+def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed(start_cluster):
+    c = start_cluster(env={**FAST, **SIM})
+    other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
+    c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})
+    wait_for(lambda: _ok(f"http://127.0.0.1:{other_port}/ready"), 120, what="second gateway")
+
+    def orphan():
+        try:
+            with httpx.stream("POST", f"{c.url}/generate", json={"prompt": "Count:", "max_tokens": 3000,
+                                                                 "ignore_eos": True, "stream": True},
+                              timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            return  # its gateway died under it: expected
+    t = threading.Thread(target=orphan)
+    t.start()
+    r = redis.Redis.from_url(c.redis.url)
+    wait_for(lambda: r.zcard(Names(c.ns).state_set(0, "DECODING")) == 1, 60, what="decoding")
+    rid = r.zrange(Names(c.ns).state_set(0, "DECODING"), 0, 0)[0].decode()
+    os.kill(c.procs["gateway"].pid, signal.SIGKILL)
+    t.join(60)
+    ok = httpx.post(f"http://127.0.0.1:{other_port}/generate", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200
+    wait_for(lambda: r.hget(Names(c.ns).layer(rid, "meta"), "state") == b"CANCELLED", 30, what="orphan cancelled")
+    assert r.hget(Names(c.ns).layer(rid, "meta"), "reason") == b"client_disconnect"
+    wait_for(lambda: _idle(c), 30, what="worker idle")
 
 
 def _ok(url: str) -> bool:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster, running
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.cluster import KEY_A, KeyedCluster
 from tests.support.cluster import auth as _auth
@@ -16,17 +15,9 @@ ADMIN = "key-admin-5555555555"
 SMALL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory, model_dir):
-    env = {**SIM, "CONVEYOR_API_KEYS": KEY_A, "CONVEYOR_ADMIN_API_KEYS": ADMIN}
-    with running(KeyedCluster(tmp_path_factory.mktemp("priority"), CACHE_DIR, env=env)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def open_cluster(tmp_path_factory, model_dir):
-    with running(Cluster(tmp_path_factory.mktemp("priority-open"), CACHE_DIR, env=SIM)) as c:
-        yield c
+keyed = cluster_fixture("priority", KeyedCluster, env={**SIM, "CONVEYOR_API_KEYS": KEY_A,
+                                                        "CONVEYOR_ADMIN_API_KEYS": ADMIN})
+open_cluster = cluster_fixture("priority-open", env=SIM)
 
 
 def _priority(url: str, key: str | None, priority: int, path: str = "/generate") -> int:

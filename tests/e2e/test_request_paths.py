@@ -13,13 +13,11 @@ import signal
 import threading
 
 import httpx
-import pytest
 import redis
 
 from shared.constants import Names
 from shared.liveness import read_live
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
 
@@ -27,12 +25,8 @@ LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 3000, "temperat
         "timeout": 600}
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, model_dir):
-    c = Cluster(tmp_path_factory.mktemp("single"), CACHE_DIR, env={**SIM,
-        "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0", "CONVEYOR_MAX_NUM_BATCHED_TOKENS": "32"}).start()
-    yield c
-    c.stop()
+single = cluster_fixture("single", env={**SIM, "CONVEYOR_MAX_NUM_SEQS": "1", "CONVEYOR_QUEUE_SLACK": "0",
+                                        "CONVEYOR_MAX_NUM_BATCHED_TOKENS": "32"})
 
 
 def snap(c, rid: str) -> dict:

@@ -13,8 +13,7 @@ import pytest
 import redis
 
 from shared.redis_server import RedisServer
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
 
@@ -22,13 +21,7 @@ FAST = {"CONVEYOR_LIVENESS_TTL_S": "3", "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5", 
 RECOVERY_S = 10.0  # the issue's promise: new requests succeed within 10 s of Redis coming back empty
 
 
-@pytest.fixture(scope="module")
-def lossy(tmp_path_factory, model_dir):
-    c = Cluster(tmp_path_factory.mktemp("lossy"), CACHE_DIR, env={**FAST, **SIM})  # the data loss is the subject
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+lossy = cluster_fixture("lossy", env={**FAST, **SIM})  # the data loss is the subject
 
 
 def _stream_until_end(c: Cluster, box: dict) -> None:
@@ -86,14 +79,13 @@ GREEDY_TOKENS = 16
 
 
 @pytest.mark.timeout(600)  # three hogs on two cores: several times slower than usual, by design
-def test_greedy_requests_beside_cpu_hogs_are_never_timed_out_by_a_predicted_deadline(tmp_path, model_dir,
-                                                                                      hf_reference):
+def test_greedy_requests_beside_cpu_hogs_are_never_timed_out_by_a_predicted_deadline(start_cluster, hf_reference):
     """Adaptive deadlines (no client timeout, a 1 s floor) predicted from what the worker measured on the quiet
     machine: three CPU-bound processes then slow it down several times over. Every request runs past the
     deadline predicted for it and still finishes, exactly. The heavy version (8 prompts x 64 tokens, one at a
     time and 4 at once, beside the same hogs) is benchmarks/cpu_contention.py."""
     expected = [hf_reference(hf_reference.prompt_ids(p), GREEDY_TOKENS) for p in GREEDY_PROMPTS]  # before the hogs
-    c = Cluster(tmp_path, CACHE_DIR, env={"CONVEYOR_TIMEOUT_MIN_S": "1"}).start()
+    c = start_cluster(env={"CONVEYOR_TIMEOUT_MIN_S": "1"})
     stop = mp.Event()
     hogs = [mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(3)]
     try:
@@ -123,4 +115,3 @@ def test_greedy_requests_beside_cpu_hogs_are_never_timed_out_by_a_predicted_dead
         stop.set()
         for h in hogs:
             h.join(5)
-        c.stop()

@@ -4,22 +4,16 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.openai_fixtures import MODEL
 
 CONTEXT = ("Background for this conversation: the river {i} runs from the northern hills through three old "
            "mill towns, past a cathedral, a market square and a long stone bridge, to the sea. ") * 6
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    env = {"CONVEYOR_ENGINE": "sim", "CONVEYOR_SIM_SPEEDUP": "10", "CONVEYOR_ROUTING": "kv"}
-    c = Cluster(tmp_path_factory.mktemp("routing"), CACHE_DIR, workers=2, env=env).start()
-    yield c
-    c.stop()
+cluster = cluster_fixture("routing", workers=2, env={"CONVEYOR_ENGINE": "sim", "CONVEYOR_SIM_SPEEDUP": "10",
+                                                     "CONVEYOR_ROUTING": "kv"})
 
 
 def status(c: Cluster, request_id: str) -> dict:

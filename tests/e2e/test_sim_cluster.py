@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.openai_fixtures import MODEL
-from tests.support.sim_reference import sim_greedy
+from tests.support.sim_reference import SIM, sim_greedy
 
 # The existing tests collected again here, against simulated workers (noqa: imported to be collected).
 from tests.e2e.test_cancel import (  # noqa: F401
@@ -37,12 +36,7 @@ def sim_workers():
         yield
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, sim_workers):
-    """One simulated worker with the default settings, and one of each other service."""
-    c = Cluster(tmp_path_factory.mktemp("sim-cluster"), CACHE_DIR).start()
-    yield c
-    c.stop()
+cluster = cluster_fixture("sim-cluster", env=SIM)  # one simulated worker with the default settings
 
 
 @pytest.fixture(scope="module")

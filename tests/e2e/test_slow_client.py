@@ -8,21 +8,16 @@ import socket
 from urllib.parse import urlparse
 
 import httpx
-import pytest
 
-from tests.support.cluster import Cluster, running
-from tests.support.cache import CACHE_DIR
+from tests.support.cluster import cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
 
 WRITE_TIMEOUT_S = 2
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir):
-    env = {**SIM, "CONVEYOR_SIM_SPEEDUP": "50", "CONVEYOR_SSE_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)}
-    with running(Cluster(tmp_path_factory.mktemp("slowclient"), CACHE_DIR, env=env)) as c:
-        yield c
+cluster = cluster_fixture("slowclient", env={**SIM, "CONVEYOR_SIM_SPEEDUP": "50",
+                                             "CONVEYOR_SSE_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)})
 
 
 def _stream_and_stop_reading(url: str) -> tuple[socket.socket, str]:

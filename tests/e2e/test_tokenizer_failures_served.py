@@ -9,8 +9,6 @@ import signal
 import httpx
 
 from tests.redis import test_tokenizer_failures as in_process
-from tests.support.cache import CACHE_DIR
-from tests.support.cluster import Cluster
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
 
@@ -18,10 +16,10 @@ ALTERNATE, GOOD, TWO_USERS = in_process.ALTERNATE, in_process.GOOD, in_process.T
 refusing_model = in_process.refusing_model  # the fixture: the bundled model with a template that refuses
 
 
-def test_a_chat_template_refusal_is_answered_400_while_its_batch_mates_are_served(tmp_path, refusing_model):
+def test_a_chat_template_refusal_is_answered_400_while_its_batch_mates_are_served(start_cluster, refusing_model):
     """End to end: the client gets a 400 naming the field and what the template said; the requests read in the
     same batch are answered 200; the tokenizer process lives on."""
-    c = Cluster(tmp_path / "cluster", CACHE_DIR, env={**SIM, "CONVEYOR_MODEL": str(refusing_model)}).start()
+    c = start_cluster(env={**SIM, "CONVEYOR_MODEL": str(refusing_model)})
     try:
         r = c.client()
         tok = c.procs["tokenizer"]
@@ -45,5 +43,4 @@ def test_a_chat_template_refusal_is_answered_400_while_its_batch_mates_are_serve
         assert err["param"] == "messages" and ALTERNATE in err["message"] and err["type"] == "invalid_request_error"
         assert tok.poll() is None, c.logs("tokenizer")
     finally:
-        c.procs["tokenizer"].send_signal(signal.SIGCONT)
-        c.stop()
+        c.procs["tokenizer"].send_signal(signal.SIGCONT)  # so that it stops when the cluster does

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shared import telemetry
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, running
 from tests.support.cache import CACHE_DIR
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.openai_fixtures import worker_idle
@@ -28,10 +28,11 @@ ERROR = 2
 def traced(tmp_path_factory, model_dir):
     receiver = OtlpReceiver().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "CONVEYOR_OTEL_SCHEDULE_DELAY_MS": "100"}
-    cluster = Cluster(tmp_path_factory.mktemp("traced"), CACHE_DIR, env=env).start()
-    yield cluster, receiver
-    cluster.stop()
-    receiver.stop()
+    try:
+        with running(Cluster(tmp_path_factory.mktemp("traced"), CACHE_DIR, env=env)) as cluster:
+            yield cluster, receiver
+    finally:
+        receiver.stop()
 
 
 def _trace_id(response: httpx.Response) -> str:

@@ -12,11 +12,13 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from shared.constants import Names
 from shared.redis_server import RedisServer, die_with_parent, free_port
 from shared.settings import CommonSettings
+from tests.support.cache import CACHE_DIR
 
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
@@ -37,9 +39,10 @@ class ExternalRedis:
 
 class Cluster:
     def __init__(self, tmp: Path, cache_dir: Path, workers: int = 1, env: dict | None = None,
-                 redis_url: str | None = None, redis_cluster: bool = False):
+                 redis_url: str | None = None, redis_cluster: bool = False, redis_appendonly: bool = False):
         self.tmp = Path(tmp)
-        self.redis = ExternalRedis(redis_url) if redis_url else RedisServer(self.tmp / "redis")
+        self.redis = (ExternalRedis(redis_url) if redis_url
+                      else RedisServer(self.tmp / "redis", appendonly=redis_appendonly))
         self.port = free_port()
         self.ns = f"c{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, "CONVEYOR_NAMESPACE": self.ns, "CONVEYOR_CACHE_DIR": str(cache_dir),
@@ -127,6 +130,16 @@ def running(cluster: "Cluster"):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+def cluster_fixture(name: str, cls: type = None, scope: str = "module", **kw):
+    """A fixture of a cluster started once for a module's tests (Cluster's keywords: env, workers, ...) and stopped
+    after them: `slow = cluster_fixture("slow", env={...})` at a test module's top level."""
+    @pytest.fixture(scope=scope)
+    def fixture(tmp_path_factory, model_dir):
+        with running((cls or Cluster)(tmp_path_factory.mktemp(name), CACHE_DIR, **kw)) as c:
+            yield c
+    return fixture
 
 
 # API keys of the clusters that want one (KeyedCluster): tests of keys, the dashboard and priorities.
