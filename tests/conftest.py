@@ -26,15 +26,34 @@ TESTS = Path(__file__).parent
 TIERS = ("unit", "redis", "e2e", "browser")
 
 
+def _xdist_group(item) -> str | None:
+    """"shared-cluster" for a test of the session's `cluster`; its module for a test of a module-scoped fixture (a
+    module's cluster, a wheel, compiled kernels); None for a test that shares nothing costly."""
+    defs = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}
+    if "cluster" in defs and defs["cluster"][-1].scope == "session":
+        return "shared-cluster"
+    if any(d[-1].scope in ("module", "package") for d in defs.values()):
+        return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked with its tier, the folder it is in."""
+    """Each test is marked with its tier, the folder it is in. Under pytest-xdist (`-n N --dist loadgroup`, as
+    `make test` runs), the tests of a cluster run in one process: those of the shared `cluster` together, those of
+    an e2e or browser module with a module-scoped fixture together (its cluster is started once); every other test
+    goes on its own to whichever process is free."""
     for item in items:
         try:
             tier = Path(item.fspath).relative_to(TESTS).parts[0]
         except ValueError:
             continue
-        if tier in TIERS:
-            item.add_marker(getattr(pytest.mark, tier))
+        if tier not in TIERS:
+            continue
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier in ("e2e", "browser") and not item.get_closest_marker("xdist_group"):
+            if group := _xdist_group(item):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +46,13 @@ def service_pid(launcher: subprocess.Popen, service: str) -> int | None:
     return None
 
 
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_conveyor_up_serves_then_stops_every_child_on_sigterm(tmp_path):
     with conveyor_up(tmp_path) as (proc, url):
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -55,8 +61,7 @@ def test_conveyor_up_serves_then_stops_every_child_on_sigterm(tmp_path):
         assert r.status_code == 200 and len(r.json()["token_ids"]) >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        time.sleep(0.2)  # let the kernel reap them before asking
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        wait_for(lambda: not [c for c in children if _alive(c)], 10, what="every child gone")  # reaped meanwhile
 
 
 def test_conveyor_up_restarts_a_killed_worker_and_tokenizer_and_serves_again(tmp_path):
