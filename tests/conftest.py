@@ -26,12 +26,16 @@ TESTS = Path(__file__).parent
 TIERS = ("unit", "redis", "e2e", "browser")
 
 
+SHARED_CLUSTERS = ("cluster", "keyed_cluster", "sim_cluster")  # the session's clusters, below
+
+
 def _xdist_group(item) -> str | None:
-    """"shared-cluster" for a test of the session's `cluster`; its module for a test of a module-scoped fixture (a
-    module's cluster, a wheel, compiled kernels); None for a test that shares nothing costly."""
+    """The name of the session's cluster a test uses; its module for a test of a module-scoped fixture (a module's
+    cluster, a wheel, compiled kernels); None for a test that shares nothing costly."""
     defs = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}
-    if "cluster" in defs and defs["cluster"][-1].scope == "session":
-        return "shared-cluster"
+    for name in SHARED_CLUSTERS:
+        if name in defs and defs[name][-1].scope == "session":
+            return name
     if any(d[-1].scope in ("module", "package") for d in defs.values()):
         return item.nodeid.split("::")[0]
     return None
@@ -177,6 +181,31 @@ def cluster(tmp_path_factory, model_dir):
                 yield c
         return
     with running(Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR)) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def keyed_cluster(tmp_path_factory, model_dir):
+    """Simulated workers behind API keys: KEY_A and KEY_B, and ADMIN an admin key (tests/support/cluster.py), with a
+    trace URL template. Shared by the tests of keys, priorities and the dashboard's data: each reads or cancels
+    only requests of its own."""
+    from tests.support.cluster import ADMIN, KEY_A, KEY_B, KeyedCluster, running
+    from tests.support.sim_reference import SIM
+
+    env = {**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}", "CONVEYOR_ADMIN_API_KEYS": ADMIN,
+           "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}"}
+    with running(KeyedCluster(tmp_path_factory.mktemp("keyed"), CACHE_DIR, env=env)) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def sim_cluster(tmp_path_factory, model_dir):
+    """One simulated worker with the default settings, and one of each other service, no API keys: shared by the
+    control-plane tests that harm nothing and do not need the model's numbers."""
+    from tests.support.cluster import Cluster, running
+    from tests.support.sim_reference import SIM
+
+    with running(Cluster(tmp_path_factory.mktemp("sim-cluster"), CACHE_DIR, env=SIM)) as c:
         yield c
 
 

@@ -6,51 +6,46 @@ import httpx
 import openai
 import pytest
 
-from tests.support.cluster import KEY_A, KEY_B, KeyedCluster, cluster_fixture
-from tests.support.cluster import auth as _auth
+from tests.support.cluster import KEY_A, KEY_B, auth as _auth
 from tests.support.openai_fixtures import MODEL, openai_client, request_id
-from tests.support.sim_reference import SIM
 
 SMALL = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
 
-keyed = cluster_fixture("auth", KeyedCluster, env={**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}"})
-
-
-def test_missing_key_is_401_in_openai_shape(keyed):
-    r = httpx.post(f"{keyed.url}/v1/completions", json=SMALL, timeout=30)
+def test_missing_key_is_401_in_openai_shape(keyed_cluster):
+    r = httpx.post(f"{keyed_cluster.url}/v1/completions", json=SMALL, timeout=30)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     err = r.json()["error"]
     assert err["code"] == "missing_api_key" and set(err) == {"message", "type", "param", "code"}
 
 
-def test_wrong_key_raises_the_clients_authentication_error(keyed):
+def test_wrong_key_raises_the_clients_authentication_error(keyed_cluster):
     with pytest.raises(openai.AuthenticationError) as e:
-        openai_client(keyed.url, api_key="not-a-key").completions.create(**SMALL)
+        openai_client(keyed_cluster.url, api_key="not-a-key").completions.create(**SMALL)
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/ready"), ("GET", "/v1/models"), ("POST", "/generate"),
                                           ("GET", "/v1/requests/" + "0" * 32), ("GET", "/openapi.json")])
-def test_every_endpoint_but_health_wants_a_key(keyed, method, path):
-    assert httpx.request(method, f"{keyed.url}{path}", timeout=30).status_code == 401
-    assert httpx.get(f"{keyed.url}/health", timeout=30).status_code == 200
+def test_every_endpoint_but_health_wants_a_key(keyed_cluster, method, path):
+    assert httpx.request(method, f"{keyed_cluster.url}{path}", timeout=30).status_code == 401
+    assert httpx.get(f"{keyed_cluster.url}/health", timeout=30).status_code == 200
 
 
-def test_right_key_is_served(keyed):
-    out = openai_client(keyed.url, api_key=KEY_B).completions.create(**SMALL)
+def test_right_key_is_served(keyed_cluster):
+    out = openai_client(keyed_cluster.url, api_key=KEY_B).completions.create(**SMALL)
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_request_is_visible_and_cancellable_only_by_its_own_key(keyed):
-    out = openai_client(keyed.url, api_key=KEY_A).completions.create(**SMALL)
+def test_a_request_is_visible_and_cancellable_only_by_its_own_key(keyed_cluster):
+    out = openai_client(keyed_cluster.url, api_key=KEY_A).completions.create(**SMALL)
     rid = request_id(out.id)
-    assert httpx.get(f"{keyed.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10).status_code == 200
-    assert httpx.get(f"{keyed.url}/v1/requests/{out.id}", headers=_auth(KEY_A), timeout=10).status_code == 200
-    other = httpx.get(f"{keyed.url}/v1/requests/{rid}", headers=_auth(KEY_B), timeout=10)
+    assert httpx.get(f"{keyed_cluster.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10).status_code == 200
+    assert httpx.get(f"{keyed_cluster.url}/v1/requests/{out.id}", headers=_auth(KEY_A), timeout=10).status_code == 200
+    other = httpx.get(f"{keyed_cluster.url}/v1/requests/{rid}", headers=_auth(KEY_B), timeout=10)
     assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
-    assert httpx.delete(f"{keyed.url}/v1/requests/{rid}", headers=_auth(KEY_B), timeout=10).status_code == 404
-    snap = httpx.get(f"{keyed.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10).json()
+    assert httpx.delete(f"{keyed_cluster.url}/v1/requests/{rid}", headers=_auth(KEY_B), timeout=10).status_code == 404
+    snap = httpx.get(f"{keyed_cluster.url}/v1/requests/{rid}", headers=_auth(KEY_A), timeout=10).json()
     assert snap["meta"]["owner"] and KEY_A not in str(snap)  # recorded by a hash, never the key itself
 
 

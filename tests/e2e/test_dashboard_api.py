@@ -1,6 +1,6 @@
 """The dashboard's data over HTTP (issue 14): its event stream, its key rules, and what a connection holds.
 
-One cluster of real processes (simulated worker) with two API keys and an admin key."""
+The session's `keyed_cluster` of real processes (simulated worker) with two API keys and an admin key."""
 
 from __future__ import annotations
 
@@ -11,19 +11,11 @@ import httpx
 import pytest
 
 from services.gateway.feed_hub import RESET, Subscriber
-from tests.support.cluster import Cluster, cluster_fixture
+from tests.support.cluster import ADMIN, Cluster, KEY_A, KEY_B, auth as _auth
 from tests.support.sse_reader import SseReader
-from tests.support.cluster import KEY_A, KEY_B, KeyedCluster
-from tests.support.cluster import auth as _auth
 from tests.support.waiting import wait_for
 
-ADMIN = "key-admin-5555555555"
 EVENTS = "/dashboard/api/events"
-
-
-dash = cluster_fixture("dashboard", KeyedCluster, env={
-    "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}", "CONVEYOR_ADMIN_API_KEYS": ADMIN, "CONVEYOR_ENGINE": "sim",
-    "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}"})
 
 
 def _submit(c: Cluster, key: str, max_tokens: int = 8) -> dict:
@@ -54,10 +46,10 @@ def _connections(c: Cluster) -> int:
     return int(float(line.split()[1]))
 
 
-def test_event_stream_sends_a_transition_within_a_second(dash):
-    reader = _reader(dash, KEY_A)
+def test_event_stream_sends_a_transition_within_a_second(keyed_cluster):
+    reader = _reader(keyed_cluster, KEY_A)
     try:
-        req = _submit(dash, KEY_A)
+        req = _submit(keyed_cluster, KEY_A)
         for state in ("RECEIVED", "QUEUED", "SCHEDULED", "DECODING", "FINISHED"):
             at, rec = reader.record(req["rid"], state)
             assert at - rec["at"] < 1.0, f"{state} reached the dashboard {at - rec['at']:.2f} s after it happened"
@@ -66,10 +58,10 @@ def test_event_stream_sends_a_transition_within_a_second(dash):
         reader.close()
 
 
-def test_event_stream_shows_a_key_its_own_requests_and_an_admin_all(dash):
-    a, b, admin = _reader(dash, KEY_A), _reader(dash, KEY_B), _reader(dash, ADMIN)
+def test_event_stream_shows_a_key_its_own_requests_and_an_admin_all(keyed_cluster):
+    a, b, admin = _reader(keyed_cluster, KEY_A), _reader(keyed_cluster, KEY_B), _reader(keyed_cluster, ADMIN)
     try:
-        mine, theirs = _submit(dash, KEY_A), _submit(dash, KEY_B)
+        mine, theirs = _submit(keyed_cluster, KEY_A), _submit(keyed_cluster, KEY_B)
         for r in (a, admin):
             r.record(mine["rid"], "FINISHED")
         for r in (b, admin):
@@ -80,12 +72,12 @@ def test_event_stream_shows_a_key_its_own_requests_and_an_admin_all(dash):
             r.close()
 
 
-def test_snapshot_lists_the_in_flight_requests_the_key_may_see(dash):
-    first = _reader(dash, KEY_A)
-    long = _submit(dash, KEY_A, max_tokens=2000)
+def test_snapshot_lists_the_in_flight_requests_the_key_may_see(keyed_cluster):
+    first = _reader(keyed_cluster, KEY_A)
+    long = _submit(keyed_cluster, KEY_A, max_tokens=2000)
     try:
         first.record(long["rid"], "DECODING")
-        late_a, late_b = SseReader(dash.url + EVENTS, _auth(KEY_A)), SseReader(dash.url + EVENTS, _auth(KEY_B))
+        late_a, late_b = SseReader(keyed_cluster.url + EVENTS, _auth(KEY_A)), SseReader(keyed_cluster.url + EVENTS, _auth(KEY_B))
         _at, snap = late_a.next("snapshot")
         row = next(r for r in snap["rows"] if r["rid"] == long["rid"])
         assert row["state"] == "DECODING" and row["worker"] and row["attempt"] == 1 and row["prompt"] > 0
@@ -93,20 +85,20 @@ def test_snapshot_lists_the_in_flight_requests_the_key_may_see(dash):
         assert long["rid"] not in {r["rid"] for r in other["rows"]}
         late_a.close(), late_b.close()
     finally:
-        httpx.delete(f"{dash.url}/v1/requests/{long['rid']}", headers=_auth(KEY_A), timeout=10)
+        httpx.delete(f"{keyed_cluster.url}/v1/requests/{long['rid']}", headers=_auth(KEY_A), timeout=10)
         first.close()
 
 
-def test_dashboard_data_wants_a_key_like_v1_requests(dash):
+def test_dashboard_data_wants_a_key_like_v1_requests(keyed_cluster):
     for path in (EVENTS, "/dashboard/api/config", "/dashboard/api/rows?ids=ab", "/dashboard/api/requests/ab"):
-        assert httpx.get(dash.url + path, timeout=10).status_code == 401
-        assert httpx.get(dash.url + path, headers=_auth("wrong"), timeout=10).status_code == 401
-    page = httpx.get(f"{dash.url}/dashboard", timeout=10)  # the page itself holds no data: its login form
+        assert httpx.get(keyed_cluster.url + path, timeout=10).status_code == 401
+        assert httpx.get(keyed_cluster.url + path, headers=_auth("wrong"), timeout=10).status_code == 401
+    page = httpx.get(f"{keyed_cluster.url}/dashboard", timeout=10)  # the page itself holds no data: its login form
     assert page.status_code == 200 and 'id="login"' in page.text
 
 
-def test_the_login_takes_the_key_from_its_header_into_a_dashboard_only_cookie(dash):
-    with httpx.Client(base_url=dash.url, timeout=10) as client:
+def test_the_login_takes_the_key_from_its_header_into_a_dashboard_only_cookie(keyed_cluster):
+    with httpx.Client(base_url=keyed_cluster.url, timeout=10) as client:
         assert client.post("/dashboard/login", headers=_auth("wrong")).status_code == 401
         r = client.post("/dashboard/login", headers=_auth(KEY_A))
         assert r.status_code == 204, r.text
@@ -116,9 +108,9 @@ def test_the_login_takes_the_key_from_its_header_into_a_dashboard_only_cookie(da
         assert client.get("/v1/requests").status_code == 401  # the cookie is for the dashboard only
 
 
-def test_a_key_in_a_dashboard_link_is_not_taken(dash):
+def test_a_key_in_a_dashboard_link_is_not_taken(keyed_cluster):
     """A `?key=` link would plant its key (the sender's) in whoever opens it, and put it in the access log."""
-    with httpx.Client(base_url=dash.url, timeout=10) as client:
+    with httpx.Client(base_url=keyed_cluster.url, timeout=10) as client:
         r = client.get(f"/dashboard?key={KEY_A}")
         assert r.status_code == 303 and r.headers["location"] == "/dashboard"  # out of the address bar too
         assert "set-cookie" not in r.headers
@@ -126,39 +118,39 @@ def test_a_key_in_a_dashboard_link_is_not_taken(dash):
         assert client.get(f"/dashboard/api/config?key={KEY_A}").status_code == 401
 
 
-def test_a_request_is_read_and_cancelled_by_its_key_or_an_admin_only(dash):
-    req = _submit(dash, KEY_A, max_tokens=2000)
-    path = f"{dash.url}/dashboard/api/requests/{req['rid']}"
+def test_a_request_is_read_and_cancelled_by_its_key_or_an_admin_only(keyed_cluster):
+    req = _submit(keyed_cluster, KEY_A, max_tokens=2000)
+    path = f"{keyed_cluster.url}/dashboard/api/requests/{req['rid']}"
     try:
         assert httpx.get(path, headers=_auth(KEY_B), timeout=10).status_code == 404
         assert httpx.delete(path, headers=_auth(KEY_B), timeout=10).status_code == 404
         d = httpx.get(path, headers=_auth(ADMIN), timeout=10).json()
         assert set(d) >= {"meta", "input", "exec", "kv", "output", "history", "intervals"}
         assert d["trace_url"] == f"http://jaeger.example:16686/trace/{d['trace_id']}" and len(d["trace_id"]) == 32
-        assert httpx.get(f"{dash.url}/v1/requests/{req['rid']}", headers=_auth(ADMIN), timeout=10).status_code == 200
+        assert httpx.get(f"{keyed_cluster.url}/v1/requests/{req['rid']}", headers=_auth(ADMIN), timeout=10).status_code == 200
         r = httpx.delete(path, headers=_auth(ADMIN), timeout=10)
         assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
     finally:
         httpx.delete(path, headers=_auth(KEY_A), timeout=10)
 
 
-def test_rows_with_bad_ids_are_refused_naming_the_field(dash):
+def test_rows_with_bad_ids_are_refused_naming_the_field(keyed_cluster):
     for ids in ("", ",", "a;b", ",".join(["ab"] * 201)):
-        r = httpx.get(f"{dash.url}/dashboard/api/rows", params={"ids": ids}, headers=_auth(KEY_A), timeout=10)
+        r = httpx.get(f"{keyed_cluster.url}/dashboard/api/rows", params={"ids": ids}, headers=_auth(KEY_A), timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "ids", ids
 
 
-def test_one_feed_reader_serves_every_connection_and_disconnect_releases_it(dash):
+def test_one_feed_reader_serves_every_connection_and_disconnect_releases_it(keyed_cluster):
     import redis
 
-    client = redis.Redis.from_url(dash.redis.url)
-    readers = [_reader(dash, k) for k in (KEY_A, KEY_B, ADMIN)]
-    wait_for(lambda: _connections(dash) == 3, 10, what="three dashboard connections")
+    client = redis.Redis.from_url(keyed_cluster.redis.url)
+    readers = [_reader(keyed_cluster, k) for k in (KEY_A, KEY_B, ADMIN)]
+    wait_for(lambda: _connections(keyed_cluster) == 3, 10, what="three dashboard connections")
     blocked = [c for c in client.client_list() if c.get("cmd") == "xread"]
     assert len(blocked) <= 1  # one XREAD on the feed for the whole gateway, not one per browser
     for i, r in enumerate(readers):
         r.close()
-        wait_for(lambda: _connections(dash) == 2 - i, 10, what=f"{2 - i} connections left")
+        wait_for(lambda: _connections(keyed_cluster) == 2 - i, 10, what=f"{2 - i} connections left")
     # Nobody watches: the reader stops too, and no connection of it blocks on the feed.
     wait_for(lambda: not [c for c in client.client_list() if c.get("cmd") == "xread" and int(c["idle"]) < 1],
              10, what="the feed reader stopped")

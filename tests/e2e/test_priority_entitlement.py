@@ -6,18 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.cluster import cluster_fixture
-from tests.support.sim_reference import SIM
-from tests.support.cluster import KEY_A, KeyedCluster
-from tests.support.cluster import auth as _auth
+from tests.support.cluster import ADMIN, KEY_A, auth as _auth
 
-ADMIN = "key-admin-5555555555"
 SMALL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
-
-
-keyed = cluster_fixture("priority", KeyedCluster, env={**SIM, "CONVEYOR_API_KEYS": KEY_A,
-                                                        "CONVEYOR_ADMIN_API_KEYS": ADMIN})
-open_cluster = cluster_fixture("priority-open", env=SIM)
 
 
 def _priority(url: str, key: str | None, priority: int, path: str = "/generate") -> int:
@@ -31,17 +22,17 @@ def _priority(url: str, key: str | None, priority: int, path: str = "/generate")
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
-def test_a_plain_keys_urgent_priority_is_clamped_to_the_floor(keyed, path):
-    assert _priority(keyed.url, KEY_A, -1000, path) == 0
+def test_a_plain_keys_urgent_priority_is_clamped_to_the_floor(keyed_cluster, path):
+    assert _priority(keyed_cluster.url, KEY_A, -1000, path) == 0
 
 
-def test_a_plain_key_may_lower_its_own_priority(keyed):
-    assert _priority(keyed.url, KEY_A, 50) == 50
+def test_a_plain_key_may_lower_its_own_priority(keyed_cluster):
+    assert _priority(keyed_cluster.url, KEY_A, 50) == 50
 
 
-def test_an_admin_key_may_ask_for_any_priority(keyed):
-    assert _priority(keyed.url, ADMIN, -1000) == -1000
+def test_an_admin_key_may_ask_for_any_priority(keyed_cluster):
+    assert _priority(keyed_cluster.url, ADMIN, -1000) == -1000
 
 
-def test_without_api_keys_every_caller_may_ask_for_any_priority(open_cluster):
-    assert _priority(open_cluster.url, None, -1000) == -1000
+def test_without_api_keys_every_caller_may_ask_for_any_priority(sim_cluster):
+    assert _priority(sim_cluster.url, None, -1000) == -1000

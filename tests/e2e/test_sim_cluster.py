@@ -3,7 +3,7 @@ scheduler, Redis) except that the workers run CONVEYOR_ENGINE=sim. Existing pipe
 that do not depend on the model's numbers are collected here again, against the simulator (their
 fixtures are this module's); what they compare tokens with is what the simulator emits for the prompt
 (`hf_reference` below). The request-path, fault, shutdown and takeover tests run on simulated workers in
-their own modules (tests/test_request_paths.py, test_faults.py, test_shutdown.py, test_takeover.py)."""
+their own modules (tests/e2e/test_request_paths.py, test_faults.py, test_shutdown.py, test_takeover.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import cluster_fixture
 from tests.support.openai_fixtures import MODEL
-from tests.support.sim_reference import SIM, sim_greedy
+from tests.support.sim_reference import sim_greedy
 
 # The existing tests collected again here, against simulated workers (noqa: imported to be collected).
 from tests.e2e.test_cancel import (  # noqa: F401
@@ -36,7 +35,10 @@ def sim_workers():
         yield
 
 
-cluster = cluster_fixture("sim-cluster", env=SIM)  # one simulated worker with the default settings
+@pytest.fixture(scope="module")
+def cluster(sim_cluster):
+    """The session's simulated cluster, as the imported tests' `cluster`."""
+    return sim_cluster
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,7 @@ def cluster_fixture(name: str, cls: type = None, scope: str = "module", **kw):
 
 # API keys of the clusters that want one (KeyedCluster): tests of keys, the dashboard and priorities.
 KEY_A, KEY_B = "key-alpha-0123456789", "key-beta-9876543210"
+ADMIN = "key-admin-5555555555"  # an admin key (CONVEYOR_ADMIN_API_KEYS)
 
 
 def auth(key: str) -> dict:
