@@ -36,7 +36,7 @@ chromium:
 # processes, the real model), browser/ (Chromium); docker/ is `make test-docker`'s. `make test` runs them all in
 # TEST_WORKERS processes: many e2e tests wait on processes starting, so more processes than cores pays. The tests
 # of one cluster stay in one process (--dist loadgroup, xdist_group marks set by tests/conftest.py).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 

@@ -24,14 +24,16 @@ collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "redis", "e2e", "browser")
-
-
 SHARED_CLUSTERS = ("cluster", "keyed_cluster", "sim_cluster")  # the session's clusters, below
 
 
 def _xdist_group(item) -> str | None:
-    """The name of the session's cluster a test uses; its module for a test of a module-scoped fixture (a module's
-    cluster, a wheel, compiled kernels); None for a test that shares nothing costly."""
+    """"engine" for the engine's own tests; the name of the session's cluster a test uses; its module for a test of
+    a module-scoped fixture (a module's cluster, a wheel); None for a test that shares nothing costly."""
+    if Path(item.path).parent.name == "engine":
+        # The engine's own tests run the model in the test's process: in one process, the models are loaded once
+        # and held once (spread over four processes they held 6-7 GB each, and the machine ran out of memory).
+        return "engine"
     defs = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}
     for name in SHARED_CLUSTERS:
         if name in defs and defs[name][-1].scope == "session":
@@ -39,6 +41,17 @@ def _xdist_group(item) -> str | None:
     if any(d[-1].scope in ("module", "package") for d in defs.values()):
         return item.nodeid.split("::")[0]
     return None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, several test processes share the cores: torch in each (the engine's own tests, the
+    references) runs on one thread, or their thread pools oversubscribe the machine and every step waits on the
+    others' spinning threads (engine tests took minutes and timed out so). The services' processes keep their
+    default (their GEMM plans on disk are measured for it)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
@@ -49,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
     goes on its own to whichever process is free."""
     for item in items:
         try:
-            tier = Path(item.fspath).relative_to(TESTS).parts[0]
+            tier = Path(item.path).relative_to(TESTS).parts[0]
         except ValueError:
             continue
         if tier not in TIERS:
@@ -64,6 +77,15 @@ def pytest_collection_modifyitems(config, items):
 def model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted from GGUF once."""
     return resolve_model_dir("", CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def kernels_dir(tmp_path_factory) -> str:
+    """Where the engine's C++ kernels are built for the tests: one folder for every run of this user (torch
+    rebuilds only what changed), also under pytest-xdist, whose processes each have a base folder of their own."""
+    base = tmp_path_factory.getbasetemp()
+    root = next((p for p in (base, *base.parents) if p.name.startswith("pytest-of-")), base.parent)
+    return str(root / "conveyor-kernels")
 
 
 @pytest.fixture(scope="session")

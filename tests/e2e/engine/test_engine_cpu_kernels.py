@@ -12,10 +12,10 @@ from services.worker.engine import cpu_ops
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels(kernels_dir):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine (apt-get install g++): the engine uses gather + SDPA")
-    if not cpu_ops.load(str(tmp_path_factory.getbasetemp().parent / "conveyor-kernels")):
+    if not cpu_ops.load(kernels_dir):
         pytest.fail("a C++ compiler is present but the CPU kernels did not build (see the warning above)")
 
 

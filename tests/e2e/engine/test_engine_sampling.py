@@ -75,14 +75,14 @@ def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_greed
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "cpu-kernel"])
-def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, tmp_path_factory):
+def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, kernels_dir):
     """The sampler's draw (inverse CDF over the batch) against known probabilities: 20,000 draws per row,
     two rows with different distributions in one batch; p = 0 entries (masked by top-k) never come out.
     Both the torch draw and the C++ one (csrc/sampling.cpp)."""
     from services.worker.engine import cpu_ops
     from services.worker.engine.sampler import _draw
 
-    if native and not cpu_ops.load(str(tmp_path_factory.getbasetemp().parent / "conveyor-kernels")):
+    if native and not cpu_ops.load(kernels_dir):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
 
     class Row:
@@ -102,13 +102,13 @@ def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, tm
     torch.testing.assert_close(freq[1], probs[1], atol=0.015, rtol=0)
 
 
-def test_native_draw_at_a_temperature_follows_softmax_across_chunks(tmp_path_factory):
+def test_native_draw_at_a_temperature_follows_softmax_across_chunks(kernels_dir):
     """The C++ draw without filters: temperature applied inside, a vocabulary spanning several 16-token
     chunks with a ragged tail, -inf logits never drawn."""
     from services.worker.engine import cpu_ops
     from services.worker.engine.sampler import _draw
 
-    if not cpu_ops.load(str(tmp_path_factory.getbasetemp().parent / "conveyor-kernels")):
+    if not cpu_ops.load(kernels_dir):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
 
     class Row:
