@@ -34,9 +34,10 @@ chromium:
 
 # The suite is in tiers (tests/conftest.py): unit/ (pure), redis/ (a Redis of the test's own), e2e/ (real
 # processes, the real model), browser/ (Chromium); docker/ is `make test-docker`'s. `make test` runs them all in
-# TEST_WORKERS processes: many e2e tests wait on processes starting, so more processes than cores pays. The tests
-# of one cluster stay in one process (--dist loadgroup, xdist_group marks set by tests/conftest.py).
-TEST_WORKERS ?= 3
+# TEST_WORKERS processes (--dist loadgroup: the tests of one cluster, and the engine's own tests, stay in one
+# process; xdist_group marks set by tests/conftest.py). Memory bounds it: a test process that ran the engine's tests
+# or the shared cluster's holds 6-8 GB, so more than 2 on a 24 GB machine ran out of memory.
+TEST_WORKERS ?= 2
 FAST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
