@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-docker install bench clean chromium
+.PHONY: run test test-fast lint test-docker install bench clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,25 @@ chromium:
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 		echo "no chromium could be installed: the dashboard's browser test will be skipped"
 
-test: $(STAMP) chromium
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# The suite is in tiers (tests/conftest.py): unit/ (pure), redis/ (a Redis of the test's own), e2e/ (real
+# processes, the real model), browser/ (Chromium); docker/ is `make test-docker`'s. `make test` runs them all in
+# TEST_WORKERS processes (--dist loadgroup: the tests of one cluster, and the engine's own tests, stay in one
+# process; xdist_group marks set by tests/conftest.py). Memory bounds it: a test process that ran the engine's tests
+# or the shared cluster's holds 6-8 GB, so more than 2 on a 24 GB machine ran out of memory.
+TEST_WORKERS ?= 2
+FAST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check services shared tests benchmarks
+	$(VENV)/bin/ruff format --check services shared tests benchmarks
+
+# unit + redis: seconds to a few minutes, no service process and no model weights.
+test-fast: $(STAMP)
+	$(PYTEST) -n $(FAST_WORKERS) --dist loadgroup -m "unit or redis" tests/unit tests/redis $(PYTEST_ARGS)
+
+test: $(STAMP) chromium lint
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # `docker compose up` for real: builds the image from this checkout, starts the compose cluster on a real Docker
 # engine (its own dockerd under /tmp when none is running; docker.io, docker-compose and debootstrap installed

@@ -19,22 +19,49 @@ import asyncio
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, httpx_burst, log_summary, mean,
-                               model_dir, percentile, print_table, raise_fd_limit, random_prompts, run_vllm_bench,
-                               stamp, vllm_installed, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    PEERS_SCRIPT,
+    ConveyorUp,
+    VllmServe,
+    httpx_burst,
+    log_summary,
+    mean,
+    model_dir,
+    percentile,
+    print_table,
+    raise_fd_limit,
+    random_prompts,
+    run_vllm_bench,
+    stamp,
+    vllm_installed,
+    write_json,
+)
 
 COMPARED = ["successful", "failed", "duration_s", "output_throughput", "mean_ttft_ms", "p99_ttft_ms"]
 
 
 def run_vllm_client(port: int, model: Path, args, out: Path, name: str) -> dict:
-    return run_vllm_bench(port, model, out, name, input_len=args.input_len, output_len=args.output_len,
-                          num_prompts=args.num_prompts, max_concurrency=args.max_concurrency, seed=args.seed,
-                          timeout=args.client_timeout)
+    return run_vllm_bench(
+        port,
+        model,
+        out,
+        name,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        timeout=args.client_timeout,
+    )
 
 
 def run_httpx(url: str, prompts: list[str], args) -> dict:
-    recs, duration, _warm = asyncio.run(httpx_burst(url, prompts, args.output_len, args.stream_share, args.seed,
-                                                    args.max_concurrency, args.client_timeout))
+    recs, duration, _warm = asyncio.run(
+        httpx_burst(
+            url, prompts, args.output_len, args.stream_share, args.seed, args.max_concurrency, args.client_timeout
+        )
+    )
     return summarise_httpx(recs, duration)
 
 
@@ -43,13 +70,20 @@ def summarise_httpx(recs: list[dict], duration: float) -> dict:
     ttfts = [r["ttft"] * 1000 for r in ok if r["ttft"] is not None]
     lat = [r["latency"] * 1000 for r in ok]
     status = Counter(str(r["status"]) if r["status"] else "no response" for r in recs)
-    return {"successful": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
-            "output_throughput": sum(r["tokens"] for r in ok) / duration,
-            "mean_ttft_ms": mean(ttfts), "p99_ttft_ms": percentile(ttfts, 99),
-            "mean_latency_ms": mean(lat), "p99_latency_ms": percentile(lat, 99),
-            "streamed": sum(r["stream"] for r in recs), "status_counts": dict(status),
-            "errors": Counter(f"{r['status']} {r['error']}" for r in recs if r["error"]).most_common(10),
-            "requests": recs}
+    return {
+        "successful": len(ok),
+        "failed": len(recs) - len(ok),
+        "duration_s": duration,
+        "output_throughput": sum(r["tokens"] for r in ok) / duration,
+        "mean_ttft_ms": mean(ttfts),
+        "p99_ttft_ms": percentile(ttfts, 99),
+        "mean_latency_ms": mean(lat),
+        "p99_latency_ms": percentile(lat, 99),
+        "streamed": sum(r["stream"] for r in recs),
+        "status_counts": dict(status),
+        "errors": Counter(f"{r['status']} {r['error']}" for r in recs if r["error"]).most_common(10),
+        "requests": recs,
+    }
 
 
 def run_client(url: str, port: int, model: Path, prompts, args, out: Path, name: str) -> dict:
@@ -112,8 +146,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fds, model, run_id = raise_fd_limit(), model_dir(), stamp()
     prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed) if args.client == "httpx" else None
-    print(f"burst: {args.num_prompts} requests, {args.max_concurrency or args.num_prompts} at once, client "
-          f"{args.client}, {args.input_len} -> {args.output_len} tokens, open files limit {fds}", flush=True)
+    print(
+        f"burst: {args.num_prompts} requests, {args.max_concurrency or args.num_prompts} at once, client "
+        f"{args.client}, {args.input_len} -> {args.output_len} tokens, open files limit {fds}",
+        flush=True,
+    )
     results = {"conveyor": run_conveyor(model, prompts, args, args.out, run_id)}
     if not args.skip_vllm:
         results["vllm"] = run_vllm(model, prompts, args, args.out, run_id)

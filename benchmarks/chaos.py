@@ -75,6 +75,7 @@ async def load(url: str, clients: int, tokens: int, timeout_s: float, until: flo
                 out.append((started, outcome, latency))
                 if outcome in ("refused", "conn_lost"):
                     await asyncio.sleep(0.2)  # the gateway is restarting: do not spin on refused connections
+
     await asyncio.gather(*[loop() for _ in range(clients)])
 
 
@@ -99,9 +100,18 @@ def summarize(service: str, records: list, bounds: dict, kills: int) -> list[dic
         mine = [r for r in records if lo <= r[0] < hi]
         counts = Counter(o for _t, o, _l in mine)
         ok = [lat for _t, o, lat in mine if o == "ok"]
-        rows.append({"service": service, "phase": phase, "requests": len(mine), **{o: counts.get(o, 0) for o in OUTCOMES},
-                     "ok_per_s": len(ok) / (hi - lo), "p50_s": percentile(ok, 50), "p99_s": percentile(ok, 99),
-                     "kills": kills if phase == "fault" else 0})
+        rows.append(
+            {
+                "service": service,
+                "phase": phase,
+                "requests": len(mine),
+                **{o: counts.get(o, 0) for o in OUTCOMES},
+                "ok_per_s": len(ok) / (hi - lo),
+                "p50_s": percentile(ok, 50),
+                "p99_s": percentile(ok, 99),
+                "kills": kills if phase == "fault" else 0,
+            }
+        )
     return rows
 
 
@@ -145,11 +155,23 @@ def main() -> None:
         for service in args.services.split(","):
             wait_ready(up.url)
             rows += run_service(up, service, args)
-            print_table(["service", "phase", "requests", *OUTCOMES, "ok/s", "p50 s", "p99 s", "kills"],
-                        [[r["service"], r["phase"], r["requests"], *[r[o] for o in OUTCOMES], f"{r['ok_per_s']:.1f}",
-                          f"{r['p50_s'] or 0:.2f}", f"{r['p99_s'] or 0:.2f}", r["kills"]] for r in rows[-3:]])
-    path = write_json(args.out, "chaos", {"args": {k: str(v) for k, v in vars(args).items()},
-                                                     "rows": rows})
+            print_table(
+                ["service", "phase", "requests", *OUTCOMES, "ok/s", "p50 s", "p99 s", "kills"],
+                [
+                    [
+                        r["service"],
+                        r["phase"],
+                        r["requests"],
+                        *[r[o] for o in OUTCOMES],
+                        f"{r['ok_per_s']:.1f}",
+                        f"{r['p50_s'] or 0:.2f}",
+                        f"{r['p99_s'] or 0:.2f}",
+                        r["kills"],
+                    ]
+                    for r in rows[-3:]
+                ],
+            )
+    path = write_json(args.out, "chaos", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"results: {path}")
 
 

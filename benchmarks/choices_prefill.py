@@ -22,17 +22,25 @@ from shared.settings import CommonSettings
 
 def run(engine: LLMEngine, prompt: list[int], n: int, max_tokens: int, group: str) -> dict:
     for i in range(n):
-        engine.add_request(EngineRequest(f"{group or 'alone'}-{i}", prompt,
-                                         SamplingOptions(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                                         ignore_eos=True), group_id=group))
+        engine.add_request(
+            EngineRequest(
+                f"{group or 'alone'}-{i}",
+                prompt,
+                SamplingOptions(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True),
+                group_id=group,
+            )
+        )
     t0, first, prefill = time.perf_counter(), {}, 0
     while engine.has_unfinished():
         result = engine.step()
         prefill += result.num_prefill_tokens
         for out in result.outputs:
             first.setdefault(out.request_id, time.perf_counter() - t0)
-    return {"prefill_tokens": prefill, "last_first_token_s": round(max(first.values()), 3),
-            "total_s": round(time.perf_counter() - t0, 3)}
+    return {
+        "prefill_tokens": prefill,
+        "last_first_token_s": round(max(first.values()), 3),
+        "total_s": round(time.perf_counter() - t0, 3),
+    }
 
 
 def main() -> None:
@@ -48,8 +56,11 @@ def main() -> None:
     run(engine, prompt[:64], 1, 2, "")  # warm-up (kernels, allocator), on another prompt
     for label, group in (("group", "g"), ("unrelated", "")):
         fresh = LLMEngine(engine.runner, engine.config, engine.eos_token_ids, engine.vocab_size, engine.model_max_len)
-        print(label, {"n": a.n, "prompt": a.prompt, "max_tokens": a.max_tokens,
-                      **run(fresh, prompt, a.n, a.max_tokens, group)}, flush=True)
+        print(
+            label,
+            {"n": a.n, "prompt": a.prompt, "max_tokens": a.max_tokens, **run(fresh, prompt, a.n, a.max_tokens, group)},
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -132,8 +132,15 @@ def wait_http(url: str, ok, proc: subprocess.Popen, timeout: float, what: str) -
 class ConveyorUp:
     """`conveyor up` as a child process on a free port; stderr (every service's log) goes to log_path."""
 
-    def __init__(self, log_path: Path, workers: int = 1, redis_url: str | None = None, env: dict | None = None,
-                 args: list[str] | None = None, root: Path = ROOT):
+    def __init__(
+        self,
+        log_path: Path,
+        workers: int = 1,
+        redis_url: str | None = None,
+        env: dict | None = None,
+        args: list[str] | None = None,
+        root: Path = ROOT,
+    ):
         """root: the source tree the cluster runs (another checkout, for a before/after comparison)."""
         self.log_path, self.workers, self.redis_url = Path(log_path), workers, redis_url
         self.root = Path(root)
@@ -148,17 +155,33 @@ class ConveyorUp:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> "ConveyorUp":
-        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--workers", str(self.workers),
-               *(["--redis-url", self.redis_url] if self.redis_url else []), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
+            *(["--redis-url", self.redis_url] if self.redis_url else []),
+            *self.args,
+        ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=self.root,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            preexec_fn=die_with_parent,
+        )
         threading.Thread(target=self._read_stdout, daemon=True).start()
         t0 = time.monotonic()
         wait_http(f"{self.url}/ready", self._ready.is_set, self.proc, timeout, "conveyor up")
-        print(f"conveyor up ready on {self.url} after {time.monotonic() - t0:.0f} s (log: {self.log_path})",
-              flush=True)
+        print(f"conveyor up ready on {self.url} after {time.monotonic() - t0:.0f} s (log: {self.log_path})", flush=True)
         return self
 
     def _read_stdout(self) -> None:
@@ -237,8 +260,7 @@ def redis_memory(url: str) -> dict:
     r = redis.Redis.from_url(url, socket_timeout=5)
     try:
         info = r.info("memory")
-        return {"used_memory": info["used_memory"], "used_memory_rss": info["used_memory_rss"],
-                "keys": r.dbsize()}
+        return {"used_memory": info["used_memory"], "used_memory_rss": info["used_memory_rss"], "keys": r.dbsize()}
     finally:
         r.close()
 
@@ -268,8 +290,11 @@ def key_census(url: str, names) -> dict:
         for k in shared_keys:
             pipe.memory_usage(k)
         sizes = {k.removeprefix(names.ns + ":"): b or 0 for k, b in zip(shared_keys, pipe.execute())}
-        return {"families": dict(families), "no_ttl": dict(no_ttl),
-                "shared_bytes": dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:25])}
+        return {
+            "families": dict(families),
+            "no_ttl": dict(no_ttl),
+            "shared_bytes": dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:25]),
+        }
     finally:
         r.close()
 
@@ -289,12 +314,18 @@ class VllmServe:
     def start(self, timeout: float = 900.0) -> "VllmServe":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(["bash", str(PEERS_SCRIPT), "serve", str(self.model), str(self.port),
-                                      *self.extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["bash", str(PEERS_SCRIPT), "serve", str(self.model), str(self.port), *self.extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         t0 = time.monotonic()
         wait_http(f"http://127.0.0.1:{self.port}/v1/models", lambda: False, self.proc, timeout, "vllm serve")
-        print(f"vllm serve ready on port {self.port} after {time.monotonic() - t0:.0f} s (log: {self.log_path})",
-              flush=True)
+        print(
+            f"vllm serve ready on port {self.port} after {time.monotonic() - t0:.0f} s (log: {self.log_path})",
+            flush=True,
+        )
         return self
 
     def stop(self) -> None:
@@ -316,6 +347,7 @@ class VllmServe:
 
 def start_hogs(n: int, nice: int = 0) -> list[subprocess.Popen]:
     """n CPU-bound processes (Python busy loops) beside whatever server runs; they die with this process."""
+
     def pre() -> None:
         die_with_parent()
         if nice:
@@ -345,6 +377,7 @@ def hogs_cpu_s(hogs: list[subprocess.Popen]) -> float:
 
 # The burst client: an async httpx client in this process, OpenAI /v1/completions, as vLLM's random dataset.
 
+
 def random_prompts(model: Path, n: int, length: int, seed: int) -> list[str]:
     """Random token ids decoded to text, as vLLM's random dataset does (re-encoded, the length may vary by a few)."""
     from transformers import AutoTokenizer  # only the httpx client needs it
@@ -354,14 +387,29 @@ def random_prompts(model: Path, n: int, length: int, seed: int) -> list[str]:
     return [tok.decode([rng.randrange(100, tok.vocab_size) for _ in range(length)]) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, max_tokens: int,
-                      t_burst: float | None = None) -> dict:
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: str, stream: bool, max_tokens: int, t_burst: float | None = None
+) -> dict:
     """One completion; the record says its status, error code, Retry-After, tokens, TTFT and latency (seconds
     from its own send), and when it was sent and ended relative to t_burst (perf_counter) when given."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-    rec = {"stream": stream, "status": None, "ttft": None, "tokens": 0, "error": None, "message": None,
-           "retry_after": None}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+    rec = {
+        "stream": stream,
+        "status": None,
+        "ttft": None,
+        "tokens": 0,
+        "error": None,
+        "message": None,
+        "retry_after": None,
+    }
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -399,8 +447,15 @@ async def read_stream(r: httpx.Response, rec: dict, t0: float) -> None:
             rec["tokens"] = event["usage"]["completion_tokens"]
 
 
-async def httpx_burst(url: str, prompts: list[str], max_tokens: int, stream_share: float, seed: int,
-                      max_concurrency: int = 0, client_timeout: float = 0) -> tuple[list[dict], float, dict]:
+async def httpx_burst(
+    url: str,
+    prompts: list[str],
+    max_tokens: int,
+    stream_share: float,
+    seed: int,
+    max_concurrency: int = 0,
+    client_timeout: float = 0,
+) -> tuple[list[dict], float, dict]:
     """One warm-up request (not counted: first requests pay one-off costs), then every prompt at once (or
     max_concurrency at a time); a stream_share of them streamed. Returns the records, the burst's duration (s)
     and the warm-up's record. client_timeout 0: none, the server's deadlines apply."""
@@ -423,9 +478,14 @@ async def httpx_burst(url: str, prompts: list[str], max_tokens: int, stream_shar
 
 # vLLM's own benchmark client, `vllm bench serve` (the peers script's `bench` verb), against either server.
 # Its result lines ("Label:   number") -> our keys.
-BENCH_KEYS = {"Successful requests": "successful", "Failed requests": "failed",
-              "Benchmark duration (s)": "duration_s", "Output token throughput (tok/s)": "output_throughput",
-              "Mean TTFT (ms)": "mean_ttft_ms", "P99 TTFT (ms)": "p99_ttft_ms"}
+BENCH_KEYS = {
+    "Successful requests": "successful",
+    "Failed requests": "failed",
+    "Benchmark duration (s)": "duration_s",
+    "Output token throughput (tok/s)": "output_throughput",
+    "Mean TTFT (ms)": "mean_ttft_ms",
+    "P99 TTFT (ms)": "p99_ttft_ms",
+}
 
 
 def parse_bench_output(text: str, num_prompts: int) -> dict:
@@ -448,16 +508,50 @@ def bench_errors(result_file: Path) -> list:
     return Counter(str(e).strip()[:200] for e in errors if e).most_common(10)
 
 
-def run_vllm_bench(port: int, model: Path, out: Path, name: str, *, input_len: int, output_len: int,
-                   num_prompts: int, max_concurrency: int = 0, seed: int = 0, timeout: float = 0) -> dict:
+def run_vllm_bench(
+    port: int,
+    model: Path,
+    out: Path,
+    name: str,
+    *,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    max_concurrency: int = 0,
+    seed: int = 0,
+    timeout: float = 0,
+) -> dict:
     """`vllm bench serve`: random dataset, --ignore-eos, request rate inf, num_prompts (max_concurrency at once,
     default all); its output goes to out/NAME-client.log and its detailed result to out/NAME-vllm-bench.json."""
     result_file = f"{name}-vllm-bench.json"
-    cmd = ["bash", str(PEERS_SCRIPT), "bench", str(port), str(model), "--dataset-name", "random",
-           "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-           "--num-prompts", str(num_prompts), "--max-concurrency", str(max_concurrency or num_prompts),
-           "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
-           "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", result_file]
+    cmd = [
+        "bash",
+        str(PEERS_SCRIPT),
+        "bench",
+        str(port),
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(max_concurrency or num_prompts),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        result_file,
+    ]
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or None)
     (out / f"{name}-client.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)

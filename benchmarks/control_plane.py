@@ -25,8 +25,17 @@ import time
 from pathlib import Path
 
 from benchmarks import control_plane_measure as m
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, model_dir, percentile,
-                               raise_fd_limit, stamp, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    MODEL_NAME,
+    ConveyorUp,
+    log_summary,
+    model_dir,
+    percentile,
+    raise_fd_limit,
+    stamp,
+    write_json,
+)
 from benchmarks.sse_client import Connection, StreamRecord, check, request_body
 
 # Chosen so that the engine is never the bottleneck (docs/benchmarks.md explains each).
@@ -59,8 +68,15 @@ def expected_texts(api: str, texts: list[str], max_tokens: int) -> list[str]:
     out = []
     for text in texts:
         chat = (ChatMessage("user", text),) if api == "chat" else None
-        ev = RequestReceived(request_id="x", reply_to="x", prompt=None if chat else text, messages=chat,
-                             sampling=Sampling(max_tokens=max_tokens), deadline=0, received_at=0)
+        ev = RequestReceived(
+            request_id="x",
+            reply_to="x",
+            prompt=None if chat else text,
+            messages=chat,
+            sampling=Sampling(max_tokens=max_tokens),
+            deadline=0,
+            received_at=0,
+        )
         key = sequence_key(pre.token_ids(ev), 0)  # greedy: seed 0
         ids = [vocab.next_token(key, i, frozenset(), True, 0.0) for i in range(max_tokens)]
         out.append(pre.tok.decode(ids))
@@ -98,15 +114,25 @@ def client_figures(recs: list[StreamRecord], expected: list[str], args) -> dict:
     ttft = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]  # between events with text (an event may carry several tokens)
     tpot = [sum(r.gaps) / (args.max_tokens - 1) for r in ok if args.max_tokens > 1]  # per token, first to last
-    return {"requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok), "failures": failures,
-            "tokens": sum(r.completion_tokens or 0 for r in ok), "events": sum(len(r.text) for r in recs),
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
-            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+    return {
+        "requests": len(recs),
+        "ok": len(ok),
+        "failed": len(recs) - len(ok),
+        "failures": failures,
+        "tokens": sum(r.completion_tokens or 0 for r in ok),
+        "events": sum(len(r.text) for r in recs),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
+    }
 
 
-def level_figures(n: int, recs, t0: float, t1: float, before: dict, after: dict, cluster_probe, args,
-                  expected: list[str]) -> dict:
+def level_figures(
+    n: int, recs, t0: float, t1: float, before: dict, after: dict, cluster_probe, args, expected: list[str]
+) -> dict:
     sampler, probe, steps_dir = cluster_probe
     c = client_figures(recs, expected, args)
     eng = m.engine_own(m.read_steps(steps_dir, t0, t1))
@@ -116,21 +142,50 @@ def level_figures(n: int, recs, t0: float, t1: float, before: dict, after: dict,
     health = probe.between(t0, t1)
     lat = [h[1] for h in health if h[1] is not None]
     eng.update(tpot_p50=eng["itl_p50"], tpot_p99=eng["itl_p99"])  # the engine gives a token per step
-    added = {f"{k}_added_{p}": (c[f"{k}_{p}"] - eng[f"{k}_{p}"]) if c[f"{k}_{p}"] is not None
-             and eng[f"{k}_{p}"] is not None else None for k in ("ttft", "itl", "tpot") for p in ("p50", "p99")}
-    return {"streams": n, "t0": t0, "t1": t1, "duration_s": t1 - t0, **c, "engine": eng, **added,
-            "tokens_per_s": c["tokens"] / (t1 - t0),
-            "cpu_s": cpu, "cpu_s_per_1k_tokens": {k: v / tokens * 1000 for k, v in cpu.items()},
-            "redis_commands": sum(cmds.values()), "redis_commands_per_token": sum(cmds.values()) / tokens,
-            "redis_top_commands": sorted(cmds.items(), key=lambda kv: -kv[1])[:10],
-            "redis_nodes": m.node_figures(before, after, tokens),
-            "redis_after": after["redis"], "rss_after": after["rss"], "peak": sampler.peak(t0, t1),
-            "health": {"probes": len(health), "failed": len(health) - len(lat), "p50": percentile(lat, 50),
-                       "p99": percentile(lat, 99), "max": max(lat, default=None)}}
+    added = {
+        f"{k}_added_{p}": (c[f"{k}_{p}"] - eng[f"{k}_{p}"])
+        if c[f"{k}_{p}"] is not None and eng[f"{k}_{p}"] is not None
+        else None
+        for k in ("ttft", "itl", "tpot")
+        for p in ("p50", "p99")
+    }
+    return {
+        "streams": n,
+        "t0": t0,
+        "t1": t1,
+        "duration_s": t1 - t0,
+        **c,
+        "engine": eng,
+        **added,
+        "tokens_per_s": c["tokens"] / (t1 - t0),
+        "cpu_s": cpu,
+        "cpu_s_per_1k_tokens": {k: v / tokens * 1000 for k, v in cpu.items()},
+        "redis_commands": sum(cmds.values()),
+        "redis_commands_per_token": sum(cmds.values()) / tokens,
+        "redis_top_commands": sorted(cmds.items(), key=lambda kv: -kv[1])[:10],
+        "redis_nodes": m.node_figures(before, after, tokens),
+        "redis_after": after["redis"],
+        "rss_after": after["rss"],
+        "peak": sampler.peak(t0, t1),
+        "health": {
+            "probes": len(health),
+            "failed": len(health) - len(lat),
+            "p50": percentile(lat, 50),
+            "p99": percentile(lat, 99),
+            "max": max(lat, default=None),
+        },
+    }
 
 
-def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str], out: Path, run_id: str,
-               target: m.RedisTarget | None = None) -> list:
+def run_levels(
+    cluster: ConveyorUp,
+    args,
+    texts: list[str],
+    expected: list[str],
+    out: Path,
+    run_id: str,
+    target: m.RedisTarget | None = None,
+) -> list:
     """Every level of args.levels on this cluster, one after the other; target: the Redis it runs on (default:
     the one redis-server `conveyor up` started or was given)."""
     target = target or m.RedisTarget.single(cluster.find_redis_url())
@@ -147,8 +202,7 @@ def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str],
             results.append(fig)
             print_level(fig)
         time.sleep(args.idle)
-        results.append({"idle_after_s": args.idle, "rss": m.rss_by_service(cluster),
-                        "redis": target.memory()})
+        results.append({"idle_after_s": args.idle, "rss": m.rss_by_service(cluster), "redis": target.memory()})
     finally:
         probe.stop()
         sampler.stop()
@@ -156,28 +210,42 @@ def run_levels(cluster: ConveyorUp, args, texts: list[str], expected: list[str],
 
 
 def print_level(f: dict) -> None:
-    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"
-    print(f"\n== {f['streams']} streams: {f['requests']} requests, {f['ok']} ok, {f['failed']} failed "
-          f"{f['failures'] or ''}in {f['duration_s']:.1f} s, {f['tokens_per_s']:.0f} tok/s", flush=True)
+    def ms(v) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    print(
+        f"\n== {f['streams']} streams: {f['requests']} requests, {f['ok']} ok, {f['failed']} failed "
+        f"{f['failures'] or ''}in {f['duration_s']:.1f} s, {f['tokens_per_s']:.0f} tok/s",
+        flush=True,
+    )
     e = f["engine"]
     for k in ("ttft", "itl", "tpot"):
-        print(f"  {k}: client p50 {ms(f[k + '_p50'])} / p99 {ms(f[k + '_p99'])} ms; engine's own p50 "
-              f"{ms(e[k + '_p50'])} / p99 {ms(e[k + '_p99'])} ms; added p50 {ms(f[k + '_added_p50'])} / p99 "
-              f"{ms(f[k + '_added_p99'])} ms")
+        print(
+            f"  {k}: client p50 {ms(f[k + '_p50'])} / p99 {ms(f[k + '_p99'])} ms; engine's own p50 "
+            f"{ms(e[k + '_p50'])} / p99 {ms(e[k + '_p99'])} ms; added p50 {ms(f[k + '_added_p50'])} / p99 "
+            f"{ms(f[k + '_added_p99'])} ms"
+        )
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(f["cpu_s_per_1k_tokens"].items()))
     print(f"  CPU s per 1k tokens: {cpu}")
-    print(f"  Redis: {f['redis_commands_per_token']:.2f} commands/token (top {f['redis_top_commands'][:5]}), "
-          f"used_memory {f['redis_after']['used_memory'] / 2**20:.1f} MiB, keys {f['redis_after']['keys']}")
+    print(
+        f"  Redis: {f['redis_commands_per_token']:.2f} commands/token (top {f['redis_top_commands'][:5]}), "
+        f"used_memory {f['redis_after']['used_memory'] / 2**20:.1f} MiB, keys {f['redis_after']['keys']}"
+    )
     for label, n in f["redis_nodes"].items():
         share = "" if n["share"] is None else f" ({n['share']:.0%} of the masters')"
-        print(f"    {label} ({n['role']}): {n['commands_per_token']:.2f} commands/token{share}, CPU "
-              f"{n['cpu_s_per_1k_tokens']:.3f} s per 1k tokens ({n['cpu_core_share']:.0%} of a core)")
+        print(
+            f"    {label} ({n['role']}): {n['commands_per_token']:.2f} commands/token{share}, CPU "
+            f"{n['cpu_s_per_1k_tokens']:.3f} s per 1k tokens ({n['cpu_core_share']:.0%} of a core)"
+        )
     rss = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(f["rss_after"].items()))
     print(f"  RSS MiB after: {rss}")
     print(f"  most requests in each state at once: {f['peak']['max_in_state']}")
     h = f["health"]
-    print(f"  /health: {h['probes']} probes, {h['failed']} failed, p50 {ms(h['p50'])} p99 {ms(h['p99'])} "
-          f"max {ms(h['max'])} ms", flush=True)
+    print(
+        f"  /health: {h['probes']} probes, {h['failed']} failed, p50 {ms(h['p50'])} p99 {ms(h['p99'])} "
+        f"max {ms(h['max'])} ms",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -201,17 +269,26 @@ def main() -> None:
     env = {**CLUSTER_ENV, "CONVEYOR_SIM_STEP_LOG_DIR": str(args.steps_dir), **dict(s.split("=", 1) for s in args.set)}
     texts = prompts(args.prompts)
     expected = expected_texts(args.api, texts, args.max_tokens)
-    print(f"control plane: levels {args.levels}, {args.duration:.0f} s each, {args.api}, {args.max_tokens} tokens, "
-          f"{args.workers} sim workers, open files limit {fds}, settings {env}", flush=True)
+    print(
+        f"control plane: levels {args.levels}, {args.duration:.0f} s each, {args.api}, {args.max_tokens} tokens, "
+        f"{args.workers} sim workers, open files limit {fds}, settings {env}",
+        flush=True,
+    )
     log = args.out / f"control_plane-{run_id}-conveyor.log"
     with ConveyorUp(log, workers=args.workers, env=env, args=["--engine", "sim"]) as cluster:
         results = run_levels(cluster, args, texts, expected, args.out, run_id)
-    data = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "env": env,
-            "levels": results[:-1], "idle": results[-1], "server_log": log_summary(log)}
+    data = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": env,
+        "levels": results[:-1],
+        "idle": results[-1],
+        "server_log": log_summary(log),
+    }
     path = write_json(args.out, "control_plane", data, run_id)
     print(f"wrote {path}")
     if args.plots:
         from benchmarks.control_plane_plots import plot_all
+
         print("plots:", [str(p) for p in plot_all(data, args.out, f"control-plane-{run_id}")])
 
 

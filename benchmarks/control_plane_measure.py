@@ -89,8 +89,10 @@ def node_cpu(r: redis.Redis) -> dict[str, float]:
     """CPU seconds a redis-server used since it started (INFO cpu): its own process, and its forked children
     (AOF rewrites, full syncs of a replica)."""
     info = r.info("cpu")
-    return {"cpu_s": info["used_cpu_sys"] + info["used_cpu_user"],
-            "children_cpu_s": info.get("used_cpu_sys_children", 0.0) + info.get("used_cpu_user_children", 0.0)}
+    return {
+        "cpu_s": info["used_cpu_sys"] + info["used_cpu_user"],
+        "children_cpu_s": info.get("used_cpu_sys_children", 0.0) + info.get("used_cpu_user_children", 0.0),
+    }
 
 
 def node_role(r: redis.Redis) -> str:
@@ -149,14 +151,17 @@ class RedisTarget:
         One client kept for the caller's thread (a cluster client learns the topology once)."""
         if self._client is None:
             url = next(iter(self.nodes.values()))
-            self._client = (redis.RedisCluster.from_url(url, socket_timeout=10) if self.cluster
-                            else redis.Redis.from_url(url, socket_timeout=10))
+            self._client = (
+                redis.RedisCluster.from_url(url, socket_timeout=10)
+                if self.cluster
+                else redis.Redis.from_url(url, socket_timeout=10)
+            )
         pipe = self._client.pipeline(transaction=False)
         for s in LIVE_STATES:
             for p in self.names.all_partitions:
                 pipe.zcard(self.names.state_set(p, s))
         counts, n = pipe.execute(), self.names.partitions
-        return {s: sum(counts[i * n:(i + 1) * n]) for i, s in enumerate(LIVE_STATES)}
+        return {s: sum(counts[i * n : (i + 1) * n]) for i, s in enumerate(LIVE_STATES)}
 
 
 def snapshot(cluster: ConveyorUp, target: RedisTarget) -> dict:
@@ -167,19 +172,29 @@ def node_figures(before: dict, after: dict, tokens: int) -> dict:
     """Per Redis node over a window: commands (and per token, and the share of the masters' total), CPU seconds
     (per 1,000 tokens, and as a share of one core over the window), the top commands, memory after."""
     secs = max(1e-9, after["t"] - before["t"])
-    cmds = {label: delta(after["nodes"][label]["commands"], before["nodes"][label]["commands"])
-            for label in after["nodes"]}
+    cmds = {
+        label: delta(after["nodes"][label]["commands"], before["nodes"][label]["commands"]) for label in after["nodes"]
+    }
     total = sum(sum(c.values()) for label, c in cmds.items() if after["nodes"][label]["role"] == "master") or 1
     out = {}
     for label, a in after["nodes"].items():
         b, n = before["nodes"][label], sum(cmds[label].values())
         cpu = a["cpu_s"] - b["cpu_s"]
-        out[label] = {"role": a["role"], "role_before": b["role"], "commands": n, "commands_per_token": n / tokens,
-                      "share": n / total if a["role"] == "master" else None, "commands_per_s": n / secs,
-                      "cpu_s": cpu, "cpu_s_per_1k_tokens": cpu / tokens * 1000, "cpu_core_share": cpu / secs,
-                      "children_cpu_s": a["children_cpu_s"] - b["children_cpu_s"],
-                      "top_commands": sorted(cmds[label].items(), key=lambda kv: -kv[1]),  # all, most first
-                      "used_memory": a["used_memory"], "keys": a["keys"]}
+        out[label] = {
+            "role": a["role"],
+            "role_before": b["role"],
+            "commands": n,
+            "commands_per_token": n / tokens,
+            "share": n / total if a["role"] == "master" else None,
+            "commands_per_s": n / secs,
+            "cpu_s": cpu,
+            "cpu_s_per_1k_tokens": cpu / tokens * 1000,
+            "cpu_core_share": cpu / secs,
+            "children_cpu_s": a["children_cpu_s"] - b["children_cpu_s"],
+            "top_commands": sorted(cmds[label].items(), key=lambda kv: -kv[1]),  # all, most first
+            "used_memory": a["used_memory"],
+            "keys": a["keys"],
+        }
     return out
 
 
@@ -217,10 +232,15 @@ def engine_own(steps: list[dict]) -> dict:
     its prompt (sampled sequences that were not decoding)."""
     itl = [(s["modelled_s"], s["decode_seqs"]) for s in steps]
     ttft = [(s["modelled_s"], s["sampled"] - s["decode_seqs"]) for s in steps]
-    return {"steps": len(steps), "modelled_s": sum(s["modelled_s"] for s in steps),
-            "ttft_p50": weighted_percentile(ttft, 50), "ttft_p99": weighted_percentile(ttft, 99),
-            "itl_p50": weighted_percentile(itl, 50), "itl_p99": weighted_percentile(itl, 99),
-            "max_decode_batch": max((s["decode_seqs"] for s in steps), default=0)}
+    return {
+        "steps": len(steps),
+        "modelled_s": sum(s["modelled_s"] for s in steps),
+        "ttft_p50": weighted_percentile(ttft, 50),
+        "ttft_p99": weighted_percentile(ttft, 99),
+        "itl_p50": weighted_percentile(itl, 50),
+        "itl_p99": weighted_percentile(itl, 99),
+        "max_decode_batch": max((s["decode_seqs"] for s in steps), default=0),
+    }
 
 
 class HealthProbe:
@@ -254,8 +274,14 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.samples.append({"t": time.time(), "rss": rss_by_service(self.cluster),
-                                     "redis": self.target.memory(), "states": self.target.states()})
+                self.samples.append(
+                    {
+                        "t": time.time(),
+                        "rss": rss_by_service(self.cluster),
+                        "redis": self.target.memory(),
+                        "states": self.target.states(),
+                    }
+                )
             except (psutil.Error, redis.RedisError):
                 continue
 

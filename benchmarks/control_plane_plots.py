@@ -15,30 +15,45 @@ LOG_Y = ("ttft-added", "health-latency")  # spanning orders of magnitude (always
 
 def _series(levels: list[dict]) -> dict[str, tuple[str, dict[str, list]]]:
     """metric file stem -> (y label, line label -> values per level)."""
-    ms = lambda key: [None if f.get(key) is None else f[key] * 1000 for f in levels]  # noqa: E731
-    per_service = lambda key, scale=1.0: {s: [f[key].get(s, 0) * scale for f in levels] for s in SERVICES}
+
+    def ms(key: str) -> list:
+        return [None if f.get(key) is None else f[key] * 1000 for f in levels]
+
+    def per_service(key: str, scale: float = 1.0) -> dict:
+        return {s: [f[key].get(s, 0) * scale for f in levels] for s in SERVICES}
+
     return {
         "ttft-added": ("TTFT added by the pipeline (ms)", {"p50": ms("ttft_added_p50"), "p99": ms("ttft_added_p99")}),
         "itl-added": ("ITL added by the pipeline (ms)", {"p50": ms("itl_added_p50"), "p99": ms("itl_added_p99")}),
-        "tpot-added": ("TPOT added by the pipeline (ms)", {"p50": ms("tpot_added_p50"),
-                                                            "p99": ms("tpot_added_p99")}),
+        "tpot-added": ("TPOT added by the pipeline (ms)", {"p50": ms("tpot_added_p50"), "p99": ms("tpot_added_p99")}),
         "tokens-per-s": ("tokens/s delivered", {"tokens/s": [f["tokens_per_s"] for f in levels]}),
         "cpu-per-1k-tokens": ("CPU seconds per 1,000 tokens", per_service("cpu_s_per_1k_tokens")),
-        "redis-commands-per-token": ("Redis commands per token",
-                                     {"commands/token": [f["redis_commands_per_token"] for f in levels]}),
-        "redis-memory": ("Redis used_memory (MiB)",
-                         {"after the level": [f["redis_after"]["used_memory"] / MIB for f in levels],
-                          "peak in the level": [(f["peak"]["redis_used_memory"] or 0) / MIB for f in levels]}),
+        "redis-commands-per-token": (
+            "Redis commands per token",
+            {"commands/token": [f["redis_commands_per_token"] for f in levels]},
+        ),
+        "redis-memory": (
+            "Redis used_memory (MiB)",
+            {
+                "after the level": [f["redis_after"]["used_memory"] / MIB for f in levels],
+                "peak in the level": [(f["peak"]["redis_used_memory"] or 0) / MIB for f in levels],
+            },
+        ),
         "rss": ("RSS after the level (MiB)", per_service("rss_after", 1 / MIB)),
-        "health-latency": ("/health latency while streams are open (ms)",
-                           {"p50": [(f["health"]["p50"] or 0) * 1000 for f in levels],
-                            "p99": [(f["health"]["p99"] or 0) * 1000 for f in levels],
-                            "max": [(f["health"]["max"] or 0) * 1000 for f in levels]}),
+        "health-latency": (
+            "/health latency while streams are open (ms)",
+            {
+                "p50": [(f["health"]["p50"] or 0) * 1000 for f in levels],
+                "p99": [(f["health"]["p99"] or 0) * 1000 for f in levels],
+                "max": [(f["health"]["max"] or 0) * 1000 for f in levels],
+            },
+        ),
     }
 
 
 def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -49,11 +64,23 @@ def plot_all(data: dict, out: Path, prefix: str, before: dict | None = None) -> 
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for i, (label, ys) in enumerate(lines.items()):
             color = f"C{i}"
-            ax.plot([f["streams"] for f in data["levels"]], ys, marker="o", color=color,
-                    label=label + (" (after)" if before else ""))
+            ax.plot(
+                [f["streams"] for f in data["levels"]],
+                ys,
+                marker="o",
+                color=color,
+                label=label + (" (after)" if before else ""),
+            )
             if stem in old and label in old[stem][1]:
-                ax.plot([f["streams"] for f in before["levels"]], old[stem][1][label], marker="x", ls="--",
-                        color=color, alpha=0.6, label=f"{label} (before)")
+                ax.plot(
+                    [f["streams"] for f in before["levels"]],
+                    old[stem][1][label],
+                    marker="x",
+                    ls="--",
+                    color=color,
+                    alpha=0.6,
+                    label=f"{label} (before)",
+                )
         ax.set_xscale("log")
         if stem in LOG_Y:
             ax.set_yscale("log")
@@ -92,20 +119,27 @@ def markdown_table(data: dict) -> str:
         ("ITL (between events) p50 / p99 ms", lambda f: f"{ms(f['itl_p50'])} / {ms(f['itl_p99'])}"),
         ("TPOT p50 / p99 ms (client)", lambda f: f"{ms(f.get('tpot_p50'))} / {ms(f.get('tpot_p99'))}"),
         ("engine's own ITL p50 / p99 ms", lambda f: f"{ms(f['engine']['itl_p50'])} / {ms(f['engine']['itl_p99'])}"),
-        ("**ITL added** (TPOT − engine) p50 / p99 ms",
-         lambda f: f"{ms(f.get('tpot_added_p50'))} / {ms(f.get('tpot_added_p99'))}"),
-        *[(f"CPU s / 1k tokens: {_named(s)}", _getter("cpu_s_per_1k_tokens", s, lambda v: f"{v:.3f}"))
-          for s in SERVICES],
+        (
+            "**ITL added** (TPOT − engine) p50 / p99 ms",
+            lambda f: f"{ms(f.get('tpot_added_p50'))} / {ms(f.get('tpot_added_p99'))}",
+        ),
+        *[
+            (f"CPU s / 1k tokens: {_named(s)}", _getter("cpu_s_per_1k_tokens", s, lambda v: f"{v:.3f}"))
+            for s in SERVICES
+        ],
         ("Redis commands / token", lambda f: f"{f['redis_commands_per_token']:.2f}"),
-        ("Redis used_memory MiB (after / peak)",
-         lambda f: f"{mib(f['redis_after']['used_memory'])} / {mib(f['peak']['redis_used_memory'] or 0)}"),
+        (
+            "Redis used_memory MiB (after / peak)",
+            lambda f: f"{mib(f['redis_after']['used_memory'])} / {mib(f['peak']['redis_used_memory'] or 0)}",
+        ),
         *[(f"RSS MiB after: {_named(s)}", _getter("rss_after", s, mib)) for s in SERVICES],
-        ("/health p50 / p99 / max ms",
-         lambda f: f"{ms(f['health']['p50'])} / {ms(f['health']['p99'])} / {ms(f['health']['max'])}"),
+        (
+            "/health p50 / p99 / max ms",
+            lambda f: f"{ms(f['health']['p50'])} / {ms(f['health']['p99'])} / {ms(f['health']['max'])}",
+        ),
     ]
     levels = data["levels"]
-    out = ["| | " + " | ".join(f"{f['streams']:,} streams" for f in levels) + " |",
-           "|---|" + "---|" * len(levels)]
+    out = ["| | " + " | ".join(f"{f['streams']:,} streams" for f in levels) + " |", "|---|" + "---|" * len(levels)]
     out += [f"| {name} | " + " | ".join(get(f) for f in levels) + " |" for name, get in rows]
     return "\n".join(out)
 

@@ -21,17 +21,37 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import (DEFAULT_OUT, ConveyorUp, log_summary, percentile, print_table, stamp, start_hogs,
-                               stop_hogs, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    ConveyorUp,
+    log_summary,
+    percentile,
+    print_table,
+    stamp,
+    start_hogs,
+    stop_hogs,
+    write_json,
+)
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",
-           "List three fruits.", "Why is the sky blue?", "Tell me a fun fact about octopuses.",
-           "What is photosynthesis?", "Give three tips for a job interview."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Why is the sky blue?",
+    "Tell me a fun fact about octopuses.",
+    "What is photosynthesis?",
+    "Give three tips for a job interview.",
+]
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": 0,
-            "ignore_eos": not args.allow_eos}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": not args.allow_eos,
+    }
     t0 = time.perf_counter()
     rec: dict = {"prompt": prompt}
     try:
@@ -39,12 +59,17 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:
         data = r.json()
         rec.update(status=r.status_code, request_id=r.headers.get("x-request-id"))
         if r.status_code == 200:
-            rec.update(finish_reason=data["finish_reason"], tokens=data["usage"]["completion_tokens"],
-                       metrics=data.get("metrics"))
+            rec.update(
+                finish_reason=data["finish_reason"],
+                tokens=data["usage"]["completion_tokens"],
+                metrics=data.get("metrics"),
+            )
         else:
             err = data.get("error") or {}
-            rec.update(error=f"{err.get('code')}: {err.get('message')}",
-                       partial_tokens=len((err.get("partial") or {}).get("token_ids") or []))
+            rec.update(
+                error=f"{err.get('code')}: {err.get('message')}",
+                partial_tokens=len((err.get("partial") or {}).get("token_ids") or []),
+            )
     except (httpx.HTTPError, ValueError) as e:
         rec.update(status=None, error=f"{type(e).__name__}: {e}")
     rec["latency_s"] = time.perf_counter() - t0
@@ -53,8 +78,9 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:
 
 async def run_suite(url: str, concurrency: int, args) -> list[dict]:
     sem = asyncio.Semaphore(concurrency)
-    prompts = (PROMPTS[:args.prompts] * args.repeat)
+    prompts = PROMPTS[: args.prompts] * args.repeat
     async with httpx.AsyncClient(timeout=None) as client:  # no client timeout: the adaptive deadline applies
+
         async def limited(p: str) -> dict:
             async with sem:
                 return await one(client, url, p, args)
@@ -70,8 +96,11 @@ def run_phase(url: str, phase: str, args) -> list[dict]:
         for r in got:
             r.update(phase=phase, mode=mode)
         bad = [r for r in got if r["status"] != 200]
-        print(f"{phase:8s} {mode:14s} {len(got)} requests in {time.monotonic() - t0:6.1f} s, "
-              f"{len(bad)} not 200, load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"{phase:8s} {mode:14s} {len(got)} requests in {time.monotonic() - t0:6.1f} s, "
+            f"{len(bad)} not 200, load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
         recs += got
     return recs
 
@@ -83,26 +112,37 @@ def summarise(recs: list[dict]) -> list[dict]:
     out = []
     for (phase, mode), rs in groups.items():
         lat = [r["latency_s"] for r in rs if r["status"] == 200]
-        out.append({"phase": phase, "mode": mode, "n": len(rs), "ok": sum(r["status"] == 200 for r in rs),
-                    "504": sum(r["status"] == 504 for r in rs),
-                    "other": sum(r["status"] not in (200, 504) for r in rs),
-                    "p50_s": percentile(lat, 50), "max_s": max(lat) if lat else None,
-                    "all_latencies_s": [round(r["latency_s"], 2) for r in rs]})
+        out.append(
+            {
+                "phase": phase,
+                "mode": mode,
+                "n": len(rs),
+                "ok": sum(r["status"] == 200 for r in rs),
+                "504": sum(r["status"] == 504 for r in rs),
+                "other": sum(r["status"] not in (200, 504) for r in rs),
+                "p50_s": percentile(lat, 50),
+                "max_s": max(lat) if lat else None,
+                "all_latencies_s": [round(r["latency_s"], 2) for r in rs],
+            }
+        )
     return out
 
 
 def report(summary: list[dict], recs: list[dict]) -> None:
-    print_table(["phase", "mode", "n", "200", "504", "other", "p50 s (200s)", "max s (200s)"],
-                [[s["phase"], s["mode"], s["n"], s["ok"], s["504"], s["other"], s["p50_s"], s["max_s"]]
-                 for s in summary])
+    print_table(
+        ["phase", "mode", "n", "200", "504", "other", "p50 s (200s)", "max s (200s)"],
+        [[s["phase"], s["mode"], s["n"], s["ok"], s["504"], s["other"], s["p50_s"], s["max_s"]] for s in summary],
+    )
     for s in summary:
         print(f"{s['phase']} {s['mode']} latencies (s, in order sent): {s['all_latencies_s']}")
     for r in recs:
         if r["status"] != 200:
             print(f"  {r['phase']} {r['mode']}: {r['status']} after {r['latency_s']:.1f} s: {r.get('error')}")
     hog = [r for r in recs if r["phase"] == "hogs"]
-    print(f"with hogs: {sum(r['status'] == 504 for r in hog)} x 504, "
-          f"{sum(r['status'] not in (200, 504) for r in hog)} other errors, of {len(hog)} (goal: 0 and 0)")
+    print(
+        f"with hogs: {sum(r['status'] == 504 for r in hog)} x 504, "
+        f"{sum(r['status'] not in (200, 504) for r in hog)} other errors, of {len(hog)} (goal: 0 and 0)"
+    )
 
 
 def main() -> None:
@@ -134,8 +174,12 @@ def main() -> None:
     report(summary, recs)
     logs = log_summary(log)
     print(f"cluster log: {logs['lines']} ERROR/WARNING lines; most frequent: {logs['top'][:5]}")
-    path = write_json(args.out, "cpu_contention", {"args": vars(args), "summary": summary, "requests": recs,
-                                                   "server_log": logs, "warm_up": warm}, run_id)
+    path = write_json(
+        args.out,
+        "cpu_contention",
+        {"args": vars(args), "summary": summary, "requests": recs, "server_log": logs, "warm_up": warm},
+        run_id,
+    )
     print(f"wrote {path}")
 
 

@@ -45,9 +45,15 @@ def transitions(n: int, batch: int) -> dict:
             ids = [uuid.uuid4().hex for _ in range(n)]
             for i in range(0, n, batch):  # create (not timed: the same with and without the feed but its XADD)
                 pipe = r.pipeline(transaction=False)
-                for rid in ids[i:i + batch]:
-                    ev = RequestReceived(request_id=rid, reply_to="x", prompt="p", sampling=Sampling(max_tokens=1),
-                                         deadline=0, received_at=0)
+                for rid in ids[i : i + batch]:
+                    ev = RequestReceived(
+                        request_id=rid,
+                        reply_to="x",
+                        prompt="p",
+                        sampling=Sampling(max_tokens=1),
+                        deadline=0,
+                        received_at=0,
+                    )
                     keys, argv = store.create_args(rid, {"owner": "k"}, {"prompt": "p"}, ev)
                     store._create(keys=keys, args=argv, client=pipe)
                 pipe.execute()
@@ -56,7 +62,7 @@ def transitions(n: int, batch: int) -> dict:
             for to in PATH:
                 for i in range(0, n, batch):
                     pipe = r.pipeline(transaction=False)
-                    for rid in ids[i:i + batch]:
+                    for rid in ids[i : i + batch]:
                         lc.queue(pipe, rid, State(to), owner=Owner("w", 1) if to == "SCHEDULED" else None)
                     pipe.execute()
             wall = time.perf_counter() - t0
@@ -65,10 +71,15 @@ def transitions(n: int, batch: int) -> dict:
             feed = getattr(names, "lifecycle_feed", None)
             feed_len = r.xlen(feed) if feed else 0
             feed_bytes = r.memory_usage(feed) if feed and feed_len else 0
-            return {"tree": shared.__file__.rsplit("/shared/", 1)[0], "feed": bool(feed), "transitions": n * len(PATH),
-                    "redis_usec_per_transition": evalsha.get("usec_per_call"),
-                    "wall_usec_per_transition": wall / (n * len(PATH)) * 1e6,
-                    "feed_records": feed_len, "feed_bytes_per_record": feed_bytes / feed_len if feed_len else None}
+            return {
+                "tree": shared.__file__.rsplit("/shared/", 1)[0],
+                "feed": bool(feed),
+                "transitions": n * len(PATH),
+                "redis_usec_per_transition": evalsha.get("usec_per_call"),
+                "wall_usec_per_transition": wall / (n * len(PATH)) * 1e6,
+                "feed_records": feed_len,
+                "feed_bytes_per_record": feed_bytes / feed_len if feed_len else None,
+            }
         finally:
             server.stop()
 
@@ -92,7 +103,9 @@ def main() -> None:
         runs = [transitions(args.requests, args.batch) for _ in range(args.repeat)]
         for k, v in runs[0].items():  # a shared machine is noisy: the median of the runs, and each run
             if isinstance(v, float):
-                print(f"{k:>28}: {statistics.median(x[k] for x in runs):.2f}   (runs: {[round(x[k], 2) for x in runs]})")
+                print(
+                    f"{k:>28}: {statistics.median(x[k] for x in runs):.2f}   (runs: {[round(x[k], 2) for x in runs]})"
+                )
             else:
                 print(f"{k:>28}: {v}")
     else:

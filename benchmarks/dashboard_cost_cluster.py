@@ -79,14 +79,18 @@ async def level(cluster: ConveyorUp, r: redis.Redis, k: int, window: float) -> d
     flying = in_flight(r)
     await readers.stop()
     dt = t1 - t0
-    return {"dashboards": k, "in_flight": flying, "gateway_cpu_s_per_s": (c1 - c0) / dt,
-            "records_per_s_per_dashboard": (n1 - n0) / dt / k if k else None,
-            "bytes_per_s_per_dashboard": (b1 - b0) / dt / k if k else None}
+    return {
+        "dashboards": k,
+        "in_flight": flying,
+        "gateway_cpu_s_per_s": (c1 - c0) / dt,
+        "records_per_s_per_dashboard": (n1 - n0) / dt / k if k else None,
+        "bytes_per_s_per_dashboard": (b1 - b0) / dt / k if k else None,
+    }
 
 
 def browser_window(url: str, window: float, screenshot: str) -> dict:
     """Chromium on the page: time to the first full table, and the longest main-thread task while it updates."""
-    from tests.browser import headless_page, unavailable_reason
+    from tests.support.browser import headless_page, unavailable_reason
 
     if reason := unavailable_reason():
         return {"skipped": reason}
@@ -101,11 +105,13 @@ def browser_window(url: str, window: float, screenshot: str) -> dict:
         loaded = time.monotonic() - t0
         page.evaluate("window.__long = []; window.__frames = 0")
         time.sleep(window)
-        got = page.evaluate("({long: window.__long, frames: window.__frames, "
-                            "shown: document.querySelector('#shown').textContent, "
-                            "dom_rows: document.querySelectorAll('#rows .row').length, "
-                            "live: [...S.rows.values()].filter(r => !r.endedAt).map(r => [r.rid, r.state]), "
-                            "at: now()})")
+        got = page.evaluate(
+            "({long: window.__long, frames: window.__frames, "
+            "shown: document.querySelector('#shown').textContent, "
+            "dom_rows: document.querySelectorAll('#rows .row').length, "
+            "live: [...S.rows.values()].filter(r => !r.endedAt).map(r => [r.rid, r.state]), "
+            "at: now()})"
+        )
         got["blank_top"] = blank_rows_on_screen(page)
         page.evaluate("document.getElementById('scroller').scrollTop = 1e9")  # the newest rows
         time.sleep(3.0)  # two refreshes of the rows on screen (ROWS_REFRESH_MS)
@@ -116,10 +122,17 @@ def browser_window(url: str, window: float, screenshot: str) -> dict:
             page.wait_for_selector("#detail:not([hidden]) #timeline .bar", timeout=30_000)
             time.sleep(1.0)
             page.screenshot(path=screenshot)
-    return {"snapshot_to_table_s": loaded, "frames_per_s": got["frames"] / window, "long_tasks": len(got["long"]),
-            "longest_task_ms": max(got["long"], default=0.0), "shown": got["shown"], "dom_rows": got["dom_rows"],
-            "page_live": got["live"], "page_at": got["at"],
-            "rows_on_screen_without_counts": {"top": got["blank_top"], "bottom": got["blank_bottom"]}}
+    return {
+        "snapshot_to_table_s": loaded,
+        "frames_per_s": got["frames"] / window,
+        "long_tasks": len(got["long"]),
+        "longest_task_ms": max(got["long"], default=0.0),
+        "shown": got["shown"],
+        "dom_rows": got["dom_rows"],
+        "page_live": got["live"],
+        "page_at": got["at"],
+        "rows_on_screen_without_counts": {"top": got["blank_top"], "bottom": got["blank_bottom"]},
+    }
 
 
 def blank_rows_on_screen(page) -> int:
@@ -154,14 +167,18 @@ async def measure(cluster: ConveyorUp, args) -> dict:
     def run_browser():
         box["browser"] = browser_window(cluster.url, args.window, args.screenshot)
         loop.call_soon_threadsafe(done.set)
+
     t_b = time.monotonic()
     threading.Thread(target=run_browser, daemon=True).start()
     await done.wait()
     browser = box["browser"]
     if "page_live" in browser:
         browser["stale_rows"] = stale_rows(r, browser.pop("page_live"), browser.pop("page_at"))
-    browser = {**browser, "in_flight": f0,
-               "gateway_cpu_s_per_s": (gateway_cpu(cluster) - c0) / (time.monotonic() - t_b)}
+    browser = {
+        **browser,
+        "in_flight": f0,
+        "gateway_cpu_s_per_s": (gateway_cpu(cluster) - c0) / (time.monotonic() - t_b),
+    }
     # A client loop stops at its first failed request: what stopped them (none should have).
     stopped: dict[str, int] = {}
     for t in clients:
@@ -170,8 +187,15 @@ async def measure(cluster: ConveyorUp, args) -> dict:
             stopped[why] = stopped.get(why, 0) + 1
         t.cancel()
     await asyncio.gather(*clients, return_exceptions=True)
-    return {"streams": args.streams, "max_tokens": args.max_tokens, "sim_speedup": args.sim_speedup,
-            "window_s": args.window, "levels": levels, "browser": browser, "clients_stopped_by": stopped}
+    return {
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "sim_speedup": args.sim_speedup,
+        "window_s": args.window,
+        "levels": levels,
+        "browser": browser,
+        "clients_stopped_by": stopped,
+    }
 
 
 def run_dashboards(args) -> None:
@@ -186,9 +210,11 @@ def run_dashboards(args) -> None:
         added = lv["dashboards"] - prev["dashboards"]
         extra = (lv["gateway_cpu_s_per_s"] - prev["gateway_cpu_s_per_s"]) / added if added else 0.0
         lv["gateway_cpu_s_per_s_per_added_dashboard"] = extra
-        print(f"{lv['dashboards']:>3} dashboards, {lv['in_flight']} in flight: gateway {lv['gateway_cpu_s_per_s']:.3f}"
-              f" CPU-s/s, +{extra:.4f} per dashboard added; {lv['records_per_s_per_dashboard'] or 0:.0f} records/s, "
-              f"{(lv['bytes_per_s_per_dashboard'] or 0) / 1024:.1f} KiB/s per dashboard")
+        print(
+            f"{lv['dashboards']:>3} dashboards, {lv['in_flight']} in flight: gateway {lv['gateway_cpu_s_per_s']:.3f}"
+            f" CPU-s/s, +{extra:.4f} per dashboard added; {lv['records_per_s_per_dashboard'] or 0:.0f} records/s, "
+            f"{(lv['bytes_per_s_per_dashboard'] or 0) / 1024:.1f} KiB/s per dashboard"
+        )
         prev = lv
     print("browser:", res["browser"])
     print("client loops stopped by a failed request:", res["clients_stopped_by"] or "none")

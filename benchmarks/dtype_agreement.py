@@ -24,8 +24,7 @@ from shared.settings import CommonSettings
 def generate(model_dir, dtype: str, prompts: list[list[int]], tokens: int, cache_dir: str) -> list[list[int]]:
     engine = LLMEngine.from_model_dir(model_dir, EngineConfig(dtype=dtype, tuning_cache_dir=cache_dir))
     for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(str(i), p, SamplingOptions(temperature=0, max_tokens=tokens,
-                                                                    ignore_eos=True)))
+        engine.add_request(EngineRequest(str(i), p, SamplingOptions(temperature=0, max_tokens=tokens, ignore_eos=True)))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for o in engine.step().outputs:
@@ -50,9 +49,11 @@ def main() -> None:
     diffs = [first_difference(a, b) for a, b in zip(ref, low)]
     same = sum(d is None for d in diffs)
     agree = [args.tokens if d is None else d for d in diffs]
-    print(f"bfloat16 vs float32, {len(prompts)} prompts x {args.tokens} greedy tokens: {same} identical; "
-          f"tokens before the first difference: mean {statistics.fmean(agree):.1f}, "
-          f"min {min(agree)}; first differences at {sorted(d for d in diffs if d is not None)}")
+    print(
+        f"bfloat16 vs float32, {len(prompts)} prompts x {args.tokens} greedy tokens: {same} identical; "
+        f"tokens before the first difference: mean {statistics.fmean(agree):.1f}, "
+        f"min {min(agree)}; first differences at {sorted(d for d in diffs if d is not None)}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tokens": args.tokens, "identical": same, "first_difference": diffs}, f)

@@ -42,10 +42,16 @@ def fill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> None:
     """n sequences decoding (their prompts computed), each with room for many more tokens."""
     rng = random.Random(seed)
     for i in range(n):
-        engine.add_request(EngineRequest(f"d{seed}-{i}", [rng.randrange(100, 40000) for _ in range(prompt_len)],
-                                         SamplingOptions(temperature=0, max_tokens=4000, ignore_eos=True)))
-    while len(engine.scheduler.running) < n or any(s.num_computed_tokens < prompt_len
-                                                   for s in engine.scheduler.running):
+        engine.add_request(
+            EngineRequest(
+                f"d{seed}-{i}",
+                [rng.randrange(100, 40000) for _ in range(prompt_len)],
+                SamplingOptions(temperature=0, max_tokens=4000, ignore_eos=True),
+            )
+        )
+    while len(engine.scheduler.running) < n or any(
+        s.num_computed_tokens < prompt_len for s in engine.scheduler.running
+    ):
         engine.step()
     for _ in range(64):  # context ~ prompt + 64
         engine.step()
@@ -62,8 +68,11 @@ def time_steps(engine: LLMEngine, n: int) -> list[float]:
 
 def time_prefill(engine: LLMEngine, tokens: int, seed: int) -> float:
     rng = random.Random(seed)
-    engine.add_request(EngineRequest(f"p{seed}", [rng.randrange(100, 40000) for _ in range(tokens)],
-                                     SamplingOptions(temperature=0, max_tokens=1)))
+    engine.add_request(
+        EngineRequest(
+            f"p{seed}", [rng.randrange(100, 40000) for _ in range(tokens)], SamplingOptions(temperature=0, max_tokens=1)
+        )
+    )
     t = time.perf_counter()
     engine.step()
     return time.perf_counter() - t
@@ -82,8 +91,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     ap.add_argument("--profile", default=None, help="print torch.profiler tables for this variant")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice); "
-                    "1 is steadier on a shared machine (no thread waits for a descheduled peer)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice); "
+        "1 is steadier on a shared machine (no thread waits for a descheduled peer)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,8 +121,10 @@ def main() -> None:
     print(f"{'variant':8} {'decode min':>10} {'median':>8} {'x ' + names[0]:>9} {'prefill min':>11} {'median':>8}")
     for n in names:
         d, p = decode[n], prefill[n]
-        print(f"{n:8} {min(d) * 1e3:10.1f} {statistics.median(d) * 1e3:8.1f} {base / statistics.median(d):9.2f} "
-              f"{min(p) * 1e3:11.1f} {statistics.median(p) * 1e3:8.1f}")
+        print(
+            f"{n:8} {min(d) * 1e3:10.1f} {statistics.median(d) * 1e3:8.1f} {base / statistics.median(d):9.2f} "
+            f"{min(p) * 1e3:11.1f} {statistics.median(p) * 1e3:8.1f}"
+        )
     if args.profile:
         e = engines[args.profile]
         print(f"\n[{args.profile}] 3 decode steps at batch 32\n" + profile_table(lambda: time_steps(e, 3)))

@@ -26,28 +26,46 @@ from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, Sampl
 from shared.model_files import resolve_model_dir
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",
-    "List three fruits.", "Hi!", "Translate 'good morning' into Spanish and German.",
-    "What is 17 times 23? Show your steps.", "Give me a short tip for writing clean Python code.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Hi!",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your steps.",
+    "Give me a short tip for writing clean Python code.",
     "Summarize the plot of Romeo and Juliet in two sentences.",
     "Why is the sky blue? Answer for a ten year old child who is curious about science and nature.",
-    "Name a famous painter.", "Describe a cat to someone who has never seen one, using three senses.",
-    "What does HTTP stand for?", "Tell me a fun fact about octopuses.",
+    "Name a famous painter.",
+    "Describe a cat to someone who has never seen one, using three senses.",
+    "What does HTTP stand for?",
+    "Tell me a fun fact about octopuses.",
     "How do I boil an egg? I want the yolk soft but the white fully set.",
-    "Recommend a book for learning about the history of mathematics.", "What is photosynthesis?",
-    "Write a limerick about a programmer who loves coffee.", "How many legs does a spider have?",
-    "Explain what a linked list is and when to use one.", "Suggest a name for a friendly robot.",
-    "What are the primary colors?", "Give three tips for a job interview.",
-    "What is the difference between weather and climate?", "Write a two-line poem about autumn leaves.",
-    "How does a rainbow form?", "What is the boiling point of water at sea level in Fahrenheit?",
-    "Describe the taste of a lemon.", "Why do we have leap years?", "Plan a one-day trip to a big city museum.",
-    "What is machine learning, in simple words?", "Tell me a short story about a brave mouse.",
+    "Recommend a book for learning about the history of mathematics.",
+    "What is photosynthesis?",
+    "Write a limerick about a programmer who loves coffee.",
+    "How many legs does a spider have?",
+    "Explain what a linked list is and when to use one.",
+    "Suggest a name for a friendly robot.",
+    "What are the primary colors?",
+    "Give three tips for a job interview.",
+    "What is the difference between weather and climate?",
+    "Write a two-line poem about autumn leaves.",
+    "How does a rainbow form?",
+    "What is the boiling point of water at sea level in Fahrenheit?",
+    "Describe the taste of a lemon.",
+    "Why do we have leap years?",
+    "Plan a one-day trip to a big city museum.",
+    "What is machine learning, in simple words?",
+    "Tell me a short story about a brave mouse.",
 ]
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-                 ["input_ids"]) for q in QUESTIONS[:n]]
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
+        for q in QUESTIONS[:n]
+    ]
 
 
 def load(model_dir: Path):
@@ -105,31 +123,41 @@ def run_engine(model, prompts: list[list[int]], n: int, cfg: EngineConfig) -> di
     engine.check_no_leak()
     tokens = sum(len(o) for o in outs.values())
     full = [s for s in steps if s[0] == len(prompts) and s[1] == 0]  # pure decode steps at full batch
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "steps": len(steps),
-            "step_s": statistics.mean(s[2] for s in steps),
-            "decode_step_s": statistics.mean(s[2] for s in full) if full else None,
-            "overhead_share": statistics.mean((s[2] - s[3]) / s[2] for s in full) if full else None,
-            "prefill_steps": sum(1 for s in steps if s[1] > 0), "stats": engine.stats().__dict__,
-            "outputs": [outs[str(i)] for i in range(len(prompts))]}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "steps": len(steps),
+        "step_s": statistics.mean(s[2] for s in steps),
+        "decode_step_s": statistics.mean(s[2] for s in full) if full else None,
+        "overhead_share": statistics.mean((s[2] - s[3]) / s[2] for s in full) if full else None,
+        "prefill_steps": sum(1 for s in steps if s[1] > 0),
+        "stats": engine.stats().__dict__,
+        "outputs": [outs[str(i)] for i in range(len(prompts))],
+    }
 
 
 def one_round(models: dict, prompts: list[list[int]], n: int, sequential: int) -> dict[str, dict]:
     res: dict[str, dict] = {}
     if "a" in models:
-        res["a"] = run_sequential(models["a"], prompts[:sequential or None], n)
+        res["a"] = run_sequential(models["a"], prompts[: sequential or None], n)
         print(f"(a) HF generate one by one:   {res['a']['tok_s']:7.1f} tok/s  ({res['a']['wall_s']:.1f} s)")
     if "b" in models:
         res["b"] = run_hf_batch(models["b"], prompts, n)
         print(f"(b) HF generate_batch (CB):   {res['b']['tok_s']:7.1f} tok/s  ({res['b']['wall_s']:.1f} s)")
     c = res["c"] = run_engine(models["c"], prompts, n, EngineConfig())
-    print(f"(c) Conveyor engine:          {c['tok_s']:7.1f} tok/s  ({c['wall_s']:.1f} s, {c['steps']} steps, "
-          f"{c['prefill_steps']} with prefill)")
+    print(
+        f"(c) Conveyor engine:          {c['tok_s']:7.1f} tok/s  ({c['wall_s']:.1f} s, {c['steps']} steps, "
+        f"{c['prefill_steps']} with prefill)"
+    )
     for k in ("a", "b"):
         if k in res:
             print(f"c/{k} = {c['tok_s'] / res[k]['tok_s']:.2f}")
     if c["decode_step_s"] is not None:
-        print(f"engine step: mean {c['step_s'] * 1e3:.1f} ms; decode step at batch {len(prompts)}: "
-              f"{c['decode_step_s'] * 1e3:.1f} ms, {c['overhead_share'] * 100:.1f}% outside the forward pass")
+        print(
+            f"engine step: mean {c['step_s'] * 1e3:.1f} ms; decode step at batch {len(prompts)}: "
+            f"{c['decode_step_s'] * 1e3:.1f} ms, {c['overhead_share'] * 100:.1f}% outside the forward pass"
+        )
     if "b" in res:
         same = sum(x == y for x, y in zip(res["b"]["outputs"], c["outputs"]))
         print(f"outputs identical to (b): {same}/{len(prompts)}")
@@ -145,8 +173,11 @@ def summarise(rounds: list[dict[str, dict]]) -> dict:
         if k in best:
             out[f"best_c_over_{k}"] = best["c"] / best[k]
             out[f"round_c_over_{k}"] = [r["c"]["tok_s"] / r[k]["tok_s"] for r in rounds]
-    print("best of %d round(s): " % len(rounds) + ", ".join(f"({k}) {v:.1f} tok/s" for k, v in best.items())
-          + "".join(f"; c/{k} = {out[f'best_c_over_{k}']:.2f}" for k in ("a", "b") if k in best))
+    print(
+        "best of %d round(s): " % len(rounds)
+        + ", ".join(f"({k}) {v:.1f} tok/s" for k, v in best.items())
+        + "".join(f"; c/{k} = {out[f'best_c_over_{k}']:.2f}" for k in ("a", "b") if k in best)
+    )
     return out
 
 
@@ -155,8 +186,12 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder or .gguf (default: bundled SmolLM2-135M)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--sequential-prompts", type=int, default=0,
-                    help="time (a) on only the first K prompts (tok/s is per token either way); 0 = all")
+    ap.add_argument(
+        "--sequential-prompts",
+        type=int,
+        default=0,
+        help="time (a) on only the first K prompts (tok/s is per token either way); 0 = all",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="repeat a, b, c interleaved; report the best of each")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -165,8 +200,10 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "conveyor")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
     n, skip = args.max_tokens, set(filter(None, args.skip.split(",")))
-    print(f"{len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), {n} tokens each, "
-          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{len(prompts)} prompts ({sum(map(len, prompts))} prompt tokens), {n} tokens each, "
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+    )
     models = {k: load(model_dir) for k in ("a", "b", "c") if k not in skip}  # one instance each, reused
     rounds = []
     for i in range(args.rounds):

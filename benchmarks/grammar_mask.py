@@ -31,54 +31,118 @@ from shared.tokenization import load_tokenizer, model_info
 BATCH = 32
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 NESTED = {
     "type": "object",
-    "$defs": {"item": {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-        "kind": {"enum": ["book", "tool", "food"]}}, "required": ["sku", "qty", "kind"],
-        "additionalProperties": False}},
-    "properties": {"order": {"type": "string"}, "items": {"type": "array", "items": {"$ref": "#/$defs/item"},
-                                                        "minItems": 1, "maxItems": 3},
-                   "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
-    "required": ["order", "items", "note"], "additionalProperties": False}
-TOOL_CALL = {"anyOf": [
-    {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}},
-     "required": ["name", "arguments"], "additionalProperties": False},
-    {"type": "object", "properties": {"name": {"const": "search"}, "arguments": {
-        "type": "object", "properties": {"query": {"type": "string"}, "top": {"type": "integer"}},
-        "required": ["query"], "additionalProperties": False}},
-     "required": ["name", "arguments"], "additionalProperties": False}]}
-SCHEMAS = {"json_object": None, "person": PERSON, "nested ($ref, enum, anyOf, pattern, min/maxItems)": NESTED,
-           "tool call (anyOf of 2 functions)": TOOL_CALL}
+    "$defs": {
+        "item": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                "kind": {"enum": ["book", "tool", "food"]},
+            },
+            "required": ["sku", "qty", "kind"],
+            "additionalProperties": False,
+        }
+    },
+    "properties": {
+        "order": {"type": "string"},
+        "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    },
+    "required": ["order", "items", "note"],
+    "additionalProperties": False,
+}
+TOOL_CALL = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": "get_weather"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": "search"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {"query": {"type": "string"}, "top": {"type": "integer"}},
+                    "required": ["query"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+    ]
+}
+SCHEMAS = {
+    "json_object": None,
+    "person": PERSON,
+    "nested ($ref, enum, anyOf, pattern, min/maxItems)": NESTED,
+    "tool call (anyOf of 2 functions)": TOOL_CALL,
+}
 
 # feature -> (schema, a valid instance, an invalid instance); the invalid one breaks only that feature.
 _OBJ = {"type": "object", "required": ["a"], "additionalProperties": False}
 COVERAGE = {
-    "$ref/$defs": ({**_OBJ, "$defs": {"n": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/n"}}},
-                   '{"a": 1}', '{"a": "x"}'),
+    "$ref/$defs": (
+        {**_OBJ, "$defs": {"n": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/n"}}},
+        '{"a": 1}',
+        '{"a": "x"}',
+    ),
     "enum": ({**_OBJ, "properties": {"a": {"enum": ["x", "y"]}}}, '{"a": "x"}', '{"a": "z"}'),
-    "anyOf": ({**_OBJ, "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-              '{"a": null}', '{"a": "s"}'),
-    "additionalProperties false": ({**_OBJ, "properties": {"a": {"type": "integer"}}}, '{"a": 1}',
-                                   '{"a": 1, "b": 2}'),
-    "pattern": ({**_OBJ, "properties": {"a": {"type": "string", "pattern": "^[0-9]{3}$"}}}, '{"a": "123"}',
-                '{"a": "12a"}'),
-    "minItems/maxItems": ({**_OBJ, "properties": {"a": {"type": "array", "items": {"type": "integer"},
-                                                        "minItems": 1, "maxItems": 2}}}, '{"a": [1]}',
-                          '{"a": [1, 2, 3]}'),
-    "minimum/maximum": ({**_OBJ, "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 9}}},
-                        '{"a": 5}', '{"a": 12}'),
-    "minLength/maxLength": ({**_OBJ, "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 3}}},
-                            '{"a": "ab"}', '{"a": "abcd"}'),
-    "oneOf": ({**_OBJ, "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]}}},
-              '{"a": true}', '{"a": "s"}'),
-    "format date": ({**_OBJ, "properties": {"a": {"type": "string", "format": "date"}}}, '{"a": "2024-01-31"}',
-                    '{"a": "yesterday"}'),
+    "anyOf": (
+        {**_OBJ, "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        '{"a": null}',
+        '{"a": "s"}',
+    ),
+    "additionalProperties false": ({**_OBJ, "properties": {"a": {"type": "integer"}}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    "pattern": (
+        {**_OBJ, "properties": {"a": {"type": "string", "pattern": "^[0-9]{3}$"}}},
+        '{"a": "123"}',
+        '{"a": "12a"}',
+    ),
+    "minItems/maxItems": (
+        {**_OBJ, "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}}},
+        '{"a": [1]}',
+        '{"a": [1, 2, 3]}',
+    ),
+    "minimum/maximum": (
+        {**_OBJ, "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 9}}},
+        '{"a": 5}',
+        '{"a": 12}',
+    ),
+    "minLength/maxLength": (
+        {**_OBJ, "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 3}}},
+        '{"a": "ab"}',
+        '{"a": "abcd"}',
+    ),
+    "oneOf": (
+        {**_OBJ, "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]}}},
+        '{"a": true}',
+        '{"a": "s"}',
+    ),
+    "format date": (
+        {**_OBJ, "properties": {"a": {"type": "string", "format": "date"}}},
+        '{"a": "2024-01-31"}',
+        '{"a": "yesterday"}',
+    ),
 }
 
 
@@ -93,8 +157,9 @@ class XGrammar:
 
     def compile(self, schema):
         # compact separators: with any whitespace allowed a small model can loop on it
-        return self.compiler.compile_json_schema(json.dumps(schema or ANY_OBJECT), any_whitespace=False,
-                                                 strict_mode=schema is not None)
+        return self.compiler.compile_json_schema(
+            json.dumps(schema or ANY_OBJECT), any_whitespace=False, strict_mode=schema is not None
+        )
 
     def matcher(self, grammar):
         return xgr.GrammarMatcher(grammar)
@@ -124,9 +189,9 @@ class LLGuidance:
         self.vocab = vocab
 
     def compile(self, schema):
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema or ANY_OBJECT,
-                                                         defaults={"whitespace_flexible": False,
-                                                                   "item_separator": ", ", "key_separator": ": "})
+        grammar = llg.LLMatcher.grammar_from_json_schema(
+            schema or ANY_OBJECT, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        )
         err = llg.LLMatcher.validate_grammar(grammar, self.tok)
         if err:
             raise ValueError(err)
@@ -182,9 +247,13 @@ def walk(lib, grammar, steps: int, seed: int) -> dict:
         par_ms.append((t2 - t1) * 1e3)
         adv_ms.append((t4 - t3) * 1e3)
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
-    return {"fill32_ms_mean": statistics.mean(seq_ms), "fill32_ms_p99": q(seq_ms, 0.99),
-            "fill32_par_ms_mean": statistics.mean(par_ms), "fill32_par_ms_p99": q(par_ms, 0.99),
-            "advance32_ms_mean": statistics.mean(adv_ms)}
+    return {
+        "fill32_ms_mean": statistics.mean(seq_ms),
+        "fill32_ms_p99": q(seq_ms, 0.99),
+        "fill32_par_ms_mean": statistics.mean(par_ms),
+        "fill32_par_ms_p99": q(par_ms, 0.99),
+        "advance32_ms_mean": statistics.mean(adv_ms),
+    }
 
 
 def enforces(lib, tok, schema, good: str, bad: str) -> str:
@@ -197,6 +266,7 @@ def enforces(lib, tok, schema, good: str, bad: str) -> str:
         m = lib.matcher(grammar)
         ok = all(lib.accept(m, t) for t in tok.encode(text, add_special_tokens=False))
         return ok and (m.is_completed() if hasattr(m, "is_completed") else m.is_accepting())
+
     g, b = takes(good), takes(bad)
     return "yes" if g and not b else ("ignored" if g else "rejects valid")
 
@@ -215,16 +285,20 @@ def main() -> None:
         t0 = time.perf_counter()
         lib = cls(tok, info.vocab_size, args.threads)
         print(f"\n## {lib.name}: tokenizer setup {time.perf_counter() - t0:.2f} s")
-        print("| schema | compile ms | fill 32 rows, one by one: mean / p99 ms | parallel fill: mean / p99 ms "
-              "| advance 32 ms |")
+        print(
+            "| schema | compile ms | fill 32 rows, one by one: mean / p99 ms | parallel fill: mean / p99 ms "
+            "| advance 32 ms |"
+        )
         print("|---|---|---|---|---|")
         for name, schema in SCHEMAS.items():
             t0 = time.perf_counter()
             grammar = lib.compile(schema)
             compile_ms = (time.perf_counter() - t0) * 1e3
             r = walk(lib, grammar, args.steps, seed=7)
-            print(f"| {name} | {compile_ms:.1f} | {r['fill32_ms_mean']:.2f} / {r['fill32_ms_p99']:.2f} | "
-                  f"{r['fill32_par_ms_mean']:.2f} / {r['fill32_par_ms_p99']:.2f} | {r['advance32_ms_mean']:.2f} |")
+            print(
+                f"| {name} | {compile_ms:.1f} | {r['fill32_ms_mean']:.2f} / {r['fill32_ms_p99']:.2f} | "
+                f"{r['fill32_par_ms_mean']:.2f} / {r['fill32_par_ms_p99']:.2f} | {r['advance32_ms_mean']:.2f} |"
+            )
         print("\n| feature | enforced |\n|---|---|")
         for feature, (schema, good, bad) in COVERAGE.items():
             print(f"| {feature} | {enforces(lib, tok, schema, good, bad)} |")

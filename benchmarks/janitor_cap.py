@@ -28,8 +28,18 @@ from pathlib import Path
 
 import redis
 
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, fmt, log_summary, percentile, print_table,
-                               raise_fd_limit, stamp, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    MODEL_NAME,
+    ConveyorUp,
+    fmt,
+    log_summary,
+    percentile,
+    print_table,
+    raise_fd_limit,
+    stamp,
+    write_json,
+)
 from benchmarks.control_plane import expected_texts, prompts
 from benchmarks.sse_client import Connection, StreamRecord, check, request_body
 from shared.constants import Names
@@ -54,8 +64,9 @@ def write_backlog(url: str, n: int) -> float:
         pipe = r.pipeline(transaction=False)
         rids = [uuid.uuid4().hex for _ in range(min(500, n - start))]
         for rid in rids:
-            ev = RequestReceived(request_id=rid, reply_to="x", prompt="p", sampling=Sampling(max_tokens=1),
-                                 deadline=0, received_at=0)
+            ev = RequestReceived(
+                request_id=rid, reply_to="x", prompt="p", sampling=Sampling(max_tokens=1), deadline=0, received_at=0
+            )
             keys, argv = store.create_args(rid, {"priority": 0}, {"prompt": "p"}, ev, stream=sink)
             store._create(keys=keys, args=argv, client=pipe)
         for rid in rids:
@@ -69,8 +80,11 @@ def write_backlog(url: str, n: int) -> float:
 def redis_figures(url: str) -> dict:
     r, names = redis.Redis.from_url(url), Names()
     try:
-        return {"ended": sum(r.zcard(names.state_set(0, s.value)) for s in TERMINAL), "keys": r.dbsize(),
-                "used_memory": r.info("memory")["used_memory"]}
+        return {
+            "ended": sum(r.zcard(names.state_set(0, s.value)) for s in TERMINAL),
+            "keys": r.dbsize(),
+            "used_memory": r.info("memory")["used_memory"],
+        }
     finally:
         r.close()
 
@@ -109,10 +123,19 @@ def figures(recs: list[StreamRecord], expected: list[str], args, wall_s: float) 
             ok.append(r)
     lat = [(r.t_end - r.t_start) * 1000 for r in ok]  # ms
     ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
-    return {"requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok), "failures": failures,
-            "wall_s": wall_s, "throughput": len(ok) / wall_s, "latency_p50": percentile(lat, 50),
-            "latency_p99": percentile(lat, 99), "latency_max": max(lat, default=None),
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)}
+    return {
+        "requests": len(recs),
+        "ok": len(ok),
+        "failed": len(recs) - len(ok),
+        "failures": failures,
+        "wall_s": wall_s,
+        "throughput": len(ok) / wall_s,
+        "latency_p50": percentile(lat, 50),
+        "latency_p99": percentile(lat, 99),
+        "latency_max": max(lat, default=None),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+    }
 
 
 def one_run(cap: int, args, texts: list[str], expected: list[str], name: str) -> tuple[list[StreamRecord], dict]:
@@ -128,10 +151,13 @@ def one_run(cap: int, args, texts: list[str], expected: list[str], name: str) ->
         time.sleep(args.settle)  # one more sweep interval: what the cap leaves once the run has ended
         fig.update(cap=cap, backlog_s=backlog_s, redis_before=before, redis_after=redis_figures(url))
     fig["server_log"] = log_summary(log)
-    print(f"cap {cap}: {fig['ok']} ok, {fig['failed']} failed {fig['failures'] or ''}in {fig['wall_s']:.1f} s, "
-          f"{fig['throughput']:.1f} req/s, latency ms p50 {fmt(fig['latency_p50'], 0)} p99 "
-          f"{fmt(fig['latency_p99'], 0)} max {fmt(fig['latency_max'], 0)}; ended contexts {before['ended']} before "
-          f"the load, {fig['redis_after']['ended']} after", flush=True)
+    print(
+        f"cap {cap}: {fig['ok']} ok, {fig['failed']} failed {fig['failures'] or ''}in {fig['wall_s']:.1f} s, "
+        f"{fig['throughput']:.1f} req/s, latency ms p50 {fmt(fig['latency_p50'], 0)} p99 "
+        f"{fmt(fig['latency_p99'], 0)} max {fmt(fig['latency_max'], 0)}; ended contexts {before['ended']} before "
+        f"the load, {fig['redis_after']['ended']} after",
+        flush=True,
+    )
     return recs, fig
 
 
@@ -153,23 +179,35 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     run_id, texts = stamp(), prompts(512)
     expected = expected_texts("completions", texts, args.max_tokens)
-    print(f"janitor cap: {args.rate:.0f} req/s for {args.duration:.0f} s, {args.max_tokens} tokens, {args.workers} "
-          f"sim workers, backlog {args.backlog}, caps {args.cap_high} / {args.cap_low}", flush=True)
+    print(
+        f"janitor cap: {args.rate:.0f} req/s for {args.duration:.0f} s, {args.max_tokens} tokens, {args.workers} "
+        f"sim workers, backlog {args.backlog}, caps {args.cap_high} / {args.cap_low}",
+        flush=True,
+    )
     runs: dict[int, list] = {args.cap_high: [], args.cap_low: []}
     for r in range(args.rounds):  # alternated: a machine that gets busier later weighs on both caps alike
         for cap, got in runs.items():
             got.append(one_run(cap, args, texts, expected, f"janitor_cap-{run_id}-cap{cap}-{r}"))
-    pooled = {cap: figures([rec for recs, _ in got for rec in recs], expected, args,
-                           sum(f["wall_s"] for _, f in got)) for cap, got in runs.items()}
+    pooled = {
+        cap: figures([rec for recs, _ in got for rec in recs], expected, args, sum(f["wall_s"] for _, f in got))
+        for cap, got in runs.items()
+    }
     high, low = pooled[args.cap_high], pooled[args.cap_low]
     keys = ["ok", "failed", "throughput", "latency_p50", "latency_p99", "latency_max", "ttft_p50", "ttft_p99"]  # ms
     ratio = {k: (low[k] / high[k] if high[k] else None) for k in keys[2:]}
     left = {cap: max(f["redis_after"]["ended"] for _, f in got) for cap, got in runs.items()}
-    print_table(["", f"cap {args.cap_high}", f"cap {args.cap_low}", "low / high"],
-                [[k, high[k], low[k], ratio.get(k)] for k in keys]
-                + [["ended contexts after (most)", left[args.cap_high], left[args.cap_low], None]])
-    data = {"args": {k: str(v) for k, v in vars(args).items()}, "env": CLUSTER_ENV, "pooled": pooled,
-            "ratio": ratio, "runs": {cap: [f for _, f in got] for cap, got in runs.items()}}
+    print_table(
+        ["", f"cap {args.cap_high}", f"cap {args.cap_low}", "low / high"],
+        [[k, high[k], low[k], ratio.get(k)] for k in keys]
+        + [["ended contexts after (most)", left[args.cap_high], left[args.cap_low], None]],
+    )
+    data = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "env": CLUSTER_ENV,
+        "pooled": pooled,
+        "ratio": ratio,
+        "runs": {cap: [f for _, f in got] for cap, got in runs.items()},
+    }
     path = write_json(args.out, "janitor_cap", data, run_id)
     print(f"wrote {path}")
 

@@ -59,19 +59,27 @@ def sampler_costs(vocab: int, reps: int, native_ok: bool) -> dict:
                 sample(logits, rows, native)
                 wall.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
-            fig = out[f"{name}, logprobs={k}"] = {"wall_ms": statistics.median(wall) * 1e3,
-                                                   "cpu_ms": statistics.median(cpu) * 1e3}
-            print(f"  sampler {name:13s} logprobs={str(k):4s} wall {fig['wall_ms']:7.2f} ms  cpu {fig['cpu_ms']:7.2f} ms",
-                  flush=True)
+            fig = out[f"{name}, logprobs={k}"] = {
+                "wall_ms": statistics.median(wall) * 1e3,
+                "cpu_ms": statistics.median(cpu) * 1e3,
+            }
+            print(
+                f"  sampler {name:13s} logprobs={str(k):4s} wall {fig['wall_ms']:7.2f} ms  cpu {fig['cpu_ms']:7.2f} ms",
+                flush=True,
+            )
     return out
 
 
-def decode_steps(engine: LLMEngine, prompts: list[list[int]], tokens: int, k: int | None,
-                 tag: str) -> list[tuple[float, float]]:
+def decode_steps(
+    engine: LLMEngine, prompts: list[list[int]], tokens: int, k: int | None, tag: str
+) -> list[tuple[float, float]]:
     """(wall s, CPU s) of each step where all of prompts decode."""
     for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"{tag}-{i}", p, SamplingOptions(temperature=0, max_tokens=tokens,
-                                                                          ignore_eos=True, logprobs=k)))
+        engine.add_request(
+            EngineRequest(
+                f"{tag}-{i}", p, SamplingOptions(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=k)
+            )
+        )
     times = []
     while engine.has_unfinished():
         c0 = time.process_time()
@@ -98,15 +106,19 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), BATCH)
-    engine = LLMEngine.from_model(model, EngineConfig(num_kv_blocks=1024, max_num_seqs=BATCH,
-                                                      max_num_batched_tokens=2048, enable_prefix_caching=False))
+    engine = LLMEngine.from_model(
+        model,
+        EngineConfig(num_kv_blocks=1024, max_num_seqs=BATCH, max_num_batched_tokens=2048, enable_prefix_caching=False),
+    )
     decode_steps(engine, prompts, 4, None, "warm")
     steps: dict[str, list[tuple[float, float]]] = {str(k): [] for k in (None, 5, 20)}
     for rnd in range(a.rounds):
         for k in (None, 5, 20):
             steps[str(k)] += decode_steps(engine, prompts, a.tokens, k, f"r{rnd}-{k}")
-    result["decode_step_ms"] = {k: {"wall_ms": statistics.median(w for w, _ in v) * 1e3,
-                                    "cpu_ms": statistics.median(c for _, c in v) * 1e3} for k, v in steps.items()}
+    result["decode_step_ms"] = {
+        k: {"wall_ms": statistics.median(w for w, _ in v) * 1e3, "cpu_ms": statistics.median(c for _, c in v) * 1e3}
+        for k, v in steps.items()
+    }
     print(f"(b) engine decode step at batch {BATCH} (median of {len(steps['None'])} steps each):", flush=True)
     for k, fig in result["decode_step_ms"].items():
         print(f"  logprobs={k:4s} wall {fig['wall_ms']:7.2f} ms  cpu {fig['cpu_ms']:7.2f} ms", flush=True)

@@ -31,8 +31,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ROOT, ConveyorUp, percentile, print_table, stamp,
-                               write_json)
+from benchmarks.common import DEFAULT_OUT, MODEL_NAME, ROOT, ConveyorUp, percentile, print_table, stamp, write_json
 from shared.constants import Names
 from shared.liveness import entry_at
 
@@ -47,15 +46,35 @@ def _tools() -> list[dict]:
     fresh each call (the gateway compiles a schema once). Rendered into the prompt they are far longer than the
     model's context: the tokenizer answers 400 too_long, after the gateway parsed, checked and compiled them."""
     mark = uuid.uuid4().hex[:8]
-    field = {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,8}[0-9]{2,4}$"},
-                       {"type": "integer", "minimum": 0, "maximum": 1000},
-                       {"type": "array", "items": {"type": "object", "properties": {
-                           "a": {"type": "string"}, "b": {"enum": ["x", "y", "z"]}}, "required": ["a"]}}]}
-    return [{"type": "function", "function": {"name": f"tool_{i}", "description": f"tool {i} of {mark}",
-                                              "parameters": {"type": "object", "required": [f"p0_{i}_{mark}"],
-                                                             "properties": {f"p{j}_{i}_{mark}": field
-                                                                            for j in range(28)}}}}
-            for i in range(128)]
+    field = {
+        "anyOf": [
+            {"type": "string", "pattern": "^[a-z]{1,8}[0-9]{2,4}$"},
+            {"type": "integer", "minimum": 0, "maximum": 1000},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string"}, "b": {"enum": ["x", "y", "z"]}},
+                    "required": ["a"],
+                },
+            },
+        ]
+    }
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"tool {i} of {mark}",
+                "parameters": {
+                    "type": "object",
+                    "required": [f"p0_{i}_{mark}"],
+                    "properties": {f"p{j}_{i}_{mark}": field for j in range(28)},
+                },
+            },
+        }
+        for i in range(128)
+    ]
 
 
 def payload(name: str) -> dict:
@@ -78,8 +97,10 @@ def probe(url: str, redis_url: str, stop, conn) -> None:
     held for seconds does not hide the ages meanwhile. Both lists go back through conn."""
     health: list[tuple] = []
     ages: list[tuple] = []
-    threads = [threading.Thread(target=_probe_health, args=(url, stop, health)),
-               threading.Thread(target=_probe_liveness, args=(redis_url, stop, ages))]
+    threads = [
+        threading.Thread(target=_probe_health, args=(url, stop, health)),
+        threading.Thread(target=_probe_liveness, args=(redis_url, stop, ages)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -96,12 +117,14 @@ def _every(stop, step) -> None:
 
 def _probe_health(url: str, stop, out: list) -> None:
     with httpx.Client(timeout=120) as client:
+
         def step(t0: float) -> None:
             try:
                 ok = client.get(f"{url}/health").status_code == 200
             except httpx.HTTPError:
                 ok = False
             out.append((t0, time.time() - t0 if ok else None))
+
         _every(stop, step)
 
 
@@ -112,6 +135,7 @@ def _probe_liveness(redis_url: str, stop, out: list) -> None:
     def step(t0: float) -> None:
         ats = [entry_at(v) for v in r.hgetall(key).values()]
         out.append((t0, time.time() - max(ats) if ats else None))
+
     _every(stop, step)
 
 
@@ -134,14 +158,24 @@ def window_stats(run: dict, health: list[tuple], ages: list[tuple]) -> dict:
     inside = [s for s in health if s[0] <= run["t1"] and s[0] + (s[1] or 0) >= run["t0"]]
     lat = [s[1] for s in inside if s[1] is not None]
     age = [a for t, a in ages if run["t0"] <= t <= run["t1"] and a is not None]
-    return {"health_max_s": max(lat, default=None), "health_p99_s": percentile(lat, 99),
-            "health_failed": sum(1 for s in inside if s[1] is None), "live_age_max_s": max(age, default=None),
-            "payload_s": run["t1"] - run["t0"], "samples": len(inside), "age_samples": len(age)}
+    return {
+        "health_max_s": max(lat, default=None),
+        "health_p99_s": percentile(lat, 99),
+        "health_failed": sum(1 for s in inside if s[1] is None),
+        "live_age_max_s": max(age, default=None),
+        "payload_s": run["t1"] - run["t0"],
+        "samples": len(inside),
+        "age_samples": len(age),
+    }
 
 
 def run_cluster(root: Path, label: str, args, out: Path) -> list[dict]:
-    env = {"CONVEYOR_ENGINE": "sim", "CONVEYOR_SIM_SPEEDUP": str(args.speedup), "CONVEYOR_NAMESPACE": NAMESPACE,
-           "CONVEYOR_LOG_LEVEL": "WARNING"}
+    env = {
+        "CONVEYOR_ENGINE": "sim",
+        "CONVEYOR_SIM_SPEEDUP": str(args.speedup),
+        "CONVEYOR_NAMESPACE": NAMESPACE,
+        "CONVEYOR_LOG_LEVEL": "WARNING",
+    }
     rows = []
     with ConveyorUp(out / f"loop_stall-{label}.log", workers=1, env=env, root=root) as up:
         ctx = mp.get_context("spawn")
@@ -153,8 +187,11 @@ def run_cluster(root: Path, label: str, args, out: Path) -> list[dict]:
             for name in args.payloads:
                 for rep in range(args.reps):
                     run = send(up.url, name)
-                    print(f"[{label}] {name} #{rep}: HTTP {run['status']}, {run['bytes'] / 1e6:.1f} MB, "
-                          f"{run['t1'] - run['t0']:.1f} s", flush=True)
+                    print(
+                        f"[{label}] {name} #{rep}: HTTP {run['status']}, {run['bytes'] / 1e6:.1f} MB, "
+                        f"{run['t1'] - run['t0']:.1f} s",
+                        flush=True,
+                    )
                     rows.append({"tree": label, **run})
                     time.sleep(1.0)  # the probe sees the loop settle between payloads
         finally:
@@ -190,19 +227,37 @@ def summary(rows: list[dict]) -> dict:
 
 def report(rows: list[dict], payloads: list[str], trees: list[str]) -> None:
     agg = summary(rows)
-    print_table(["tree", "payload", "200/runs", "MB", "health max s", "health p99 s", "liveness age max s",
-                 "payload s"],
-                [[a["tree"], a["payload"], f"{a['ok']}/{a['runs']}", a.get("bytes", 0) / 1e6,
-                  a.get("health_max_s"), a.get("health_p99_s"), a.get("live_age_max_s"), a.get("payload_s")]
-                 for a in agg.values()])
+    print_table(
+        ["tree", "payload", "200/runs", "MB", "health max s", "health p99 s", "liveness age max s", "payload s"],
+        [
+            [
+                a["tree"],
+                a["payload"],
+                f"{a['ok']}/{a['runs']}",
+                a.get("bytes", 0) / 1e6,
+                a.get("health_max_s"),
+                a.get("health_p99_s"),
+                a.get("live_age_max_s"),
+                a.get("payload_s"),
+            ]
+            for a in agg.values()
+        ],
+    )
     if len(trees) == 2:
         before, after = trees
         print("\nbefore / after (worst of the repetitions):")
         ratio = []
         for name in payloads:
             b, a = agg.get((before, name), {}), agg.get((after, name), {})
-            ratio.append([name, *(_ratio(b.get(f), a.get(f)) for f in ("health_max_s", "health_p99_s",
-                                                                         "live_age_max_s", "payload_s"))])
+            ratio.append(
+                [
+                    name,
+                    *(
+                        _ratio(b.get(f), a.get(f))
+                        for f in ("health_max_s", "health_p99_s", "live_age_max_s", "payload_s")
+                    ),
+                ]
+            )
         print_table(["payload", "health max", "health p99", "liveness age max", "payload time"], ratio)
 
 
@@ -212,8 +267,12 @@ def _ratio(before, after) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--payloads", type=lambda s: s.split(","), default=list(PAYLOADS),
-                    help=f"comma-separated, of {', '.join(PAYLOADS)}")
+    ap.add_argument(
+        "--payloads",
+        type=lambda s: s.split(","),
+        default=list(PAYLOADS),
+        help=f"comma-separated, of {', '.join(PAYLOADS)}",
+    )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--speedup", type=float, default=200.0, help="CONVEYOR_SIM_SPEEDUP")
     ap.add_argument("--compare", metavar="REF", help="also run the tree of this git commit, first (before)")
@@ -228,8 +287,9 @@ def main() -> None:
     trees.append("after")
     rows += run_cluster(ROOT, "after", args, args.out)
     report(rows, args.payloads, trees)
-    path = write_json(args.out, "loop_stall", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                      stamp())
+    path = write_json(
+        args.out, "loop_stall", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, stamp()
+    )
     print(f"results: {path}")
 
 

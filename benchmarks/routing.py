@@ -63,9 +63,13 @@ class Workloads:
     def chat_turns(self, seed: int) -> list[tuple[str, list[str]]]:
         """Per conversation: (system context, user messages of its turns)."""
         a, rng = self.args, random.Random(seed)
-        return [(word_texts(self.tok, self.words, rng, a.system),
-                 [word_texts(self.tok, self.words, rng, a.unique) for _ in range(a.turns)])
-                for _ in range(a.conversations)]
+        return [
+            (
+                word_texts(self.tok, self.words, rng, a.system),
+                [word_texts(self.tok, self.words, rng, a.unique) for _ in range(a.turns)],
+            )
+            for _ in range(a.conversations)
+        ]
 
     def prompt_ids(self, body: dict) -> list[int]:
         if "messages" in body:
@@ -82,7 +86,7 @@ def ideal_hit_rate(prompts: list[list[int]]) -> float:
     for ids in prompts:
         hashes = block_hashes(ids, BLOCK)
         n = 0
-        for h in hashes[:(len(ids) - 1) // BLOCK]:
+        for h in hashes[: (len(ids) - 1) // BLOCK]:
             if h not in seen:
                 break
             n += 1
@@ -101,8 +105,13 @@ async def stream(port: int, body: dict, sent: list) -> StreamRecord:
 
 
 def body(args, prompt: str | None = None, messages: list | None = None) -> dict:
-    b = {"model": MODEL_NAME, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-         "stream_options": {"include_usage": True}}
+    b = {
+        "model": MODEL_NAME,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return {**b, "messages": messages} if messages is not None else {**b, "prompt": prompt}
 
 
@@ -135,17 +144,25 @@ def summarize(recs: list[StreamRecord], ideal: float) -> dict:
     cached = sum(r.cached_tokens or 0 for r in ok)
     span = max(r.t_end for r in ok) - min(r.t_start for r in ok) if ok else None
     hit = cached / prompt if prompt else None
-    return {"requests": len(recs), "errors": len(recs) - len(ok), "hit_rate": hit, "ideal_hit_rate": ideal,
-            "of_ideal": hit / ideal if hit is not None and ideal else None,
-            "ttft_p50": percentile([r.ttft for r in ok], 50), "ttft_p99": percentile([r.ttft for r in ok], 99),
-            "tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / span if span else None,
-            "requests_per_s": len(ok) / span if span else None}
+    return {
+        "requests": len(recs),
+        "errors": len(recs) - len(ok),
+        "hit_rate": hit,
+        "ideal_hit_rate": ideal,
+        "of_ideal": hit / ideal if hit is not None and ideal else None,
+        "ttft_p50": percentile([r.ttft for r in ok], 50),
+        "ttft_p99": percentile([r.ttft for r in ok], 99),
+        "tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / span if span else None,
+        "requests_per_s": len(ok) / span if span else None,
+    }
 
 
 async def measure(port: int, args, work: Workloads) -> dict:
     out = {}
-    for name, run, data in (("shared_prefix", run_shared_prefix, work.shared_prefix(1)),
-                            ("chat", run_chat, work.chat_turns(2))):
+    for name, run, data in (
+        ("shared_prefix", run_shared_prefix, work.shared_prefix(1)),
+        ("chat", run_chat, work.chat_turns(2)),
+    ):
         sent: list = []
         recs = await run(port, args, data, sent)
         ideal = ideal_hit_rate([work.prompt_ids(b) for _, b in sorted(sent, key=lambda s: s[0])])
@@ -168,21 +185,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", type=int, default=512, help="tokens of a conversation's system context")
     ap.add_argument("--rate", type=float, default=16.0, help="arrivals per second (requests; conversations)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--kv-cache-bytes", type=int, default=None,
-                    help="KV pool of each worker (sim default: 288 MiB, 409 blocks; torch: the setting's default)")
+    ap.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV pool of each worker (sim default: 288 MiB, 409 blocks; torch: the setting's default)",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rate and TTFT here")
     args = ap.parse_args(argv)
     work, run_id = Workloads(args), stamp()
-    env = {**(SIM_ENV if args.engine == "sim" else {}), "CONVEYOR_TIMEOUT_MIN_S": "600",
-           **({"CONVEYOR_KV_CACHE_BYTES": str(args.kv_cache_bytes)} if args.kv_cache_bytes else {})}
+    env = {
+        **(SIM_ENV if args.engine == "sim" else {}),
+        "CONVEYOR_TIMEOUT_MIN_S": "600",
+        **({"CONVEYOR_KV_CACHE_BYTES": str(args.kv_cache_bytes)} if args.kv_cache_bytes else {}),
+    }
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "env": env, "runs": {}}
     for n in args.workers:
         for mode in args.modes:
             print(f"{n} {args.engine} workers, routing={mode}", flush=True)
             log = args.out / f"routing-{run_id}-{n}-{mode}.log"
-            with ConveyorUp(log, workers=n, env={**env, "CONVEYOR_ROUTING": mode},
-                            args=["--engine", args.engine]) as up:
+            with ConveyorUp(
+                log, workers=n, env={**env, "CONVEYOR_ROUTING": mode}, args=["--engine", args.engine]
+            ) as up:
                 results["runs"][f"{n}/{mode}"] = asyncio.run(measure(up.port, args, work))
             log.unlink(missing_ok=True)  # kept only while it runs: the JSON holds the results
     report(results)
@@ -198,10 +223,23 @@ def report(results: dict) -> None:
     rows = []
     for key, per in results["runs"].items():
         for wl, m in per.items():
-            rows.append([key, wl, m["hit_rate"], m["of_ideal"], m["ttft_p50"], m["ttft_p99"], m["tokens_per_s"],
-                         m["requests_per_s"], m["errors"]])
-    print_table(["workers/mode", "workload", "hit rate", "of ideal", "TTFT p50 s", "TTFT p99 s", "tok/s", "req/s",
-                 "errors"], rows)
+            rows.append(
+                [
+                    key,
+                    wl,
+                    m["hit_rate"],
+                    m["of_ideal"],
+                    m["ttft_p50"],
+                    m["ttft_p99"],
+                    m["tokens_per_s"],
+                    m["requests_per_s"],
+                    m["errors"],
+                ]
+            )
+    print_table(
+        ["workers/mode", "workload", "hit rate", "of ideal", "TTFT p50 s", "TTFT p99 s", "tok/s", "req/s", "errors"],
+        rows,
+    )
     for key in {k.split("/")[0] for k in results["runs"]}:
         kv, load = results["runs"].get(f"{key}/kv"), results["runs"].get(f"{key}/load")
         if kv and load:

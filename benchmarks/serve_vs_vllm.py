@@ -24,8 +24,18 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import (DEFAULT_OUT, PEERS_SCRIPT, ConveyorUp, VllmServe, model_dir, print_table,
-                               raise_fd_limit, stamp, vllm_installed, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    PEERS_SCRIPT,
+    ConveyorUp,
+    VllmServe,
+    model_dir,
+    print_table,
+    raise_fd_limit,
+    stamp,
+    vllm_installed,
+    write_json,
+)
 
 ROLES = ("worker#0", "gateway", "tokenizer", "scheduler", "redis", "launcher")
 KEYS = ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
@@ -36,13 +46,37 @@ def num_prompts(concurrency: int, requested: int | None) -> int:
     return requested or max(8, 2 * concurrency)
 
 
-def bench(port: int, model: Path, shape: tuple[int, int], concurrency: int, prompts: int, seed: int, out: Path,
-          name: str) -> dict:
+def bench(
+    port: int, model: Path, shape: tuple[int, int], concurrency: int, prompts: int, seed: int, out: Path, name: str
+) -> dict:
     result_file = f"{name}.json"
-    cmd = ["bash", str(PEERS_SCRIPT), "bench", str(port), str(model), "--dataset-name", "random",
-           "--random-input-len", str(shape[0]), "--random-output-len", str(shape[1]), "--ignore-eos",
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--seed", str(seed), "--save-result", "--result-dir", str(out), "--result-filename", result_file]
+    cmd = [
+        "bash",
+        str(PEERS_SCRIPT),
+        "bench",
+        str(port),
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(shape[0]),
+        "--random-output-len",
+        str(shape[1]),
+        "--ignore-eos",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(seed),
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        result_file,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     (out / f"{name}.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)
     path = out / result_file
@@ -86,12 +120,18 @@ def run(servers: dict[str, int], model: Path, args, out: Path, conveyor: Conveyo
         prompts = num_prompts(conc, args.num_prompts)
         for rnd in range(1, args.rounds + 1):
             order = list(servers) if rnd % 2 else list(reversed(servers))
-            row = {"shape": f"{shape[0]}x{shape[1]}", "concurrency": conc, "prompts": prompts, "round": rnd,
-                   "order": order}
+            row = {
+                "shape": f"{shape[0]}x{shape[1]}",
+                "concurrency": conc,
+                "prompts": prompts,
+                "round": rnd,
+                "order": order,
+            }
             for name in order:
                 tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
-                row[name] = measured(name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts,
-                                                                   rnd, out, tag))
+                row[name] = measured(
+                    name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts, rnd, out, tag)
+                )
                 print(f"{tag}: {row[name]}", flush=True)
             rows.append(row)
     return rows
@@ -106,13 +146,42 @@ def report(rows: list[dict]) -> None:
     table = []
     for r in rows:
         c, v = r.get("conveyor", {}), r.get("vllm", {})
-        table.append([r["shape"], r["concurrency"], r["round"], c.get("output_throughput"), v.get("output_throughput"),
-                      ratio(r, "output_throughput"), c.get("mean_ttft_ms"), v.get("mean_ttft_ms"),
-                      c.get("mean_tpot_ms"), v.get("mean_tpot_ms"), f"{c.get('failed')}/{v.get('failed')}"])
-    print_table(["in x out", "conc", "round", "conveyor tok/s", "vllm tok/s", "ratio", "conveyor TTFT ms",
-                 "vllm TTFT ms", "conveyor TPOT ms", "vllm TPOT ms", "failed c/v"], table)
-    cpu = [[r["shape"], r["concurrency"], r["round"], *[r["conveyor"].get("cpu_s", {}).get(role) for role in ROLES]]
-           for r in rows if "conveyor" in r]
+        table.append(
+            [
+                r["shape"],
+                r["concurrency"],
+                r["round"],
+                c.get("output_throughput"),
+                v.get("output_throughput"),
+                ratio(r, "output_throughput"),
+                c.get("mean_ttft_ms"),
+                v.get("mean_ttft_ms"),
+                c.get("mean_tpot_ms"),
+                v.get("mean_tpot_ms"),
+                f"{c.get('failed')}/{v.get('failed')}",
+            ]
+        )
+    print_table(
+        [
+            "in x out",
+            "conc",
+            "round",
+            "conveyor tok/s",
+            "vllm tok/s",
+            "ratio",
+            "conveyor TTFT ms",
+            "vllm TTFT ms",
+            "conveyor TPOT ms",
+            "vllm TPOT ms",
+            "failed c/v",
+        ],
+        table,
+    )
+    cpu = [
+        [r["shape"], r["concurrency"], r["round"], *[r["conveyor"].get("cpu_s", {}).get(role) for role in ROLES]]
+        for r in rows
+        if "conveyor" in r
+    ]
     print("\nConveyor CPU seconds per process during its bench (two cores = 2 s per wall second)")
     print_table(["in x out", "conc", "round", *ROLES], cpu)
 
@@ -131,14 +200,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x128"))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32])
-    ap.add_argument("--pairs", type=parse_pairs, default=None,
-                    help="shape@concurrency list instead of the grid, e.g. 128x128@1,512x128@32")
+    ap.add_argument(
+        "--pairs",
+        type=parse_pairs,
+        default=None,
+        help="shape@concurrency list instead of the grid, e.g. 128x128@1,512x128@32",
+    )
     ap.add_argument("--num-prompts", type=int, default=None, help="default: max(8, 2 x concurrency)")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for the Conveyor cluster")
     ap.add_argument("--conveyor-args", type=shlex.split, default=[], help="extra `conveyor up` arguments, one string")
-    ap.add_argument("--vllm-args", type=shlex.split, default=[],
-                    help="extra `vllm serve` arguments, one string: --vllm-args='--dtype bfloat16'")
+    ap.add_argument(
+        "--vllm-args",
+        type=shlex.split,
+        default=[],
+        help="extra `vllm serve` arguments, one string: --vllm-args='--dtype bfloat16'",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if not args.skip_vllm and not vllm_installed():
@@ -162,8 +239,9 @@ def main() -> None:
         if vllm:
             vllm.stop()
     report(rows)
-    path = write_json(args.out, "serve_vs_vllm", {"rows": rows, "conveyor_env": env, "wall_s": time.monotonic() - t0},
-                      run_id)
+    path = write_json(
+        args.out, "serve_vs_vllm", {"rows": rows, "conveyor_env": env, "wall_s": time.monotonic() - t0}, run_id
+    )
     print(f"results: {path} (client logs in {out})")
 
 

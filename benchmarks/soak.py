@@ -33,15 +33,32 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.common import (DEFAULT_OUT, MODEL_NAME, ConveyorUp, log_summary, percentile, print_table,
-                               key_census, redis_memory, rss_by_role, stamp, write_json)
+from benchmarks.common import (
+    DEFAULT_OUT,
+    MODEL_NAME,
+    ConveyorUp,
+    log_summary,
+    percentile,
+    print_table,
+    key_census,
+    redis_memory,
+    rss_by_role,
+    stamp,
+    write_json,
+)
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings
 
 MIB = 1 << 20
 NAMES = CommonSettings().names()  # the cluster's keys: the default namespace, as `conveyor up` uses
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits.",
-           "Tell me a fun fact about octopuses.", "Why is the sky blue?", "Give three tips for a job interview."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three fruits.",
+    "Tell me a fun fact about octopuses.",
+    "Why is the sky blue?",
+    "Give three tips for a job interview.",
+]
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -152,13 +169,18 @@ async def skip_events(lines, n: int) -> bool:
     return False
 
 
-def take_sample(cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int,
-                latencies: list[float] | None = None) -> dict:
+def take_sample(
+    cluster: ConveyorUp, redis_srv: RedisServer, t0: float, phase: str, done: int, latencies: list[float] | None = None
+) -> dict:
     procs = cluster.processes()
     procs["redis"] = psutil.Process(redis_srv.proc.pid)
     sample = {"t_s": time.monotonic() - t0, "phase": phase, "requests_done": done, "rss": rss_by_role(procs)}
     if latencies:  # the requests that ended since the last sample
-        sample["latency"] = {"p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99), "n": len(latencies)}
+        sample["latency"] = {
+            "p50_s": percentile(latencies, 50),
+            "p99_s": percentile(latencies, 99),
+            "n": len(latencies),
+        }
     try:
         sample["redis"] = redis_memory(redis_srv.url)
         sample["census"] = key_census(redis_srv.url, NAMES)
@@ -171,8 +193,9 @@ async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, in
     t0 = state["t0"]
     while True:
         ended, load.latencies = load.latencies, []
-        s = await asyncio.to_thread(take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()),
-                                    ended)
+        s = await asyncio.to_thread(
+            take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()), ended
+        )
         samples.append(s)
         await asyncio.sleep(interval - (time.monotonic() - t0) % interval)  # no drift: on the interval's grid
 
@@ -226,9 +249,13 @@ def analyse(samples: list[dict], args) -> dict:
         idle = [v for _, v, ph in pts if ph == "idle-end"]
         if not load:
             continue
-        out[name] = {"after_warmup": load[0][1], "end": load[-1][1], "slope_per_min": slope_per_min(load),
-                     "change_pct": (load[-1][1] - load[0][1]) / load[0][1] * 100 if load[0][1] else None,
-                     "after_idle": idle[-1] if idle else None}
+        out[name] = {
+            "after_warmup": load[0][1],
+            "end": load[-1][1],
+            "slope_per_min": slope_per_min(load),
+            "change_pct": (load[-1][1] - load[0][1]) / load[0][1] * 100 if load[0][1] else None,
+            "after_idle": idle[-1] if idle else None,
+        }
     return out
 
 
@@ -236,8 +263,16 @@ def report(stats: dict, outcomes: Counter) -> None:
     rows = []
     for name, s in stats.items():
         k, unit = (1, "keys") if name.endswith("keys") else (1, "s") if name.startswith("latency") else (MIB, "MiB")
-        rows.append([f"{name} ({unit})", s["after_warmup"] / k, s["end"] / k, s["change_pct"],
-                     (s["slope_per_min"] or 0) / k, None if s["after_idle"] is None else s["after_idle"] / k])
+        rows.append(
+            [
+                f"{name} ({unit})",
+                s["after_warmup"] / k,
+                s["end"] / k,
+                s["change_pct"],
+                (s["slope_per_min"] or 0) / k,
+                None if s["after_idle"] is None else s["after_idle"] / k,
+            ]
+        )
     print_table(["metric", "after warm-up", "end of load", "change %", "slope /min", "after idle"], rows)
     print(f"requests: {sum(outcomes.values())}")
     for key, n in sorted(outcomes.items()):
@@ -247,6 +282,7 @@ def report(stats: dict, outcomes: Counter) -> None:
 def plot(samples: list[dict], args, path: Path) -> Path | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -254,9 +290,11 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
         return None
     s = series(samples)
     fig, (top, bottom, lat) = plt.subplots(3, 1, sharex=True, figsize=(9, 8))
-    for ax, name, label, k in ((top, "redis used_memory", "Redis used_memory (MiB)", MIB),
-                               (bottom, "rss gateway", "gateway RSS (MiB)", MIB),
-                               (lat, "latency p99_s", "request latency p99 (s), per interval", 1)):
+    for ax, name, label, k in (
+        (top, "redis used_memory", "Redis used_memory (MiB)", MIB),
+        (bottom, "rss gateway", "gateway RSS (MiB)", MIB),
+        (lat, "latency p99_s", "request latency p99 (s), per interval", 1),
+    ):
         pts = s.get(name, [])
         ax.plot([t / 60 for t, _, _ in pts], [v / k for _, v, _ in pts], marker=".")
         ax.set_ylabel(label)
@@ -275,8 +313,11 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
 
 
 def cluster_env(args) -> dict:
-    env = {"CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl), "CONVEYOR_ENGINE": args.engine,
-           "CONVEYOR_SIM_SPEEDUP": str(args.sim_speedup)}
+    env = {
+        "CONVEYOR_CONTEXT_TTL_S": str(args.context_ttl),
+        "CONVEYOR_ENGINE": args.engine,
+        "CONVEYOR_SIM_SPEEDUP": str(args.sim_speedup),
+    }
     if args.max_ended_contexts is not None:
         env["CONVEYOR_MAX_ENDED_CONTEXTS"] = str(args.max_ended_contexts)
     return env
@@ -291,18 +332,34 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5, help="seconds between samples")
     ap.add_argument("--warmup", type=float, default=0.2, help="share of --duration counted as warm-up")
     ap.add_argument("--settle", type=float, default=15, help="seconds to idle after the load, still sampling")
-    ap.add_argument("--context-ttl", type=int, default=120,
-                    help="CONVEYOR_CONTEXT_TTL_S of the cluster: ended contexts stay this long, so Redis holds "
-                         "about rate x TTL of them; the default lets a 10-minute soak reach its steady state")
+    ap.add_argument(
+        "--context-ttl",
+        type=int,
+        default=120,
+        help="CONVEYOR_CONTEXT_TTL_S of the cluster: ended contexts stay this long, so Redis holds "
+        "about rate x TTL of them; the default lets a 10-minute soak reach its steady state",
+    )
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--engine", choices=("torch", "sim"), default="torch",
-                    help="the workers' engine: sim (CONVEYOR_ENGINE=sim) for the control plane at its highest rate")
-    ap.add_argument("--sim-speedup", type=float, default=1.0,
-                    help="CONVEYOR_SIM_SPEEDUP with --engine sim: steps that many times shorter than the model's, so the "
-                         "control plane, not the simulated model, is what limits the rate")
-    ap.add_argument("--max-ended-contexts", type=int, default=None,
-                    help="CONVEYOR_MAX_ENDED_CONTEXTS of the cluster: set below rate x --context-ttl, the janitor's cap "
-                         "path deletes contexts throughout the run")
+    ap.add_argument(
+        "--engine",
+        choices=("torch", "sim"),
+        default="torch",
+        help="the workers' engine: sim (CONVEYOR_ENGINE=sim) for the control plane at its highest rate",
+    )
+    ap.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=1.0,
+        help="CONVEYOR_SIM_SPEEDUP with --engine sim: steps that many times shorter than the model's, so the "
+        "control plane, not the simulated model, is what limits the rate",
+    )
+    ap.add_argument(
+        "--max-ended-contexts",
+        type=int,
+        default=None,
+        help="CONVEYOR_MAX_ENDED_CONTEXTS of the cluster: set below rate x --context-ttl, the janitor's cap "
+        "path deletes contexts throughout the run",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
@@ -311,8 +368,7 @@ def main() -> None:
     log = args.out / f"soak-{run_id}-conveyor.log"
     redis_srv = RedisServer(Path(tempfile.mkdtemp(prefix="soak-redis-")), appendonly=True).start()
     try:
-        with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url,
-                        env=cluster_env(args)) as cluster:
+        with ConveyorUp(log, workers=args.workers, redis_url=redis_srv.url, env=cluster_env(args)) as cluster:
             samples, outcomes = asyncio.run(soak(cluster, redis_srv, args))
     finally:
         redis_srv.stop()
@@ -321,8 +377,19 @@ def main() -> None:
     logs = log_summary(log)
     print(f"cluster log: {logs['lines']} ERROR/WARNING lines; most frequent: {logs['top'][:5]}")
     png = plot(samples, args, args.out / f"soak-{run_id}.png")
-    path = write_json(args.out, "soak", {"args": vars(args), "stats": stats, "outcomes": dict(outcomes),
-                                         "samples": samples, "server_log": logs, "png": png}, run_id)
+    path = write_json(
+        args.out,
+        "soak",
+        {
+            "args": vars(args),
+            "stats": stats,
+            "outcomes": dict(outcomes),
+            "samples": samples,
+            "server_log": logs,
+            "png": png,
+        },
+        run_id,
+    )
     print(f"wrote {path}" + (f" and {png}" if png else ""))
 
 

@@ -73,8 +73,10 @@ class Connection:
     async def stream(self, path: str, body: dict, api: str, rec: StreamRecord) -> StreamRecord:
         """POST body to path and read its SSE answer into rec (a non-200 answer: status and error body)."""
         payload = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode()
         try:
             await self._ensure()
             self.writer.write(head + payload)
@@ -145,19 +147,28 @@ class Connection:
             if ev.get("usage"):
                 usage = ev["usage"]
                 rec.completion_tokens, rec.prompt_tokens = usage["completion_tokens"], usage.get("prompt_tokens")
-                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens",
-                                                                                  usage.get("cached_tokens"))
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", usage.get("cached_tokens")
+                )
 
 
 def request_body(api: str, model: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
     """(path, body) of one greedy streamed request of `api`."""
     common = {"max_tokens": max_tokens, "temperature": 0, "stream": True}
     if api == "completions":
-        return "/v1/completions", {**common, "model": model, "prompt": prompt,
-                                   "stream_options": {"include_usage": True}}
+        return "/v1/completions", {
+            **common,
+            "model": model,
+            "prompt": prompt,
+            "stream_options": {"include_usage": True},
+        }
     if api == "chat":
-        return "/v1/chat/completions", {**common, "model": model, "messages": [{"role": "user", "content": prompt}],
-                                        "stream_options": {"include_usage": True}}
+        return "/v1/chat/completions", {
+            **common,
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream_options": {"include_usage": True},
+        }
     return "/generate", {**common, "prompt": prompt}
 
 

@@ -1,4 +1,13 @@
-"""Fixtures shared by the whole suite: the real model folder, real Redis servers."""
+"""Fixtures shared by the whole suite: the real model folder and its tokenizer, real Redis servers, clusters of real
+service processes, the engine's model and references. Helpers the tests import are in tests/support/.
+
+The suite is in tiers, one folder each, marked from here (`-m unit`, `-m "unit or redis"`, ...):
+  unit/     pure: no Redis, no process (the model's tokenizer may be loaded)
+  redis/    a real redis-server (or Redis Cluster) of the test's own, services' code run in the test's process
+  e2e/      real service processes, the real model's weights, clusters over HTTP
+  browser/  a headless Chromium against a cluster
+  docker/   compose on a Docker engine: `make test-docker` only
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,99 @@ from pathlib import Path
 import pytest
 
 from shared.model_files import resolve_model_dir
+from tests.support.cache import CACHE_DIR
 
 # tests/docker builds an image and starts a compose cluster (minutes): `make test-docker` runs it, `make test` not.
 collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
 
-# One conversion cache for the whole run (and across runs on the same machine).
-CACHE_DIR = Path(os.environ.get("CONVEYOR_CACHE_DIR", str(Path.home() / ".cache" / "conveyor")))
+TESTS = Path(__file__).parent
+TIERS = ("unit", "redis", "e2e", "browser")
+SHARED_CLUSTERS = ("cluster", "keyed_cluster", "sim_cluster")  # the session's clusters, below
+
+
+def _xdist_group(item) -> str | None:
+    """ "engine" for the engine's own tests; the name of the session's cluster a test uses; its module for a test of
+    a module-scoped fixture (a module's cluster, a wheel); None for a test that shares nothing costly."""
+    if Path(item.path).parent.name == "engine":
+        # The engine's own tests run the model in the test's process: in one process, the models are loaded once
+        # and held once (spread over four processes they held 6-7 GB each, and the machine ran out of memory).
+        return "engine"
+    defs = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}
+    for name in SHARED_CLUSTERS:
+        if name in defs and defs[name][-1].scope == "session":
+            return name
+    if any(d[-1].scope in ("module", "package") for d in defs.values()):
+        return item.nodeid.split("::")[0]
+    return None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, several test processes share the cores: torch in each (the engine's own tests, the
+    references) runs on one thread, or their thread pools oversubscribe the machine and every step waits on the
+    others' spinning threads (engine tests took minutes and timed out so). The services' processes keep their
+    default (their GEMM plans on disk are measured for it)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its tier, the folder it is in. Under pytest-xdist (`-n N --dist loadgroup`, as
+    `make test` runs), the tests of a cluster run in one process: those of the shared `cluster` together, those of
+    an e2e or browser module with a module-scoped fixture together (its cluster is started once); every other test
+    goes on its own to whichever process is free."""
+    for item in items:
+        try:
+            tier = Path(item.path).relative_to(TESTS).parts[0]
+        except ValueError:
+            continue
+        if tier not in TIERS:
+            continue
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier in ("e2e", "browser") and not item.get_closest_marker("xdist_group"):
+            if group := _xdist_group(item):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted from GGUF once."""
     return resolve_model_dir("", CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def kernels_dir(tmp_path_factory) -> str:
+    """Where the engine's C++ kernels are built for the tests: one folder for every run of this user (torch
+    rebuilds only what changed), also under pytest-xdist, whose processes each have a base folder of their own."""
+    base = tmp_path_factory.getbasetemp()
+    root = next((p for p in (base, *base.parents) if p.name.startswith("pytest-of-")), base.parent)
+    return str(root / "conveyor-kernels")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    """The served model's tokenizer (transformers' AutoTokenizer, as the services load it)."""
+    from shared.tokenization import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def token_strings(tokenizer):
+    """The gateway's token-to-text table of the served tokenizer (logprobs' `token` and `bytes`)."""
+    from services.gateway.text.logprobs import TokenStrings
+
+    return TokenStrings(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vocab(model_dir):
+    """The simulated engine's vocabulary, from the served tokenizer."""
+    from services.worker.engine.sim_model import load_vocab
+
+    return load_vocab(model_dir)
 
 
 @pytest.fixture
@@ -34,10 +124,10 @@ def redis_server(tmp_path):
 
 @pytest.fixture
 def redis_cluster(tmp_path):
-    """A Redis Cluster of this test's own: 3 masters with a replica each (tests/redis_cluster.py; ~2 s to create).
-    Skipped, saying why, where no redis-server or redis-cli can be found."""
+    """A Redis Cluster of this test's own: 3 masters with a replica each (tests/support/redis_cluster.py; ~2 s to
+    create). Skipped, saying why, where no redis-server or redis-cli can be found."""
     from shared.errors import FatalError
-    from tests.redis_cluster import LocalRedisCluster
+    from tests.support.redis_cluster import LocalRedisCluster
 
     try:
         LocalRedisCluster.binaries()
@@ -87,9 +177,13 @@ def hf_reference(model_dir):
         key = (tuple(ids), max_new_tokens)
         if key not in cache:
             with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=max_new_tokens, do_sample=False)
-            cache[key] = out[0, len(ids):].tolist()
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+            cache[key] = out[0, len(ids) :].tolist()
         return cache[key]
 
     generate.prompt_ids = prompt_ids
@@ -101,18 +195,114 @@ def hf_reference(model_dir):
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, model_dir):
     """One worker and one of each other service, shared by the end-to-end tests that harm nothing.
-    Tests that kill or stop processes start a cluster of their own."""
-    from tests.cluster import Cluster
+    Tests that kill or stop processes start a cluster of their own (`start_cluster`)."""
+    from tests.support.cluster import Cluster, running
 
     if os.environ.get("CONVEYOR_TEST_REDIS_CLUSTER") == "1":  # the same tests on a Redis Cluster (issue 16)
-        from tests.redis_cluster import LocalRedisCluster
+        from tests.support.redis_cluster import LocalRedisCluster
 
-        rc = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
-        c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR, redis_url=rc.url, redis_cluster=True).start()
-        yield c
-        c.stop()
-        rc.stop()
+        with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as rc:
+            with running(
+                Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR, redis_url=rc.url, redis_cluster=True)
+            ) as c:
+                yield c
         return
-    c = Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR).start()
-    yield c
-    c.stop()
+    with running(Cluster(tmp_path_factory.mktemp("cluster"), CACHE_DIR)) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def keyed_cluster(tmp_path_factory, model_dir):
+    """Simulated workers behind API keys: KEY_A and KEY_B, and ADMIN an admin key (tests/support/cluster.py), with a
+    trace URL template. Shared by the tests of keys, priorities and the dashboard's data: each reads or cancels
+    only requests of its own."""
+    from tests.support.cluster import ADMIN, KEY_A, KEY_B, KeyedCluster, running
+    from tests.support.sim_reference import SIM
+
+    env = {
+        **SIM,
+        "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B}",
+        "CONVEYOR_ADMIN_API_KEYS": ADMIN,
+        "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}",
+    }
+    with running(KeyedCluster(tmp_path_factory.mktemp("keyed"), CACHE_DIR, env=env)) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def sim_cluster(tmp_path_factory, model_dir):
+    """One simulated worker with the default settings, and one of each other service, no API keys: shared by the
+    control-plane tests that harm nothing and do not need the model's numbers."""
+    from tests.support.cluster import Cluster, running
+    from tests.support.sim_reference import SIM
+
+    with running(Cluster(tmp_path_factory.mktemp("sim-cluster"), CACHE_DIR, env=SIM)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The official OpenAI client pointed at the module's `cluster` (the shared one unless the module has its own)."""
+    from tests.support.openai_fixtures import openai_client
+
+    return openai_client(cluster.url)
+
+
+@pytest.fixture
+def start_cluster(tmp_path, model_dir):
+    """start_cluster(**Cluster's keywords) -> a started cluster of this test's own, stopped after the test whatever
+    happened (also one that failed to start). For tests that kill, stop or reconfigure processes."""
+    from tests.support.cluster import Cluster
+
+    started: list = []
+
+    def start(cls=Cluster, **kw):
+        c = cls(tmp_path / f"cluster{len(started)}", CACHE_DIR, **kw)
+        started.append(c)
+        return c.start()
+
+    yield start
+    for c in reversed(started):
+        c.stop()
+
+
+# The engine's own tests (tests/e2e/engine): one model for the engine and greedy references computed once.
+
+
+@pytest.fixture(scope="session")
+def chat(tokenizer):
+    """question (and system, history) -> the chat template's prompt ids."""
+
+    def encode(question: str, system: str | None = None, history: list[dict] | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + (history or [])
+        messages.append({"role": "user", "content": question})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+    return encode
+
+
+@pytest.fixture(scope="session")
+def engine_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(model_dir: Path):
+    """HF greedy continuations on a model of their own, cached on disk next to the converted model."""
+    from tests.support.engine import ReferenceOutputs
+
+    return ReferenceOutputs(model_dir)
+
+
+@pytest.fixture
+def make_engine(engine_model):
+    from services.worker.engine import EngineConfig, LLMEngine
+
+    def build(**overrides) -> LLMEngine:
+        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64} | overrides
+        return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
+
+    return build

@@ -57,11 +57,18 @@ class Compose:
         self.project = f"conveyortest{secrets.token_hex(3)}"
         self.api_key, self.admin_key = secrets.token_hex(12), secrets.token_hex(12)
         self.port, self.sink_port = _free_port(), _free_port()
-        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, "CONVEYOR_IMAGE": IMAGE,
-                    "CONVEYOR_REDIS_IMAGE": redis_image, "CONVEYOR_REDIS_PASSWORD": secrets.token_hex(12),
-                    "CONVEYOR_API_KEYS": self.api_key, "CONVEYOR_ADMIN_API_KEYS": self.admin_key,
-                    "CONVEYOR_GATEWAY_PORT": str(self.port), "CONVEYOR_JAEGER_UI_PORT": str(self.sink_port),
-                    "CONVEYOR_OTLP_PORT": str(_free_port())}
+        self.env = {
+            **env,
+            "COMPOSE_PROJECT_NAME": self.project,
+            "CONVEYOR_IMAGE": IMAGE,
+            "CONVEYOR_REDIS_IMAGE": redis_image,
+            "CONVEYOR_REDIS_PASSWORD": secrets.token_hex(12),
+            "CONVEYOR_API_KEYS": self.api_key,
+            "CONVEYOR_ADMIN_API_KEYS": self.admin_key,
+            "CONVEYOR_GATEWAY_PORT": str(self.port),
+            "CONVEYOR_JAEGER_UI_PORT": str(self.sink_port),
+            "CONVEYOR_OTLP_PORT": str(_free_port()),
+        }
         self.cmd = [*base, "-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "tests/docker/compose.test.yml")]
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -73,8 +80,14 @@ class Compose:
 
     def containers(self, service: str | None = None, all_: bool = False) -> list[dict]:
         label = f"label=com.docker.compose.project={self.project}"
-        ids = self.docker("ps", *(["-a"] if all_ else []), "-q", "--filter", label,
-                          *(["--filter", f"label=com.docker.compose.service={service}"] if service else [])).split()
+        ids = self.docker(
+            "ps",
+            *(["-a"] if all_ else []),
+            "-q",
+            "--filter",
+            label,
+            *(["--filter", f"label=com.docker.compose.service={service}"] if service else []),
+        ).split()
         return json.loads(self.docker("inspect", *ids)) if ids else []
 
     def wait_healthy(self, expect: dict[str, int], timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -85,8 +98,9 @@ class Compose:
             ready = {s: 0 for s in expect}
             for c in cs:
                 svc, st = c["Config"]["Labels"]["com.docker.compose.service"], c["State"]
-                ready[svc] = ready.get(svc, 0) + (st["Running"] and st.get("Health", {}).get("Status", "healthy")
-                                                  == "healthy")
+                ready[svc] = ready.get(svc, 0) + (
+                    st["Running"] and st.get("Health", {}).get("Status", "healthy") == "healthy"
+                )
             if all(ready.get(s, 0) >= n for s, n in expect.items()):
                 return
             if time.monotonic() > deadline:
@@ -136,5 +150,10 @@ def cluster(docker, image):
         yield c
     finally:
         if c.containers(all_=True):
-            subprocess.run([*c.cmd, "down", "-v", "--remove-orphans", "-t", "5"], env=c.env, cwd=ROOT,
-                           capture_output=True, timeout=300)
+            subprocess.run(
+                [*c.cmd, "down", "-v", "--remove-orphans", "-t", "5"],
+                env=c.env,
+                cwd=ROOT,
+                capture_output=True,
+                timeout=300,
+            )

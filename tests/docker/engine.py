@@ -42,8 +42,10 @@ def _apt_install(packages: tuple[str, ...]) -> None:
         raise Unavailable(f"{' '.join(missing)} not installed and apt-get cannot install them here")
     logger.info("installing %s", " ".join(missing))
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                *missing, "iptables"]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, "iptables"],
+    ):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
@@ -91,10 +93,26 @@ def _start_dockerd(env: dict) -> subprocess.Popen:
     _clear_runtime_state()  # an earlier run's daemon may have been killed with the session that ran it
     log = open(STATE / "dockerd.log", "ab")  # noqa: SIM115 - handed to the daemon, which outlives this call
     daemon = subprocess.Popen(
-        ["dockerd", "--data-root", str(STATE / "data"), "--exec-root", str(STATE / "exec"), "--pidfile",
-         str(STATE / "dockerd.pid"), "-H", env["DOCKER_HOST"], "--iptables=false", "--ip6tables=false",
-         "--ip-forward=false", "--ip-masq=false", "--bridge=none"],
-        stdout=log, stderr=log, start_new_session=True)
+        [
+            "dockerd",
+            "--data-root",
+            str(STATE / "data"),
+            "--exec-root",
+            str(STATE / "exec"),
+            "--pidfile",
+            str(STATE / "dockerd.pid"),
+            "-H",
+            env["DOCKER_HOST"],
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--bridge=none",
+        ],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not _works(env):
         if daemon.poll() is not None or time.monotonic() > deadline:

@@ -61,8 +61,17 @@ def _debian(env: dict) -> None:
         raise Unavailable("no base image in the engine and no debootstrap to build one")
     rootfs = STATE / "rootfs"
     shutil.rmtree(rootfs, ignore_errors=True)
-    run(["debootstrap", "--variant=minbase", "--include=ca-certificates", "bookworm", str(rootfs),
-         "http://deb.debian.org/debian"], env)
+    run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=ca-certificates",
+            "bookworm",
+            str(rootfs),
+            "http://deb.debian.org/debian",
+        ],
+        env,
+    )
     for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
         shutil.rmtree(rootfs / junk, ignore_errors=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
@@ -84,8 +93,10 @@ def _standin(env: dict, name: str, dockerfile: str) -> str:
 def base_images(env: dict) -> dict[str, str]:
     """name -> what to use for it: the official image if the engine has it, else a local stand-in."""
     out = {}
-    for official, local, dockerfile in (("python:3.11-slim", "conveyor-local/python:3.11", PYTHON_STANDIN),
-                                        ("redis:7.4", "conveyor-local/redis:7", REDIS_STANDIN)):
+    for official, local, dockerfile in (
+        ("python:3.11-slim", "conveyor-local/python:3.11", PYTHON_STANDIN),
+        ("redis:7.4", "conveyor-local/redis:7", REDIS_STANDIN),
+    ):
         out[official] = official if has_image(env, official) else _standin(env, local, dockerfile)
     return out
 
@@ -115,8 +126,11 @@ def torch_pip_args(folder: Path) -> tuple[str, _WheelServer | None]:
     override = os.environ.get("CONVEYOR_DOCKER_TORCH_PIP_ARGS")
     if override is not None:
         return override, None
-    run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), "torch==2.13.0"],
-        dict(os.environ), timeout=900)
+    run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), "torch==2.13.0"],
+        dict(os.environ),
+        timeout=900,
+    )
     wheels = list(folder.glob("torch-*.whl"))
     if not wheels or "+cpu" not in wheels[0].name:
         return "--index-url https://download.pytorch.org/whl/cpu", None
@@ -131,9 +145,23 @@ def build_conveyor(env: dict, tag: str) -> float:
     with tempfile.TemporaryDirectory() as wheels:
         pip_args, server = torch_pip_args(Path(wheels))
         try:
-            run(["docker", "build", "--network", "host", "-t", tag, "--build-arg",
-                 f"BASE_IMAGE={bases['python:3.11-slim']}", "--build-arg", f"TORCH_PIP_ARGS={pip_args}", str(ROOT)],
-                env, timeout=3600)
+            run(
+                [
+                    "docker",
+                    "build",
+                    "--network",
+                    "host",
+                    "-t",
+                    tag,
+                    "--build-arg",
+                    f"BASE_IMAGE={bases['python:3.11-slim']}",
+                    "--build-arg",
+                    f"TORCH_PIP_ARGS={pip_args}",
+                    str(ROOT),
+                ],
+                env,
+                timeout=3600,
+            )
         finally:
             if server:
                 server.close()

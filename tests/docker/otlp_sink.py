@@ -13,8 +13,10 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 SPANS: list[dict] = []
 LOCK = threading.Lock()
@@ -27,8 +29,10 @@ def _decode(body: bytes) -> list[dict]:
     for rs in req.resource_spans:
         attrs = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
         for ss in rs.scope_spans:
-            out += [{"service": attrs.get("service.name", ""), "name": sp.name, "trace_id": sp.trace_id.hex()}
-                    for sp in ss.spans]
+            out += [
+                {"service": attrs.get("service.name", ""), "name": sp.name, "trace_id": sp.trace_id.hex()}
+                for sp in ss.spans
+            ]
     return out
 
 

@@ -26,7 +26,7 @@ SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 def readme_example() -> tuple[dict, str]:
     """The README's first /generate request body and the text its answer shows."""
     text = (ROOT / "README.md").read_text()
-    example = text[text.index("## Example"):]
+    example = text[text.index("## Example") :]
     body = re.search(r"-d '(\{.*?\})'", example, re.S).group(1)
     answer = re.search(r"```json\n(.*?)```", example, re.S).group(1)
     return json.loads(body), re.search(r'"text": "(.*?)"', answer).group(1)
@@ -45,8 +45,10 @@ def container_of(c, instance: str) -> dict:
 
 
 def test_every_service_is_healthy_and_the_worker_runs_the_cpu_kernels(cluster):
-    health = {x["Config"]["Labels"]["com.docker.compose.service"]: x["State"].get("Health", {}).get("Status")
-              for x in cluster.containers()}
+    health = {
+        x["Config"]["Labels"]["com.docker.compose.service"]: x["State"].get("Health", {}).get("Status")
+        for x in cluster.containers()
+    }
     assert all(health[s] == "healthy" for s in ("redis", *SERVICES)), health
     assert "CPU kernels loaded" in cluster.logs("worker")
 
@@ -119,8 +121,12 @@ def _stream(client: httpx.Client, body: dict, first_token: threading.Event, out:
 
 @pytest.mark.parametrize("max_tokens", [96])
 def test_a_worker_container_killed_mid_request_restarts_and_its_request_completes(cluster, max_tokens):
-    body = {"prompt": "Write a long story about a lighthouse keeper:", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "prompt": "Write a long story about a lighthouse keeper:",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     reference = cluster.client().post("/generate", json=body).json()
     first_token, out = threading.Event(), {}
     t = threading.Thread(target=_stream, args=(cluster.client(), body, first_token, out))

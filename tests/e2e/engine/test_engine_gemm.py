@@ -1,0 +1,122 @@
+"""GEMM kernel plans: every kernel equals nn.Linear; plans are measured once and persisted."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from services.worker.engine import gemm
+from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
+
+
+@pytest.fixture(autouse=True)
+def fresh_memory(monkeypatch):
+    monkeypatch.setattr(gemm, "_memory", {})
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
+
+
+def tune(model: nn.Module, rows: int, cache_dir) -> None:
+    tune_linears(plain_linears(model), None, rows, rows, cache_dir)
+
+
+def force(model: nn.Module, kernel: str) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.conveyor_gemm_plan = Plan((kernel,) * 8)
+            m.conveyor_packed = gemm.pack(m.weight.detach())
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("rows", [1, 3, 32, 77])
+def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
+    model = tiny_model()  # first layer has a bias, the second none
+    x = torch.randn(1, rows, 32)
+    with torch.inference_mode():
+        expected = model(x)
+        tune(model, 128, None)
+        force(model, kernel)
+        got = model(x)
+    assert got.shape == expected.shape == (1, rows, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_bucket_is_the_next_power_of_two_of_the_row_count():
+    plan = Plan(("linear", "flipped", "linear", "onednn"))  # buckets M<=1, M<=2, M<=4, M<=8 (and beyond)
+    assert [plan.kernel_for(m) for m in (1, 2, 3, 4, 5, 8, 9, 1000)] == [
+        "linear",
+        "flipped",
+        "linear",
+        "linear",
+        "onednn",
+        "onednn",
+        "onednn",
+        "onednn",
+    ]
+
+
+def test_a_kernel_that_fails_here_is_never_planned(monkeypatch):
+    def broken(x, w, b, packed):
+        raise RuntimeError("not built into this torch")
+
+    monkeypatch.setitem(KERNELS, "onednn", broken)
+    model = tiny_model()
+    tune(model, 64, None)
+    assert all("onednn" not in m.conveyor_gemm_plan.kernels for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_measured_plan_is_saved_and_a_restart_reuses_it_without_measuring(tmp_path, monkeypatch):
+    first = tiny_model()
+    tune(first, 64, tmp_path)
+    assert (tmp_path / PLAN_FILE).exists()
+    plans = [m.conveyor_gemm_plan for m in first.modules() if isinstance(m, nn.Linear)]
+    monkeypatch.setattr(gemm, "_memory", {})  # a new process
+    monkeypatch.setattr(gemm, "measure", lambda *a: pytest.fail("measured again despite the saved plan"))
+    second = tiny_model()
+    tune(second, 64, tmp_path)
+    assert [m.conveyor_gemm_plan for m in second.modules() if isinstance(m, nn.Linear)] == plans
+
+
+def test_unreadable_plan_file_is_measured_again_and_rewritten(tmp_path):
+    (tmp_path / PLAN_FILE).write_text("{not json")
+    model = tiny_model()
+    tune(model, 16, tmp_path)
+    assert all(hasattr(m, "conveyor_gemm_plan") for m in model.modules() if isinstance(m, nn.Linear))
+    assert (tmp_path / PLAN_FILE).read_text().startswith("{\n")
+
+
+def test_tuning_keeps_the_tied_output_head_sharing_the_embedding(engine_model):
+    head = engine_model.get_output_embeddings()
+    tune_linears(plain_linears(engine_model), head, 64, 64, None)
+    assert head.weight.data_ptr() == engine_model.get_input_embeddings().weight.data_ptr()
+    assert type(head) is nn.Linear and hasattr(head, "conveyor_gemm_plan")
+
+
+def test_workers_starting_together_measure_each_shape_once(tmp_path):
+    """Two processes tune the same shapes against one cache dir at the same time: the lock makes one wait
+    and reuse what the other measured (concurrent timings would skew each other)."""
+    code = (
+        "import logging, sys, time\n"
+        "from torch import nn\n"
+        "from services.worker.engine import gemm\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "real = gemm.measure\n"
+        "gemm.measure = lambda t: time.sleep(1.0) or real(t)  # a window wide enough to overlap\n"
+        "gemm.tune_linears([nn.Linear(32, 48), nn.Linear(48, 16)], None, 16, 16, sys.argv[1])\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    logs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    counts = [int(m) for log in logs for m in re.findall(r"measured for (\d+) weight shapes", log)]
+    assert sum(counts) == 2, logs  # two shapes, each measured by exactly one process

@@ -1,0 +1,102 @@
+"""`conveyor up`: a whole local cluster from one command, healing dead children, stopped cleanly by SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import psutil
+
+from shared.redis_server import free_port
+from tests.support.cache import CACHE_DIR
+from tests.support.waiting import wait_for
+
+
+@contextlib.contextmanager
+def conveyor_up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`conveyor up` on a free port, returned once it printed its ready line; killed if still alive after."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "CONVEYOR_CACHE_DIR": str(CACHE_DIR),
+        "CONVEYOR_KV_CACHE_BYTES": str(128 << 20),
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        cwd=os.getcwd(),
+    )
+    try:
+        line = proc.stdout.readline().decode()  # blocks until ready (or the launcher exits)
+        url = f"http://127.0.0.1:{port}"
+        assert url in line, (tmp_path / "up.log").read_text()[-3000:]
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def service_pid(launcher: subprocess.Popen, service: str) -> int | None:
+    for child in psutil.Process(launcher.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.cmdline()[-2:] == ["services.cli", service] and child.status() != psutil.STATUS_ZOMBIE:
+                return child.pid
+    return None
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_conveyor_up_serves_then_stops_every_child_on_sigterm(tmp_path):
+    with conveyor_up(tmp_path) as (proc, url):
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 5  # redis-server, tokenizer, scheduler, worker, gateway
+        r = httpx.post(f"{url}/generate", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        wait_for(lambda: not [c for c in children if _alive(c)], 10, what="every child gone")  # reaped meanwhile
+
+
+def test_conveyor_up_restarts_a_killed_worker_and_tokenizer_and_serves_again(tmp_path):
+    with conveyor_up(tmp_path, "--engine", "sim") as (proc, url):  # the launcher is the subject: no model to load
+        killed = {name: service_pid(proc, name) for name in ("worker", "tokenizer")}
+        assert all(killed.values()), killed
+        for pid in killed.values():
+            os.kill(pid, signal.SIGKILL)
+        for name, old in killed.items():
+            wait_for(lambda n=name, o=old: service_pid(proc, n) not in (None, o), 30, what=f"a new {name} process")
+        r = httpx.post(f"{url}/generate", json={"prompt": "Hi", "max_tokens": 3, "timeout": 120}, timeout=180)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) >= 1, r.text
+        assert "restarting in" in (tmp_path / "up.log").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_conveyor_up_engine_sim_gives_simulated_engines_to_the_workers_only(tmp_path):
+    with conveyor_up(tmp_path, "--engine", "sim", "--workers", "2") as (proc, url):
+        r = httpx.post(f"{url}/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
+        children = psutil.Process(proc.pid).children()
+        workers = [c for c in children if c.cmdline()[-2:] == ["services.cli", "worker"]]
+        gateway = [c for c in children if c.cmdline()[-2:] == ["services.cli", "gateway"]]
+        assert len(workers) == 2 and all(w.environ().get("CONVEYOR_ENGINE") == "sim" for w in workers)
+        assert all("libtorch" not in Path(f"/proc/{w.pid}/maps").read_text() for w in workers)
+        assert gateway[0].environ().get("CONVEYOR_ENGINE") is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

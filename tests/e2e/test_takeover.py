@@ -1,0 +1,84 @@
+"""A consumer killed after reading an event and before acknowledging it: another takes it over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from shared.constants import Names
+from tests.support.cluster import Cluster
+from tests.support.sim_reference import SIM
+from tests.support.waiting import wait_for
+
+
+def _live_tokenizers(cluster: Cluster) -> list[str]:
+    import redis
+
+    from shared.constants import Names
+    from shared.liveness import read_live
+
+    return list(read_live(redis.Redis.from_url(cluster.redis.url), Names(cluster.ns), "tokenizer"))
+
+
+def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis.url)
+    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
+
+
+@pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
+def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(start_cluster, replica):
+    # The takeover is the subject: simulated workers.
+    c = start_cluster(env=SIM)
+    victim = c.procs["tokenizer"]
+    stream = Names(c.ns).received_stream(0)
+    result: dict = {}
+    for _attempt in range(20):
+        os.kill(victim.pid, signal.SIGSTOP)  # frozen inside XREADGROUP BLOCK: Redis still hands it the entry
+        t = threading.Thread(
+            target=lambda: result.update(
+                r=httpx.post(
+                    f"{c.url}/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=120
+                )
+            )
+        )
+        t.start()
+        try:  # the entry is delivered to the frozen reader as soon as the gateway adds it
+            wait_for(
+                lambda: any(
+                    n > 0 for name, n in _pending_for(c, stream, "tokenizer").items() if f"-{victim.pid}-" in name
+                ),
+                1.0,
+                what="the entry pending for the victim",
+            )
+            break
+        except TimeoutError:
+            pass
+        os.kill(victim.pid, signal.SIGCONT)  # it was between two reads; try again
+        t.join()
+    else:
+        pytest.fail("could not catch the tokenizer inside a blocking read")
+    if replica:  # a second tokenizer, live when the holder dies, takes the entry over
+        pid = c.start_service("tokenizer1").pid
+        wait_for(lambda: any(f"-{pid}-" in k for k in _live_tokenizers(c)), 120, what="second tokenizer")
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    if not replica:
+        c.start_service("tokenizer2")  # a replacement claims the idle entry after CONVEYOR_CLAIM_IDLE_MS
+    t.join(timeout=120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    snap = httpx.get(f"{c.url}/v1/requests/{r.json()['request_id']}").json()
+    states = [h["state"] for h in snap["history"]]
+    assert states.count("PREPROCESSED") == 1 and states.count("FINISHED") == 1
+    assert states[-1] == "FINISHED"
+    import redis
+
+    rc = redis.Redis.from_url(c.redis.url)
+    assert rc.xlen(Names(c.ns).preprocessed_stream(0)) >= 1
+    assert rc.xpending(stream, "tokenizer")["pending"] == 0

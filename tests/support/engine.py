@@ -1,0 +1,123 @@
+"""Shared data and helpers of the engine tests (imported by the test modules), and the engine's greedy reference:
+transformers' `generate(do_sample=False)` run one prompt at a time without padding, on a model instance of its own
+(the engine switches its model's attention to the paged implementation), cached in a JSON file next to the
+converted model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.worker.engine import LLMEngine
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Hi!",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your steps.",
+    "Give me a short tip for writing clean Python code.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Why is the sky blue? Answer for a ten year old child who is curious about science and nature.",
+    "Name a famous painter.",
+    "Describe a cat to someone who has never seen one, using at least three senses, and keep it friendly.",
+    "What does HTTP stand for?",
+    "Tell me a fun fact about octopuses.",
+    "How do I boil an egg? I want the yolk soft but the white fully set, and I only have a small pot.",
+    "Recommend a book for learning about the history of mathematics, and say why it is good.",
+]
+
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from those used to make wine. Before "
+    "his invention, books were copied by hand, usually by monks or professional scribes, which made them "
+    "rare and expensive. The new machine could produce thousands of pages a day. Within fifty years, "
+    "printing shops had spread to more than two hundred cities across Europe, and millions of books had "
+    "been printed. Scholars argue that the press helped the Renaissance, the Reformation and the "
+    "scientific revolution by letting ideas travel faster and further than ever before. It also changed "
+    "languages, because printers standardised spelling and grammar to sell books to wider audiences. "
+)
+
+
+@dataclass
+class Run:
+    """What a request produced across steps, checked for index continuity as it arrives."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error_reason: str | None = None
+    finished: bool = False
+    cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
+
+
+def collect(result, runs: dict[str, Run]) -> None:
+    """Fold one StepResult into runs, asserting no token is missing or repeated."""
+    for out in result.outputs:
+        run = runs.setdefault(out.request_id, Run())
+        assert not run.finished, f"{out.request_id}: output after it finished"
+        if out.new_token_ids:
+            assert out.first_index == len(run.tokens), (
+                f"{out.request_id}: first_index {out.first_index}, expected {len(run.tokens)}"
+            )
+        run.tokens.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            assert len(out.logprobs) == len(out.new_token_ids), f"{out.request_id}: one TokenLogprobs per token"
+            run.logprobs.extend(out.logprobs)
+        run.cached_tokens = max(run.cached_tokens, out.num_cached_tokens)
+        if out.finished:
+            run.finished, run.finish_reason, run.error_reason = True, out.finish_reason, out.error_reason
+
+
+def run_to_completion(engine: LLMEngine, runs: dict[str, Run] | None = None, max_steps: int = 2000):
+    runs = {} if runs is None else runs
+    steps = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return runs, steps
+        result = engine.step()
+        collect(result, runs)
+        steps.append(result)
+    raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
+
+
+class ReferenceOutputs:
+    """HF greedy continuations, computed lazily on a model of their own and cached on disk."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.path = model_dir.parent / f"{model_dir.name}.engine-test-refs.json"
+        self._model = None
+        self._lock = threading.Lock()
+        self._cache: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def __call__(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = hashlib.sha256(json.dumps([prompt, max_new_tokens]).encode()).hexdigest()
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self._generate(prompt, max_new_tokens)
+                # A file of this process's own, then renamed: test processes running side by side (pytest-xdist)
+                # each replace the whole file, never write into one another's.
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(self._cache))
+                tmp.replace(self.path)
+            return list(self._cache[key])
+
+    def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if self._model is None:
+            self._model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32).eval()
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = self._model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
+            )
+        return out[0, len(prompt) :].tolist()

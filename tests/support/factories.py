@@ -1,0 +1,21 @@
+"""Factories for requests and events used across the tests."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from shared.events import RequestReceived, Sampling
+
+
+def request_received(reply_to: str = "reply", prompt: str = "Hello", max_tokens: int = 8, **kw) -> RequestReceived:
+    now = time.time()
+    return RequestReceived(
+        request_id=kw.pop("request_id", uuid.uuid4().hex),
+        reply_to=reply_to,
+        prompt=prompt,
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0),
+        deadline=now + 60,
+        received_at=now,
+        **kw,
+    )

@@ -1,0 +1,103 @@
+"""A scheduler on a test's own Redis, with requests made as the gateway and tokenizer make them (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+import redis.asyncio as aioredis
+
+from services.scheduler import batch
+from services.scheduler.service import SchedulerService
+from shared.bus import Delivery
+from shared.context_store import ContextStore
+from shared.events import Heartbeat, Preprocessed, Sampling, decode
+from shared.lifecycle import Lifecycle, State
+from shared.settings import SchedulerSettings
+
+WORKER = "w1"
+
+
+def scheduler(redis_server, names, **kw) -> SchedulerService:
+    s = SchedulerService(SchedulerSettings(redis_url=redis_server.url, namespace=names.ns, **kw))
+    s.ensure_groups()
+    return s
+
+
+def heartbeat(worker_id: str = WORKER, **kw) -> Heartbeat:
+    base = dict(
+        worker_id=worker_id,
+        sent_at=time.time(),
+        max_num_seqs=8,
+        num_running=0,
+        num_waiting=0,
+        request_ids=(),
+        last_read_id="",
+        total_blocks=100,
+        free_blocks=100,
+        cached_blocks=0,
+        block_size=16,
+        step_time_s=0.05,
+        prefill_s_per_token=0.001,
+        decode_s_per_token=0.05,
+        num_preemptions=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
+    return Heartbeat(**{**base, **kw})
+
+
+def preprocessed_request(
+    redis_server,
+    names,
+    reply_to: str = "",
+    adaptive: bool = False,
+    max_tokens: int = 4,
+    timeout_s: float = 60,
+    sampling: Sampling | None = None,
+    prompt_token_ids: tuple[int, ...] = (1, 2, 3),
+) -> Preprocessed:
+    """A request created by the gateway's script and moved to PREPROCESSED as the tokenizer does."""
+    reply_to = reply_to or names.reply_stream("gw1")
+    now = time.time()
+    ev = Preprocessed(
+        request_id=f"r{time.monotonic_ns()}",
+        reply_to=reply_to,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling or Sampling(max_tokens=max_tokens, temperature=0.0),
+        priority=0,
+        deadline=now + timeout_s,
+        adaptive_deadline=adaptive,
+        received_at=now,
+    )
+
+    async def create():
+        client = aioredis.Redis.from_url(redis_server.url)
+        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to}, {}, ev)
+        await client.aclose()
+
+    asyncio.run(create())
+    client = redis.Redis.from_url(redis_server.url)
+    Lifecycle(client, names, "tokenizer", 60).transition(ev.request_id, State.PREPROCESSED)
+    return ev
+
+
+def deliver(s: SchedulerService, stream: str, event) -> None:
+    batch.intake(s, [Delivery(stream, "scheduler", "0-1", event)])  # the tick's own path
+
+
+def state(redis_client, names, rid: str) -> str:
+    return redis_client.hget(names.layer(rid, "meta"), "state").decode()
+
+
+def scheduled_on(redis_client, names, worker: str = WORKER) -> list:
+    return [decode(f[b"e"]) for _, f in redis_client.xrange(names.worker_stream(worker))]
+
+
+def placed(redis_server, names, s: SchedulerService) -> Preprocessed:
+    s.on_heartbeat(heartbeat())
+    ev = preprocessed_request(redis_server, names)
+    deliver(s, names.preprocessed_stream(0), ev)
+    s.place()
+    return ev

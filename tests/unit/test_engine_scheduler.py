@@ -1,0 +1,112 @@
+"""Scheduler unit tests without a model: budgets, chunking, preemption policy, prefix reuse."""
+
+from __future__ import annotations
+
+import itertools
+
+from services.worker.engine import EngineConfig, EngineRequest, SamplingOptions
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.request import Sequence, SequenceStatus
+from services.worker.engine.scheduler import Scheduler
+
+_ids = itertools.count()
+GREEDY = SamplingOptions(temperature=0, max_tokens=100)
+
+
+def make(num_blocks=16, block_size=4, budget=64, prefix=True, max_seqs=8):
+    cfg = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        enable_prefix_caching=prefix,
+    )
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, prefix))
+
+
+def seq(prompt_len, priority=0, first_token=1):
+    req = EngineRequest(f"r{next(_ids)}", list(range(first_token, first_token + prompt_len)), GREEDY, priority)
+    return Sequence(req, next(_ids), frozenset({0}))
+
+
+def advance(sched: Scheduler, batch) -> None:
+    """What the engine does after a forward: mark computed, sample a dummy token when due."""
+    for s, n in batch.items:
+        s.num_computed_tokens += n
+        sched.register_computed_blocks(s)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(7)
+            s.status = SequenceStatus.DECODING
+
+
+def test_decodes_go_first_and_long_prompt_is_chunked():
+    sched = make(budget=8, num_blocks=64)
+    short = seq(3)
+    sched.add(short)
+    advance(sched, sched.schedule())  # short is now decoding
+    long = seq(20)
+    sched.add(long)
+    sizes = []
+    for _ in range(4):
+        batch = sched.schedule()
+        assert batch.items[0] == (short, 1), "the decode is scheduled before prefill work"
+        sizes.append(dict((s.request_id, n) for s, n in batch.items).get(long.request_id))
+        advance(sched, batch)
+    assert sizes[:3] == [7, 7, 6], "the prompt is prefilled in budget-sized chunks"
+
+
+def test_victim_is_least_important_and_goes_to_front():
+    sched = make(num_blocks=6, block_size=4, budget=64)
+    important, unimportant, other = seq(8, 0, 100), seq(8, 5, 200), seq(8, 0, 300)
+    for s in (important, unimportant, other):
+        sched.add(s)
+    advance(sched, sched.schedule())  # 2 blocks each: the pool is full
+    batch = sched.schedule()  # every sequence now needs a third block
+    assert [t for t in batch.transitions if t[1] == "PREEMPTED"] == [(unimportant.request_id, "PREEMPTED")]
+    assert sched.waiting[0] is unimportant and unimportant.status == SequenceStatus.PREEMPTED
+    assert unimportant.block_table == [] and unimportant.num_computed_tokens == 0
+    assert {s for s, _ in batch.items} == {important, other}
+    assert sched.num_preemptions == 1
+
+
+def test_among_equal_priorities_the_newest_is_preempted():
+    sched = make(num_blocks=5, block_size=4, budget=64)
+    older, newer = seq(8, 0, 100), seq(8, 0, 200)
+    sched.add(older)
+    sched.add(newer)
+    advance(sched, sched.schedule())
+    sched.blocks.allocate(1)  # someone else holds the last free block
+    batch = sched.schedule()
+    assert [t[0] for t in batch.transitions] == [newer.request_id]
+    assert batch.items == [(older, 1)]
+
+
+def test_prefix_hits_never_cover_the_last_prompt_token():
+    sched = make(num_blocks=16, block_size=4)
+    first = seq(8)
+    sched.add(first)
+    advance(sched, sched.schedule())
+    sched.remove(first)
+    again = seq(8)  # identical prompt: 2 full cached blocks, but the last token must be computed
+    sched.add(again)
+    batch = sched.schedule()
+    assert again.num_cached_tokens == 4
+    assert batch.items == [(again, 4)]
+
+
+def test_admission_waits_when_blocks_run_out():
+    sched = make(num_blocks=3, block_size=4)
+    a, b = seq(8), seq(8)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s for s, _ in batch.items] == [a], "b does not fit and waits at the head of the queue"
+    assert list(sched.waiting) == [b]
+
+
+def test_max_num_seqs_caps_running():
+    sched = make(max_seqs=2)
+    for _ in range(3):
+        sched.add(seq(2))
+    batch = sched.schedule()
+    assert len(batch.items) == 2 and len(sched.waiting) == 1
