@@ -29,6 +29,7 @@ class Costs:
     decode_s_per_step: float  # one step of the running batch
     slots: int  # sequences decoded at once, summed over workers
     decode_left: int = 0  # output tokens the workers' own requests may still produce, summed over workers
+    free_slots: int = 0  # sequence slots no request holds now, summed over workers that take work
 
     @classmethod
     def of(cls, heartbeats: list) -> "Costs | None":
@@ -40,12 +41,18 @@ class Costs:
             decode_s_per_step=sum(h.step_time_s or h.decode_s_per_token for h in heartbeats) / n,
             slots=max(1, sum(h.max_num_seqs for h in heartbeats if not h.draining)),
             decode_left=sum(getattr(h, "decode_tokens_left", 0) for h in heartbeats),
+            free_slots=sum(
+                max(0, h.max_num_seqs - h.num_running - h.num_waiting) for h in heartbeats if not h.draining
+            ),
         )
 
-    def wait_to_start(self, ahead: Work) -> float:
-        """Predicted time before a request could start: the steps the work queued ahead of it and what the workers
-        hold take to decode (their slots free up as that decodes). In whole steps only: a step's measured time
-        already holds the chunked prefill done in it, so the prompts ahead are not priced again."""
+    def wait_to_start(self, ahead: Work, requests_ahead: int) -> float:
+        """Predicted time before a request could start: none while a slot is free for it (fewer requests queued
+        ahead than free slots), else the steps the work queued ahead of it and what the workers hold take to decode
+        (their slots free up as that decodes). In whole steps only: a step's measured time already holds the chunked
+        prefill done in it, so the prompts ahead are not priced again."""
+        if requests_ahead < self.free_slots:
+            return 0.0
         return (ahead.decode_tokens + self.decode_left) / self.slots * self.decode_s_per_step
 
     def seconds(self, ahead: Work, own: Work) -> float:

@@ -15,14 +15,18 @@ from shared.lifecycle import Publish, State
 logger = logging.getLogger(__name__)
 
 
-def refuse_if_too_late(s, item, costs: Costs | None = None, ahead: Work | None = None) -> bool:
+def refuse_if_too_late(
+    s, item, costs: Costs | None = None, ahead: Work | None = None, requests_ahead: int | None = None
+) -> bool:
     """A request the work queued ahead of it keeps from even starting before its deadline is refused now (429
     with Retry-After at the gateway), not held for its whole timeout only to time out: the adaptive deadline's
     work model prices that wait. Without measured costs (no heartbeat yet) nothing is refused."""
     costs = costs or Costs.of([w.hb for w in s._live_views()])
     if costs is None:
         return False
-    wait = costs.wait_to_start(s.queue.work_ahead_of(item) if ahead is None else ahead)
+    if ahead is None:
+        ahead, requests_ahead = s.queue.work_ahead_of(item), s.queue.count_ahead_of(item)
+    wait = costs.wait_to_start(ahead, requests_ahead)
     left = item.event.deadline - time.time()
     if wait <= left:
         return False
@@ -49,11 +53,11 @@ def refuse_those_too_late(s) -> None:
     costs = Costs.of([w.hb for w in s._live_views()])
     if costs is None or not len(s.queue):
         return
-    refused, prefill, decode = [], 0, 0
+    refused, prefill, decode, kept = [], 0, 0, 0
     for q in s.queue.in_order():
-        if refuse_if_too_late(s, q, costs, Work(prefill, decode)):
+        if refuse_if_too_late(s, q, costs, Work(prefill, decode), kept):
             refused.append(q.request_id)  # no longer ahead of those behind it
             continue
         own = q.work()
-        prefill, decode = prefill + own.prefill_tokens, decode + own.decode_tokens
+        prefill, decode, kept = prefill + own.prefill_tokens, decode + own.decode_tokens, kept + 1
     s.records.drop(refused)

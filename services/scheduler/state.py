@@ -123,6 +123,12 @@ class RequestQueue:
         ahead = [q.work() for q in self._live.values() if q.sort_key < item.sort_key]
         return Work(sum(w.prefill_tokens for w in ahead), sum(w.decode_tokens for w in ahead))
 
+    def count_ahead_of(self, item: QueuedRequest) -> int:
+        """How many live items are queued ahead of it (all of them, for an arrival behind everything: no pass)."""
+        if item.sort_key == self._last_key:
+            return len(self._live) - 1
+        return sum(1 for q in self._live.values() if q.sort_key < item.sort_key)
+
     def items(self) -> list[QueuedRequest]:
         return list(self._live.values())
 

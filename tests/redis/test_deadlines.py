@@ -25,6 +25,8 @@ def costs(step_s: float, prefill_s: float = 0.001, seqs: int = 64) -> Costs:
                 step_time_s=step_s,
                 decode_s_per_token=step_s,
                 max_num_seqs=seqs,
+                num_running=seqs,  # every slot taken
+                num_waiting=0,
                 draining=False,
             )
         ]
@@ -125,7 +127,9 @@ def test_the_wait_to_start_is_priced_in_whole_steps_without_adding_prefill_again
     on top of it counted their prefill twice (the overload benchmark saw waits predicted 2-4x too long, and
     requests refused that were served in time)."""
     c = costs(0.1, prefill_s=0.01, seqs=4)
-    assert abs(c.wait_to_start(Work(prefill_tokens=10_000, decode_tokens=400)) - 400 / 4 * 0.1) < 1e-9
+    assert (
+        abs(c.wait_to_start(Work(prefill_tokens=10_000, decode_tokens=400), requests_ahead=10) - 400 / 4 * 0.1) < 1e-9
+    )
 
 
 def test_a_queued_request_is_refused_once_slower_steps_mean_it_cannot_start_in_time(redis_server, redis_client, names):
@@ -149,3 +153,16 @@ def test_a_queued_request_is_refused_once_slower_steps_mean_it_cannot_start_in_t
         r for _, f in redis_client.xrange(late.reply_to) if (r := decode(f[b"e"])).request_id == late.request_id
     ]
     assert failed.reason == "overloaded" and failed.retry_after_s >= 1900
+
+
+def test_a_request_is_not_refused_while_a_worker_has_a_free_slot_for_it(redis_server, redis_client, names):
+    """One long request runs on a worker with 8 slots: the next one starts at once in a free slot, whatever the
+    long one has left to decode. Pricing its wait as the long one's drain (2,000 steps / 8 slots x 1 s) refused it."""
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(
+        heartbeat(max_num_seqs=8, num_running=1, step_time_s=1.0, decode_s_per_token=1.0, decode_tokens_left=2000)
+    )
+    ev = preprocessed_request(redis_server, names, timeout_s=5)
+    deliver(s, names.preprocessed_stream(0), ev)
+    refusal.refuse_those_too_late(s)
+    assert state(redis_client, names, ev.request_id) == "QUEUED" and ev.request_id in s.queue
