@@ -35,9 +35,11 @@ chromium:
 # The suite is in tiers (tests/conftest.py): unit/ (pure), redis/ (a Redis of the test's own), e2e/ (real
 # processes, the real model), browser/ (Chromium); docker/ is `make test-docker`'s. `make test` runs them all in
 # TEST_WORKERS processes (--dist loadgroup: the tests of one cluster, and the engine's own tests, stay in one
-# process; xdist_group marks set by tests/conftest.py). Memory bounds it: a test process that ran the engine's tests
-# or the shared cluster's holds 6-8 GB, so more than 2 on a 24 GB machine ran out of memory.
-TEST_WORKERS ?= 2
+# process; xdist_group marks set by tests/conftest.py). Memory bounds it: the test process that runs the engine's
+# tests grows to 8-9 GB (several copies of the model and engines with their KV pools), another with the shared
+# clusters to 6 GB: 2 workers on a 24 GB machine were killed by the OOM killer (2026-12-01), so the default is 0
+# (one process, as CI's machine has). TEST_WORKERS=2 where memory allows.
+TEST_WORKERS ?= 0
 FAST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
