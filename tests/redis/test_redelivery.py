@@ -13,8 +13,7 @@ import redis
 from services.scheduler.service import SchedulerService
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.heartbeat import Heartbeater
-from services.worker.publisher import Active, StepPublisher
-from shared.context_store import ContextStore
+from services.worker.publisher import Active
 from shared.events import CancelRequested, HandBack, decode
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.runtime import Liveness
@@ -27,6 +26,7 @@ from tests.support.scheduling import (
     scheduled_on,
     scheduler,
     state,
+    step_publisher,
 )
 from tests.support.waiting import wait_for
 
@@ -159,14 +159,7 @@ def test_a_worker_that_lost_its_request_writes_no_token_for_it(redis_server, red
     s.on_heartbeat(heartbeat("w2"))
     s.workers.pop(WORKER)
     s.place()
-    stale = StepPublisher(
-        redis_client,
-        names,
-        WORKER,
-        Lifecycle(redis_client, names, "worker", 60),
-        ContextStore(redis_client, names, 60),
-        60,
-    )
+    stale = step_publisher(redis_client, names)
     active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
     step = StepResult(outputs=[RequestOutput(ev.request_id, [42], 0)], transitions=[(ev.request_id, State.DECODING)])
     lost = stale.publish(1, step, active, lambda rid: None)  # w1 wakes up and publishes its step
@@ -181,14 +174,7 @@ def test_a_step_published_again_appends_its_tokens_once(redis_server, redis_clie
     tokens in the list already: they are appended at their index, never twice."""
     s = scheduler(redis_server, names)
     ev = placed(redis_server, names, s)
-    pub = StepPublisher(
-        redis_client,
-        names,
-        WORKER,
-        Lifecycle(redis_client, names, "worker", 60),
-        ContextStore(redis_client, names, 60),
-        60,
-    )
+    pub = step_publisher(redis_client, names)
     step = StepResult(
         outputs=[RequestOutput(ev.request_id, [42, 43], 0)], transitions=[(ev.request_id, State.PREFILLING)]
     )

@@ -9,7 +9,7 @@ import uuid
 
 from services.scheduler.service import SchedulerService
 from services.worker.engine.outputs import RequestOutput, StepResult
-from services.worker.publisher import Active, StepPublisher
+from services.worker.publisher import Active
 from shared.bus import entry_key
 from shared.context_store import ContextStore
 from shared.constants import EVENT_FIELD
@@ -17,7 +17,7 @@ from shared.events import Completed, Preprocessed, Sampling, TokenGenerated, dec
 from shared.lifecycle import Lifecycle, State
 from shared.redis_client import async_client
 from shared.settings import SchedulerSettings
-from tests.support.scheduling import WORKER, deliver, heartbeat
+from tests.support.scheduling import WORKER, deliver, heartbeat, step_publisher
 
 
 def _preprocessed(settings: SchedulerSettings, s: SchedulerService) -> Preprocessed:
@@ -78,7 +78,7 @@ def test_a_workers_step_on_a_cluster_writes_nothing_for_a_request_placed_elsewhe
     s.place()
     stale, kept = evs
     s.r.hset(s.names.layer(stale.request_id, "exec"), "attempt", 2)  # placed again while this worker hung
-    pub = StepPublisher(s.r, s.names, WORKER, Lifecycle(s.r, s.names, "worker", 60), ContextStore(s.r, s.names, 60), 60)
+    pub = step_publisher(s.r, s.names)
     active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1) for ev in evs}
     step = StepResult(
         outputs=[RequestOutput(ev.request_id, [42], 0, finished=True, finish_reason="length") for ev in evs],

@@ -11,7 +11,7 @@ import pytest
 from services.scheduler import assignments
 from services.scheduler.state import WorkerView
 from services.worker.engine.outputs import RequestOutput, StepResult
-from services.worker.publisher import Active, StepPublisher
+from services.worker.publisher import Active
 from shared import lifecycle
 from shared.events import (
     CancelRequested,
@@ -24,9 +24,8 @@ from shared.events import (
     decode,
     encode,
 )
-from shared.context_store import ContextStore
-from shared.lifecycle import TERMINAL, Lifecycle, lua_in
-from tests.support.scheduling import WORKER, heartbeat, placed, scheduler
+from shared.lifecycle import TERMINAL, lua_in
+from tests.support.scheduling import heartbeat, placed, scheduler, step_publisher
 
 
 @pytest.mark.parametrize("reason", list(Reason))
@@ -75,14 +74,7 @@ def test_the_worker_knows_the_state_it_moved_a_request_to(redis_server, redis_cl
     """What its TimedOut says: the state the worker's last applied transition left the request in."""
     s = scheduler(redis_server, names)
     ev = placed(redis_server, names, s)
-    pub = StepPublisher(
-        redis_client,
-        names,
-        WORKER,
-        Lifecycle(redis_client, names, "worker", 60),
-        ContextStore(redis_client, names, 60),
-        60,
-    )
+    pub = step_publisher(redis_client, names)
     active = {ev.request_id: Active(ev.request_id, ev.reply_to, "", 3, time.time() + 60, attempt=1)}
     assert active[ev.request_id].state is State.SCHEDULED
     pub.publish_scheduled([(ev.request_id, State.PREFILLING)], active)

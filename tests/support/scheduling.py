@@ -101,3 +101,12 @@ def placed(redis_server, names, s: SchedulerService) -> Preprocessed:
     deliver(s, names.preprocessed_stream(0), ev)
     s.place()
     return ev
+
+
+def step_publisher(client, names, worker: str = WORKER):
+    """A worker's step publisher on the test's Redis, as the worker builds it (context TTL 60 s)."""
+    from services.worker.publisher import StepPublisher
+
+    return StepPublisher(
+        client, names, worker, Lifecycle(client, names, "worker", 60), ContextStore(client, names, 60), 60
+    )
