@@ -2,12 +2,18 @@
 
 Shapes: key/value [num_layers, num_blocks, block_size, num_kv_heads, head_dim]. A token's
 slot is `block_id * block_size + offset`; its K/V live at `[layer].view(-1, KVH, D)[slot]`.
+
+Blocks leave and re-enter the pool whole (read_blocks / write_blocks: a paused session's KV swapped to the disk
+tier, kv_tier.py) as one CPU buffer of raw bytes laid out [K | V][layer][block][token][head][dim] in the pool's
+dtype: numpy has no bfloat16, so every dtype travels as uint8 and is viewed back on the way in.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from services.worker.engine.errors import EngineLoadError
@@ -75,3 +81,54 @@ class PagedKVCache:
         flat = block_tables.reshape(-1)
         shape = (g, mb * self.block_size, self.num_kv_heads, self.head_dim)
         return self.key[layer].index_select(0, flat).view(shape), self.value[layer].index_select(0, flat).view(shape)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V over all layers (read_blocks' payload per block)."""
+        return 2 * self.key[:, 0].numel() * self.key.element_size()
+
+    def _block_index(self, block_ids: Seq[int]) -> torch.Tensor:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids outside [0, {self.num_blocks}): {bad[:20]}")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.key.device)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Seq[int]) -> np.ndarray:
+        """K and V of the blocks, all layers, as one contiguous uint8 CPU array of len(block_ids) * block_bytes
+        (layout in the module docstring). On CPU one copy (the gather straight into the result); on a device the
+        gather runs there and its result comes over in one transfer."""
+        idx = self._block_index(block_ids)
+        layers, _, bs, kvh, d = self.key.shape
+        out = torch.empty((2, layers, len(block_ids), bs, kvh, d), dtype=self.key.dtype, device=self.key.device)
+        torch.index_select(self.key, 1, idx, out=out[0])
+        torch.index_select(self.value, 1, idx, out=out[1])
+        return out.cpu().view(torch.uint8).reshape(-1).numpy()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Seq[int], payload) -> None:
+        """The inverse of read_blocks, into these (possibly other) blocks. payload: bytes, memoryview or numpy
+        array of exactly len(block_ids) * block_bytes bytes, else ValueError (nothing written)."""
+        data = _as_uint8(payload)
+        if data.nbytes != len(block_ids) * self.block_bytes:
+            raise ValueError(
+                f"payload of {data.nbytes} bytes for {len(block_ids)} blocks of {self.block_bytes} bytes each"
+            )
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("write_blocks: a block id appears twice")  # index_copy_ would keep either one
+        idx = self._block_index(block_ids)
+        layers, _, bs, kvh, d = self.key.shape
+        src = torch.from_numpy(data).view(self.key.dtype).view(2, layers, len(block_ids), bs, kvh, d)
+        src = src.to(self.key.device)  # a no-op on CPU; one transfer to a device
+        self.key.index_copy_(1, idx, src[0])
+        self.value.index_copy_(1, idx, src[1])
+
+
+def _as_uint8(payload) -> np.ndarray:
+    """A writable, aligned flat uint8 view of payload. Read-only buffers (bytes, a read-only mapping) are copied
+    once: torch.from_numpy warns on them, and writes through the view would be undefined (none are made here, but
+    the warning cannot be scoped to this call without touching the global warning filters)."""
+    data = payload.reshape(-1).view(np.uint8) if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
+    if not data.flags.writeable or not data.flags.c_contiguous or data.ctypes.data % 16:
+        data = np.array(data, dtype=np.uint8, copy=True)
+    return data

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
@@ -102,6 +103,18 @@ class ModelRunner:
         self, logits: torch.Tensor, seqs: list[Sequence], allowed=None
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         return sample(logits, seqs, native=self.decode_kernel, allowed=allowed)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_cache.block_bytes
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """K and V of the blocks, all layers, as one uint8 CPU array (PagedKVCache.read_blocks)."""
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], payload) -> None:
+        """read_blocks' payload back into these blocks; ValueError if it is not len(block_ids) blocks."""
+        self.kv_cache.write_blocks(block_ids, payload)
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, torch.OutOfMemoryError)

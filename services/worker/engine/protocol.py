@@ -55,6 +55,16 @@ class PreparedStep(Protocol):
 
 class ModelRunner(Protocol):
     num_blocks: int  # KV blocks the runner's pool holds (the block manager hands them out)
+    block_bytes: int  # bytes of one block's K and V over all layers: read_blocks' payload per block
+
+    def read_blocks(self, block_ids: list[int]) -> Any:
+        """K and V of these blocks, all layers, as one contiguous uint8 numpy array on the CPU (block_bytes per
+        block), for the disk tier (kv_tier.py) to keep. ValueError for ids outside the pool."""
+
+    def write_blocks(self, block_ids: list[int], payload: Any) -> None:
+        """The inverse of read_blocks, into these (possibly other) blocks. payload: bytes, memoryview or numpy
+        array. ValueError (nothing written) unless it is exactly len(block_ids) * block_bytes bytes and the ids are
+        distinct ids of the pool."""
 
     def init_sequence(self, seq: Sequence) -> None:
         """Set up a new sequence's sampling state (seq.generator)."""

@@ -7,6 +7,10 @@ prefix-cache hits, preemption and batching shape the timing exactly as they shap
 Its tokens are plain words of the served tokenizer, a function of (prompt, seed, output index), so the
 gateway's detokenizer and stop strings see ordinary text, and a request resumed on another worker
 continues the same sequence.
+
+It holds no K/V: read_blocks hands out SIM_BLOCK_BYTES zero bytes per block and write_blocks only checks the
+size, so a simulated swap to the disk tier (kv_tier.py) runs the tier's whole code path (files, checksums, the
+byte bound) at a small cost per block, and moves no real KV.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 # A step log line: wall time at the step's end (epoch s), modelled seconds, uncached prompt tokens computed,
 # decoding sequences, KV tokens they attend over, sequences that got a token.
+# Bytes per block of a simulated swap's payload: small, so the disk tier's bound counts entries rather than the real
+# model's KV size (the simulator has none to move).
+SIM_BLOCK_BYTES = 64
+
 STEP_LOG_COLUMNS = ("t_end", "modelled_s", "prefill_tokens", "decode_seqs", "kv_tokens", "sampled")
 
 
@@ -140,6 +148,27 @@ class SimRunner:
             return token
         ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
         return int(ids[(int.from_bytes(seq.generator[:8], "little") + seq.num_outputs) % len(ids)])
+
+    block_bytes = SIM_BLOCK_BYTES
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """Zeros, SIM_BLOCK_BYTES per block: there is no K/V to read."""
+        self._check_ids(block_ids)
+        return np.zeros(len(block_ids) * SIM_BLOCK_BYTES, dtype=np.uint8)
+
+    def write_blocks(self, block_ids: list[int], payload) -> None:
+        """Checks what the torch runner checks (the size, the ids) and stores nothing."""
+        self._check_ids(block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("write_blocks: a block id appears twice")
+        size = memoryview(payload).nbytes
+        if size != len(block_ids) * SIM_BLOCK_BYTES:
+            raise ValueError(f"payload of {size} bytes for {len(block_ids)} blocks of {SIM_BLOCK_BYTES} bytes each")
+
+    def _check_ids(self, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids outside [0, {self.num_blocks}): {bad[:20]}")
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return False  # nothing is allocated: a simulated step never runs out of memory
