@@ -219,6 +219,23 @@ class Names:
     def live_hash(self, service: str) -> str:  # hash: instance -> JSON {at, ...}; one per service kind (no SCAN)
         return f"{self.ns}:livehash:{service}"
 
+    # --- conversation sessions: one slot per owner (an API key), its sessions and their index together ---------
+    def session(self, owner: str, session_id: str) -> str:
+        """Hash: one session (shared.sessions). Keyed by its owner too: two API keys' sessions never collide, and
+        another key cannot even name it."""
+        return f"{self._session_prefix(owner)}:s:{session_id}"
+
+    def sessions_index(self, owner: str) -> str:  # sorted set: the owner's session ids -> time of their last move
+        return f"{self._session_prefix(owner)}:index"
+
+    @staticmethod
+    def index_of_session(session_key: str) -> str:
+        """The index key of the owner a session key belongs to (a worker has the key only)."""
+        return session_key[: session_key.rindex(":s:")] + ":index"
+
+    def _session_prefix(self, owner: str) -> str:
+        return f"{self.ns}:{{sess:{owner or '-'}}}"
+
     @property
     def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
         return f"{self.ns}:epoch"

@@ -68,6 +68,29 @@ class ResyncReason(enum.StrEnum):
     MISSED = "missed"  # its heartbeat names an event the index never applied
 
 
+class SessionState(enum.StrEnum):
+    """A conversation session's state (shared/sessions.py holds the table of moves between them)."""
+
+    OPEN = "OPEN"  # no turn running and no KV kept: its next turn computes the whole conversation
+    RUNNING = "RUNNING"  # one of its turns is a request in flight (another turn meanwhile is a 409)
+    PAUSED = "PAUSED"  # between turns, its KV kept in a worker's pool: the next turn prefills only new tokens
+    SWAPPED = "SWAPPED"  # between turns, its KV moved to the worker's second tier (disk): swapped back on resume
+    CLOSED = "CLOSED"  # closed by its owner (DELETE): its KV released, its record gone
+
+
+class SessionReason(enum.StrEnum):
+    """Why a session moved (recorded with the move; GET /v1/sessions/{id} shows the last)."""
+
+    OPENED = "opened"  # POST /v1/sessions
+    TURN = "turn"  # a turn started, or ended with its KV kept
+    TURN_ENDED = "turn_ended"  # a turn ended without its KV kept (failed, cancelled, timed out, nothing to keep)
+    STALE_TURN = "stale_turn"  # a new turn found the previous one ended without anyone closing it (its gateway died)
+    PRESSURE = "pressure"  # the worker needed the blocks: swapped to the second tier (or dropped, tier full)
+    IDLE = "idle"  # idle past the KV idle TTL: its KV was released
+    WORKER_RESTART = "worker_restart"  # the worker holding its KV stopped
+    CLIENT_CLOSE = "client_close"  # DELETE /v1/sessions/{id}
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str  # system | user | assistant | tool
     content: str  # the message text
@@ -117,6 +140,8 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
     group_size: int = 1  # how many requests share group_id (n)
     tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
+    session: str = ""  # the conversation session's key (shared.sessions) this turn belongs to ("" = none)
+    session_worker: str = ""  # the worker that kept the session's KV after its last turn ("" = none known)
 
 
 class Preprocessed(Event, tag="preprocessed", kw_only=True):
@@ -132,6 +157,8 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/block_hash.py)
     group_id: str = ""  # the choices of one request with n > 1 share it ("" = alone)
     group_size: int = 1  # how many requests share group_id (n)
+    session: str = ""  # the conversation session's key this turn belongs to ("" = none)
+    session_worker: str = ""  # the worker holding the session's KV: placed there when it has room
 
 
 class Scheduled(Event, tag="scheduled", kw_only=True):
@@ -146,6 +173,12 @@ class Scheduled(Event, tag="scheduled", kw_only=True):
     received_at: float = 0.0  # epoch seconds at the gateway's receipt (keeps its place if requeued)
     attempt: int = 1  # 1 for the first placement, +1 per move to another worker
     group_id: str = ""  # the choices of one request with n > 1 share it: the worker prefills their prompt once
+    session: str = ""  # the conversation session's key: the worker keeps the KV for its next turn ("" = none)
+
+
+class SessionClosed(Event, tag="session_closed", kw_only=True):
+    session: str  # the session's key: the worker releases whatever KV it keeps for it (swapped too)
+    worker_id: str  # the worker that holds it
 
 
 class CancelRequested(Event, tag="cancel", kw_only=True):
@@ -191,6 +224,7 @@ class Completed(Event, tag="completed", kw_only=True):
     output_tokens: int  # generated tokens (including a final EOS)
     cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int  # times the request was preempted on the worker
+    session_blocks: int = 0  # KV blocks the worker keeps for the request's session's next turn (0 = none)
 
 
 class Failed(Event, tag="failed", kw_only=True):
@@ -238,6 +272,10 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     kv_incarnation: str = ""  # its KV events' incarnation ("" = it publishes none)
     kv_seq: int = 0  # number of its latest KV event (a reader that never saw it missed it)
     decode_tokens_left: int = 0  # output tokens the requests it holds may still produce: the work a queue waits on
+    sessions_paused: int = 0  # sessions whose KV it keeps in its pool between turns
+    sessions_swapped: int = 0  # sessions whose KV it keeps in its second tier (disk)
+    session_blocks_paused: int = 0  # KV blocks of its pool held by paused sessions (reclaimable under pressure)
+    session_blocks_swapped: int = 0  # KV blocks' worth kept in its second tier
 
 
 class KvEvents(Event, tag="kv_events", kw_only=True):
@@ -263,6 +301,7 @@ AnyEvent = Union[
     Preprocessed,
     Scheduled,
     CancelRequested,
+    SessionClosed,
     HandBack,
     TokenGenerated,
     Completed,

@@ -89,6 +89,12 @@ class CommonSettings(BaseSettings):
         description="tokens per KV cache block (workers) and per "
         "block hash attached to a request (tokenizer): the same value everywhere",
     )
+    session_ttl_s: int = Field(
+        3600,
+        ge=1,
+        description="a conversation session's record lasts this long after its last move (its KV goes earlier: "
+        "session_idle_ttl_s); a turn after it starts a new session under the same id",
+    )
 
     @field_validator("instance_id")
     @classmethod
@@ -157,6 +163,9 @@ class GatewaySettings(CommonSettings):
         "it. Admin keys, and every caller of a gateway without keys, may use -1000..1000",
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
+    max_sessions_per_key: int = Field(
+        1024, ge=1, description="conversation sessions one API key (or, without keys, everyone) may have at once"
+    )
     redis_pool_size: int = Field(
         64,
         ge=2,
@@ -300,6 +309,28 @@ class WorkerSettings(CommonSettings):
         "",
         description="sim: folder where each worker appends one line per step "
         "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none",
+    )
+    session_max_blocks: int = Field(
+        4096, ge=0, description="most KV blocks a paused session keeps between turns (its leading ones); 0 = none"
+    )
+    session_idle_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="a paused session's KV is released after this long without a turn "
+        "(the session goes on: its next turn recomputes the conversation)",
+    )
+    session_swap: bool = Field(
+        True, description="under KV pressure move paused sessions' KV to disk (else it is released)"
+    )
+    session_swap_dir: str = Field(
+        "", description="folder of the disk tier; empty = <cache_dir>/kv-swap/<worker id> (emptied at start)"
+    )
+    session_swap_max_bytes: int = Field(4 << 30, ge=0, description="most bytes the disk tier holds")
+    session_swap_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="paused sessions shorter than this are released under pressure, not swapped "
+        "(recomputing them is cheaper: docs/benchmarks.md)",
     )
 
 

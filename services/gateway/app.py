@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.conversation.routes import router as sessions_router
 from services.gateway.edge import log_redaction
 from services.gateway.edge.auth import OPEN_PATHS, ApiKeyAuth
 from services.gateway.edge.errors import GatewayError
@@ -74,6 +75,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
     app.include_router(openai_router)
     install_openapi(app, OPEN_PATHS)  # document the answers middlewares and validation really give
-    for router in (introspection_router, dashboard_router, native_router, health_router):
+    for router in (introspection_router, dashboard_router, native_router, sessions_router, health_router):
         app.include_router(router)
     return app

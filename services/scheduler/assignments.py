@@ -152,4 +152,5 @@ def scheduled_event(q, worker_id: str, traceparent: str) -> Scheduled:
         attempt=q.attempt,
         traceparent=traceparent,
         group_id=ev.group_id,
+        session=ev.session,
     )

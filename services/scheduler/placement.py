@@ -83,8 +83,12 @@ class Placement:
 
     def _imbalanced(self, candidates: list[Candidate]) -> bool:
         loads = [c.requests for c in candidates]
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+        return self.overloaded(max(loads), min(loads))
+
+    def overloaded(self, load: int, least: int) -> bool:
+        """The balance guard: a worker holding `load` requests, where another holds `least`, is too far ahead to
+        be chosen for its cache (by the policy or by a session's affinity)."""
+        return load - least > self.balance_abs and load > self.balance_rel * least
 
     def _pick(
         self,

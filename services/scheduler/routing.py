@@ -81,8 +81,10 @@ class Router:
         """The worker for queued request q among fits (live, with a free slot)."""
         ev = q.event
         num_tokens = len(ev.prompt_token_ids) + len(q.output_token_ids)
-        decision = self._with_group(q, fits, num_tokens, block_size) or self._route(
-            q, fits, num_tokens, need_blocks, block_size
+        decision = (
+            self._with_group(q, fits, num_tokens, block_size)
+            or self._with_session(q, fits, num_tokens, block_size)
+            or self._route(q, fits, num_tokens, need_blocks, block_size)
         )
         self.groups.placed(ev.group_id, ev.group_size, decision.worker_id)
         return decision
@@ -95,6 +97,20 @@ class Router:
             return None
         shared = min(len(q.event.prompt_token_ids), num_tokens - 1) // block_size
         return Decision(wid, self.policy.mode, "group", -(-num_tokens // block_size), {wid: shared}, {})
+
+    def _with_session(self, q, fits: list[WorkerView], num_tokens: int, block_size: int) -> Decision | None:
+        """A conversation session's turn goes to the worker that kept its KV (it prefills only the new tokens
+        there), unless that worker is gone, has no slot (it is not in fits), or is loaded past the balance guard the
+        KV-aware policy applies: then the policy places it as any request, and it recomputes what it must."""
+        wid = q.event.session_worker
+        mine = next((w for w in fits if w.worker_id == wid), None) if wid else None
+        if mine is None:
+            return None
+        load = {w.worker_id: w.hb.num_running + w.hb.num_waiting + len(w.inflight) for w in fits}
+        if self.policy.overloaded(load[wid], min(load.values())):
+            return None
+        kept = (num_tokens - 1) // block_size
+        return Decision(wid, self.policy.mode, "session", -(-num_tokens // block_size), {wid: kept}, {})
 
     def _route(self, q, fits: list[WorkerView], num_tokens: int, need_blocks: int, block_size: int) -> Decision:
         ev = q.event

@@ -267,6 +267,7 @@ class SchedulerService(BusService):
             block_size=bs,
             block_hashes=block_hashes(sch.prompt_token_ids + output_token_ids, bs),
             group_id=sch.group_id,
+            session=sch.session,  # placed anew by the KV index alone: the worker it had is the one it left
         )
         # Ahead of newer arrivals of its priority: it keeps its original arrival time.
         item = self.queue.push(ev, attempt=sch.attempt + 1, output_token_ids=output_token_ids, deadline=sch.deadline)

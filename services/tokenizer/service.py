@@ -229,6 +229,8 @@ class TokenizerService(BusService):
             traceparent=traceparent,
             group_id=ev.group_id,
             group_size=ev.group_size,
+            session=ev.session,
+            session_worker=ev.session_worker,
         )
 
     @staticmethod

@@ -81,4 +81,8 @@ def _summary(hb: Heartbeat) -> dict:
         "prefix_cache_hits": hb.prefix_cache_hits,
         "step": hb.step_no,
         "step_time_s": hb.step_time_s,
+        "sessions_paused": hb.sessions_paused,
+        "sessions_swapped": hb.sessions_swapped,
+        "session_blocks_paused": hb.session_blocks_paused,
+        "session_blocks_swapped": hb.session_blocks_swapped,
     }

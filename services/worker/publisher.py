@@ -65,6 +65,7 @@ class Active:
     num_preemptions: int = 0
     attempt: int = 1  # placement it holds the request with: the fencing token of every write for it
     state: State = State.SCHEDULED  # its state as this worker last moved it (what a TimedOut it sends says)
+    session: str = ""  # its conversation session's key ("" = none)
 
 
 class StepPublisher:
@@ -329,6 +330,7 @@ class StepPublisher:
             output_tokens=len(tokens),
             cached_tokens=cached,
             num_preemptions=a.num_preemptions,
+            session_blocks=out.session_blocks,
             traceparent=a.traceparent,
         )
         return State.FINISHED, self.lifecycle.queue(

@@ -24,6 +24,7 @@ from services.worker.engine.sim_runner import build_sim_engine
 from services.worker.heartbeat import Heartbeater
 from services.worker.kv_events import KvEventPublisher
 from services.worker.publisher import Active, StepPublisher
+from services.worker.sessions import SessionRecorder
 from services.worker.tracing import WorkerTracing
 from shared.service import BusService
 from shared import telemetry
@@ -37,6 +38,8 @@ from shared.events import (
     HandBack,
     Heartbeat,
     KvResyncRequested,
+    SessionClosed,
+    SessionReason,
     Reason,
     Sampling,
     Scheduled,
@@ -45,12 +48,14 @@ from shared.events import (
 from shared.lifecycle import Publish, State
 from shared.model_files import resolve_model_dir
 from shared.runtime import StopFlag, run_loop
+from shared.sessions import SessionStore
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
 
-def engine_config(s: WorkerSettings) -> EngineConfig:
+def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
+    """swap_dir: the disk tier of paused sessions' KV ("" = none)."""
     return EngineConfig(
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_bytes,
@@ -64,13 +69,18 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
         cpu_kernels=s.cpu_kernels,
         fused_model=s.fused_model,
         tuning_cache_dir=str(s.cache_dir),
+        session_max_blocks=s.session_max_blocks,
+        session_swap_dir=swap_dir or None,
+        session_swap_max_bytes=s.session_swap_max_bytes,
+        session_swap_min_tokens=s.session_swap_min_tokens,
     )
 
 
-def build_engine(s: WorkerSettings) -> Engine:
+def build_engine(s: WorkerSettings, swap_dir: str = "") -> Engine:
     """The torch engine, or with CONVEYOR_ENGINE=sim the simulated one (no weights are loaded, torch is not
     imported)."""
     model_dir = resolve_model_dir(s.model, s.cache_dir)
+    config = engine_config(s, swap_dir)
     if s.engine == "sim":
         timing = SimTiming(
             s.sim_step_overhead_s,
@@ -79,8 +89,8 @@ def build_engine(s: WorkerSettings) -> Engine:
             s.sim_decode_s_per_kv_token,
             s.sim_speedup,
         )
-        return build_sim_engine(model_dir, engine_config(s), timing, s.sim_eos_probability, s.sim_step_log_dir)
-    return LLMEngine.from_model_dir(model_dir, engine_config(s))
+        return build_sim_engine(model_dir, config, timing, s.sim_eos_probability, s.sim_step_log_dir)
+    return LLMEngine.from_model_dir(model_dir, config)
 
 
 def sampling_options(s: Sampling) -> SamplingOptions:
@@ -108,7 +118,8 @@ class WorkerService(BusService):
     def __init__(self, settings: WorkerSettings):
         super().__init__(settings)
         self.stream = self.names.worker_stream(self.id)
-        self.engine = build_engine(settings)
+        self.engine = build_engine(settings, self.swap_dir(settings))
+        self.sessions = SessionRecorder(SessionStore(self.r, self.names, settings.session_ttl_s), self.id)
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store, settings.context_ttl_s)
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)
@@ -126,8 +137,15 @@ class WorkerService(BusService):
                 Scheduled: self.admit,
                 CancelRequested: self.on_cancel,
                 KvResyncRequested: lambda _ev: self.kv_events.announce(),
+                SessionClosed: lambda ev: self.engine.close_session(ev.session),
             }
         )
+
+    def swap_dir(self, s: WorkerSettings) -> str:
+        """Its own folder: the tier empties it at start (what a previous process left belongs to no session)."""
+        if not s.session_swap:
+            return ""
+        return s.session_swap_dir or str(s.cache_dir / "kv-swap" / self.id)
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
@@ -214,6 +232,7 @@ class WorkerService(BusService):
                     priority=ev.priority,
                     output_token_ids=list(ev.output_token_ids),
                     group_id=ev.group_id,
+                    session_id=ev.session,
                 )
             )
         except RecoverableEngineError as e:  # this request alone is at fault
@@ -238,6 +257,7 @@ class WorkerService(BusService):
             list(ev.output_token_ids),
             scheduled=ev,
             attempt=ev.attempt,
+            session=ev.session,
         )
 
     def fail(self, ev: Scheduled, message: str) -> None:
@@ -276,7 +296,11 @@ class WorkerService(BusService):
         self.step_time_avg = (
             0.9 * self.step_time_avg + 0.1 * result.step_time_s if self.step_no > 1 else result.step_time_s
         )
+        # Before the completions: a client's next turn finds its session paused (and placed here).
+        for session in self.sessions.paused(result.outputs, self.active):
+            self.engine.close_session(session)
         moved = self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
+        self.sessions.moved(self.engine.take_session_events())
         self.tracing.on_step(result, self.active, t_start_ns, time.time_ns())
         for out in result.outputs:
             if out.finished:
@@ -301,6 +325,8 @@ class WorkerService(BusService):
         if now - self._epoch_checked < self.s.heartbeat_interval_s:
             return
         self._epoch_checked = now
+        self.engine.expire_sessions(self.s.session_idle_ttl_s)
+        self.sessions.moved(self.engine.take_session_events())
         if self.last_read_id:
             self.r.xtrim(self.stream, minid=self.last_read_id, approximate=True)
         if self.epoch.check(self.r):
@@ -350,6 +376,7 @@ class WorkerService(BusService):
                 kv_incarnation=self.kv_events.incarnation,
                 kv_seq=self.kv_events.seq,
                 decode_tokens_left=st.decode_tokens_left,
+                **st.sessions,
             )
         )
 
@@ -372,5 +399,7 @@ class WorkerService(BusService):
             self.tracing.abort(a.request_id, Reason.SHUTDOWN, error=False)
             self.hand_back(a.scheduled, a.output_token_ids, Reason.SHUTDOWN)
         self.active.clear()
+        self.engine.expire_sessions(0.0, SessionReason.WORKER_RESTART)
+        self.sessions.moved(self.engine.take_session_events())
         self.kv_events.clear()
         self.beats.stop()

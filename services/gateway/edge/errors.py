@@ -43,6 +43,10 @@ class NotFound(GatewayError):
     status, type = 404, "not_found_error"
 
 
+class Conflict(GatewayError):
+    status, type = 409, "conflict_error"
+
+
 class Overloaded(GatewayError):
     status, type = 429, "rate_limit_error"
 

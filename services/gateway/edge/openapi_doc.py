@@ -29,7 +29,8 @@ class ErrorResponse(BaseModel):
 _ERROR_DOC = {
     400: "invalid request",
     401: "no or bad API key",
-    404: "unknown model or request",
+    404: "unknown model, request or session",
+    409: "the session has a turn running (or exists already)",
     413: "body too large",
     429: "overloaded (see Retry-After)",
     503: "not ready",
@@ -53,7 +54,7 @@ def sse_or_json(model: type[BaseModel] | None, description: str) -> dict:
     return {200: entry}
 
 
-GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503, 504)  # what a generation route can answer
+GENERATION_ERRORS = error_responses(400, 401, 404, 409, 413, 429, 503, 504)  # what a generation route can answer
 UNBOUNDED_PATHS = ("/health", "/ready")  # OpenRequestLimit lets these through under any load
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _DESCRIPTIONS = {

@@ -61,6 +61,7 @@ PASSED = (
     "priority",
     "timeout",
     "stop",
+    "session_id",
 )
 
 

@@ -56,6 +56,9 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool | None = None
     priority: int | None = Field(None, ge=-1000, le=1000, description="lower is served first")
     request_id: str | None = Field(None, min_length=1, max_length=128, description="caller's id, recorded")
+    session_id: str | None = Field(
+        None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
+    )
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import redis
 from prometheus_client import Gauge
 
+from services.gateway.conversation import turns
 from services.gateway.session.admission import Admission
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.feed_hub import FeedHub
@@ -33,6 +34,7 @@ from shared import liveness
 from shared.epoch import DatasetEpoch
 from shared.redis_client import async_client, sync_client
 from shared.runtime import Liveness, LivenessThread, instance_id
+from shared.sessions import SessionStore
 from shared.service_table import BUS_SERVICES
 from shared.settings import GatewaySettings
 
@@ -91,6 +93,7 @@ class GatewayCore(ReplyReader):
         self.model_name = model_name
         self.lifecycle = Lifecycle(client, self.names, "gateway", settings.context_ttl_s)
         self.store = ContextStore(client, self.names, int(settings.request_timeout_s) + settings.context_ttl_s)
+        self.sessions = SessionStore(client, self.names, settings.session_ttl_s)
         self.handles: dict[str, RequestHandle] = {}
         self.metrics = GatewayMetrics()
         self.draining = False  # set on SIGTERM: no new requests, /ready says 503
@@ -180,10 +183,13 @@ class GatewayCore(ReplyReader):
         group_size: int = 1,
         constraint: Constraint | None = None,
         tools: str = "",
+        session: str = "",
+        session_worker: str = "",
     ) -> RequestHandle:
         """Create the request (or raise Overloaded/Unavailable); owner: the caller's API key id. A choice of an
         n > 1 request comes with its id and its group's (intake.accept_choices); constraint and tools: what
-        openai.structured_output.plan_chat decided (already checked)."""
+        openai.structured_output.plan_chat decided (already checked); session: the key of the conversation session
+        whose turn it is (its turn started: conversation.turns.begin), session_worker: where its KV is."""
         if self.draining:
             raise Unavailable(
                 "the gateway is shutting down; retry on another", None, "shutting_down", headers={"Retry-After": "1"}
@@ -223,10 +229,13 @@ class GatewayCore(ReplyReader):
             group_id=group_id,
             group_size=group_size,
             tools=tools,
+            session=session,
+            session_worker=session_worker,
         )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
         handle.trace = rt
+        handle.session = session
         handle.epoch = self.epoch.known
         handle.logprobs = [] if req.logprobs is not None else None
         self.handles[rid] = handle  # before publishing: the first reply may come back at once
@@ -260,8 +269,12 @@ class GatewayCore(ReplyReader):
         return handle
 
     def release(self, handle: RequestHandle) -> None:
-        """Forget a request whose client has its answer (or left); its Prometheus figures move here, once."""
+        """Forget a request whose client has its answer (or left); its Prometheus figures move here, once. A
+        session's turn that ended without its KV kept is ended here (in a task: this may run in a cancelled
+        handler)."""
         if self.handles.pop(handle.request_id, None) is not None:
+            if handle.session and not turns.kept_by_worker(handle):
+                self._in_background(turns.end(self, handle), f"end-turn-{handle.request_id}")
             finish_trace(handle)
             if handle.ended is not None:
                 self.metrics.observe_end(handle.ended, handle.metrics or {}, handle.token_times, len(handle.token_ids))
@@ -272,16 +285,17 @@ class GatewayCore(ReplyReader):
         its detokenizer and its spans would be kept for ever.)"""
         tp = getattr(handle.trace, "traceparent", "")
         self.release(handle)
-        task = asyncio.get_running_loop().create_task(
-            self.cancel(handle.request_id, reason, handle.reply_to, tp), name=f"cancel-{handle.request_id}"
-        )
-        self._background.add(task)
-        task.add_done_callback(self._cancel_done)
+        self._in_background(self.cancel(handle.request_id, reason, handle.reply_to, tp), f"cancel-{handle.request_id}")
 
-    def _cancel_done(self, task: asyncio.Task) -> None:
+    def _in_background(self, work, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.warning("cancelling an abandoned request failed: %r", task.exception())
+            logger.warning("%s failed: %r", task.get_name(), task.exception())
 
     async def cancel(self, request_id: str, reason: str, reply_to: str, traceparent: str = "") -> bool:
         """Settle CANCELLED (first terminal wins) and tell the scheduler to stop the work."""

@@ -63,6 +63,7 @@ class RequestHandle:
     # (reconcile); whether the request exists in Redis yet (the handle is registered before its creation).
     last_event_at: float = field(default_factory=time.time)
     exists: bool = False
+    session: str = ""  # its conversation session's key ("" = none): its turn is ended when it ends (conversation/)
 
     def created(self) -> None:
         """The request was created in Redis: from now on its silence means something."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING
 
+from services.gateway.conversation import turns
 from services.gateway.edge.auth import caller, is_admin
 from services.gateway.edge.errors import InvalidRequest
 from services.gateway.session.groups import choice_body
 from services.gateway.session.handle import Choices
 from services.gateway.session.outcome import SIBLING_FAILED
+from shared.sessions import end_turn
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -37,6 +39,12 @@ async def accept_choices(
     output: accept's constraint and tools, the same for every choice."""
     if n == 1:  # a group of one: no group id, no seed offset
         return Choices([await accept(core, request, body, default_max_tokens, extra_meta, **output)])
+    if turns.session_id_of(request, body.session_id) is not None:
+        raise InvalidRequest(
+            f"n: a session's turn has one answer to continue from (got n={n}); send n > 1 without a session",
+            "n",
+            "session_with_n",
+        )
     ids = [uuid.uuid4().hex for _ in range(n)]
     handles: list[RequestHandle] = []
     try:
@@ -100,14 +108,26 @@ async def accept(
         extra_meta = {**(extra_meta or {}), "priority_requested": body.priority}
         body = body.model_copy(update={"priority": core.s.priority_floor})
     traceparent = choice.pop("traceparent", None) or request.headers.get("traceparent", "")
-    return await core.submit(
-        body,
-        max_tokens,
-        owner=caller(request),
-        extra_meta=extra_meta,
-        traceparent=traceparent,
-        route=request.url.path,
-        constraint=constraint,
-        tools=tools,
-        **choice,
-    )
+    turn = {}
+    if (session_id := turns.session_id_of(request, body.session_id)) is not None:
+        rid = uuid.uuid4().hex
+        key, worker = await turns.begin(core, caller(request), session_id, rid)
+        turn = {"request_id": rid, "session": key, "session_worker": worker}
+        extra_meta = {**(extra_meta or {}), "session_id": session_id}
+    try:
+        return await core.submit(
+            body,
+            max_tokens,
+            owner=caller(request),
+            extra_meta=extra_meta,
+            traceparent=traceparent,
+            route=request.url.path,
+            constraint=constraint,
+            tools=tools,
+            **choice,
+            **turn,
+        )
+    except BaseException:
+        if turn:  # not created: the turn that began is over
+            await core.sessions.amove(end_turn(turn["session"], turn["request_id"]))
+        raise

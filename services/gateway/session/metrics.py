@@ -70,6 +70,9 @@ class GatewayMetrics:
         return generate_latest(self.registry) + generate_latest(cluster)
 
 
+SESSION_FIGURES = ("sessions_paused", "sessions_swapped", "session_blocks_paused", "session_blocks_swapped")
+
+
 async def cluster_figures(r, names: Names) -> dict:
     """Cluster-wide figures: live workers' last heartbeats (their liveness entries) and the state sets."""
     workers = list((await liveness.aread_live(r, names, "worker")).values())
@@ -89,6 +92,7 @@ async def cluster_figures(r, names: Names) -> dict:
         "preemptions": sum(w.get("preemptions", 0) for w in workers),
         "prefix_queries": sum(w.get("prefix_cache_queries", 0) for w in workers),
         "prefix_hits": sum(w.get("prefix_cache_hits", 0) for w in workers),
+        **{k: sum(w.get(k, 0) for w in workers) for k in SESSION_FIGURES},
     }
 
 
@@ -111,6 +115,20 @@ class _Snapshot:
         yield CounterMetricFamily("conveyor:num_preemptions", "preemptions on live workers", f["preemptions"])
         yield CounterMetricFamily("conveyor:prefix_cache_queries", "prompt tokens looked up", f["prefix_queries"])
         yield CounterMetricFamily("conveyor:prefix_cache_hits", "prompt tokens found cached", f["prefix_hits"])
+        yield GaugeMetricFamily(
+            "conveyor:num_sessions_paused", "sessions whose KV a live worker keeps between turns", f["sessions_paused"]
+        )
+        yield GaugeMetricFamily(
+            "conveyor:num_sessions_swapped",
+            "paused sessions whose KV is in a worker's disk tier",
+            f["sessions_swapped"],
+        )
+        tiers = GaugeMetricFamily(
+            "conveyor:session_kv_blocks", "KV blocks paused sessions hold, per tier", labels=["tier"]
+        )
+        tiers.add_metric(["memory"], f["session_blocks_paused"])
+        tiers.add_metric(["disk"], f["session_blocks_swapped"])
+        yield tiers
 
 
 def _chunks(xs: list, n: int) -> list[list]:

@@ -89,4 +89,7 @@ class GenerateRequest(BaseModel):
         description="each output token's log probability and its N most likely alternatives (null = none)",
     )
     stream: bool = False
+    session_id: str | None = Field(
+        None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
+    )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")

@@ -99,13 +99,18 @@ class BlockManager:
                 else:
                     self._free.append(b)
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        """Make a computed full block findable by its hash (first writer wins on duplicates)."""
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Make a computed full block findable by its hash (first writer wins on duplicates). -> whether it now is
+        (False: caching is off, the block has a hash already, or another block holds this one)."""
         if not self.enable_prefix_caching or self._hash[block_id] is not None or block_hash in self._by_hash:
-            return
+            return False
         self._hash[block_id] = block_hash
         self._by_hash[block_hash] = block_id
         self._note(block_hash, self._stored, self._removed)
+        return True
+
+    def refs(self, block_id: int) -> int:
+        return self._ref[block_id]
 
     def _note(self, block_hash: bytes, into: dict, out_of: dict) -> None:
         if self.track_kv_events:

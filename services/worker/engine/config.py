@@ -29,6 +29,13 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU: the engine's C++ paged decode attention (cpu_ops.py) over gather + SDPA
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
+    # Conversation sessions (session_kv.py): the most blocks a paused session keeps in the pool (0: none kept),
+    # and where a paused session's KV goes under pressure (None: nowhere, it is released), up to how many bytes,
+    # for runs of at least how many tokens (shorter ones recompute faster than they swap back).
+    session_max_blocks: int = 4096
+    session_swap_dir: str | None = None
+    session_swap_max_bytes: int = 4 << 30
+    session_swap_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         problems = []

@@ -24,8 +24,9 @@ from services.worker.engine.outputs import EngineStats, RequestOutput, StepResul
 from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.session_kv import SessionEvent, SessionKV
 from services.worker.engine.structured import MaskJob, StructuredOutputs
-from shared.events import State
+from shared.events import SessionReason, State
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ class LLMEngine:
         self.runner = runner
         num_blocks = runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.sessions = SessionKV(
+            self.blocks, runner, _swap_tier(config), config.session_max_blocks, config.session_swap_min_tokens
+        )
+        self.scheduler = Scheduler(config, self.blocks, self.sessions)
         self.eos_token_ids = frozenset(eos_ids)
         self.vocab_size = int(vocab_size)
         self._model_max_len = min(context_len, config.max_model_len) if config.max_model_len else context_len
@@ -269,20 +273,19 @@ class LLMEngine:
                 reason = "length"
             index = seq.num_emitted
             seq.num_emitted += 1
-            result.outputs.append(
-                RequestOutput(
-                    seq.request_id,
-                    [token],
-                    index,
-                    reason is not None,
-                    reason,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    logprobs=None if logprobs is None else [logprobs],
-                )
+            out = RequestOutput(
+                seq.request_id,
+                [token],
+                index,
+                reason is not None,
+                reason,
+                num_cached_tokens=seq.num_cached_tokens,
+                logprobs=None if logprobs is None else [logprobs],
             )
+            result.outputs.append(out)
             if reason is not None:
                 seq.finish_reason = reason
-                self._end(seq, SequenceStatus.FINISHED)
+                out.session_blocks = self._end(seq, SequenceStatus.FINISHED)
         except Exception as e:
             logger.exception("post-processing failed for %s", seq.request_id)
             self._fail(seq, WORKER_ERROR, f"{type(e).__name__}: {e}", result)
@@ -296,12 +299,28 @@ class LLMEngine:
         )
         self._end(seq, SequenceStatus.FAILED)
 
-    def _end(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _end(self, seq: Sequence, status: SequenceStatus) -> int:
+        """-> KV blocks kept for the request's session (a finished turn of one; else 0)."""
         self._ended_kv[seq.request_id] = (len(seq.block_table), seq.num_cached_tokens)
         seq.status = status
         StructuredOutputs.release(seq)
+        kept = self.sessions.keep(seq.session_id, seq) if seq.session_id and status == SequenceStatus.FINISHED else 0
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
+        return kept
+
+    # ---- conversation sessions ------------------------------------------------------------------------------
+    def close_session(self, session: str) -> None:
+        """Release the KV kept for a session (its owner closed it)."""
+        self.sessions.forget(session)
+
+    def expire_sessions(self, idle_s: float, reason: SessionReason = SessionReason.IDLE) -> None:
+        """Release the KV of sessions untouched for idle_s (0: all of them, the worker is stopping)."""
+        self.sessions.expire(idle_s, reason)
+
+    def take_session_events(self) -> list[SessionEvent]:
+        """What happened to kept sessions since the last call (swapped, released): for their Redis records."""
+        return self.sessions.take_events()
 
     def _account(self, items: list[tuple[Sequence, int]], forward_s: float, result: StepResult) -> None:
         decode = sum(1 for s, n in items if n == 1 and s.status == SequenceStatus.DECODING)
@@ -325,7 +344,7 @@ class LLMEngine:
         b = self.blocks
         return EngineStats(
             total_blocks=b.num_blocks,
-            free_blocks=b.num_free_blocks,
+            free_blocks=b.num_free_blocks + self.sessions.reclaimable_blocks(),
             cached_blocks=b.num_cached_blocks,
             block_size=b.block_size,
             num_running=len(self.scheduler.running),
@@ -339,6 +358,7 @@ class LLMEngine:
             decode_tokens_left=sum(
                 max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values() if not s.is_done
             ),
+            sessions=self.sessions.figures(),
         )
 
     def request_kv_info(self, request_id: str) -> tuple[int, int] | None:
@@ -368,4 +388,14 @@ class LLMEngine:
         assert not self._seqs, f"requests still unfinished: {sorted(self._seqs)[:20]}"
         assert not self.scheduler.running, f"running queue not empty: {[s.request_id for s in self.scheduler.running]}"
         assert not self.scheduler.waiting, f"waiting queue not empty: {[s.request_id for s in self.scheduler.waiting]}"
+        assert not self.sessions.kept, f"sessions still keep KV: {list(self.sessions.kept)[:20]}"
         self.blocks.check_no_leak()
+
+
+def _swap_tier(config: EngineConfig):
+    """The disk tier paused sessions' KV moves to under pressure (None: not configured, they are released)."""
+    if not config.session_swap_dir:
+        return None
+    from services.worker.engine.kv_tier import DiskTier  # only where a tier is configured
+
+    return DiskTier(Path(config.session_swap_dir), config.session_swap_max_bytes)

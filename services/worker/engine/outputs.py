@@ -28,6 +28,7 @@ class RequestOutput:
     error: str | None = None  # human-readable detail of error_reason
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids, when the request asked for them
+    session_blocks: int = 0  # finished: KV blocks kept for its session's next turn (session_kv.py)
 
 
 @dataclass
@@ -56,3 +57,4 @@ class EngineStats:
     prefill_s_per_token: float  # moving averages of forward time per token
     decode_s_per_token: float
     decode_tokens_left: int = 0  # output tokens its sequences may still produce (max_tokens less what they have)
+    sessions: dict[str, int] = field(default_factory=dict)  # SessionKV.figures(): paused / swapped sessions, blocks

@@ -48,6 +48,15 @@ class Engine(Protocol):
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash the prefix cache holds now."""
 
+    def close_session(self, session: str) -> None:
+        """Release the KV kept for a conversation session."""
+
+    def expire_sessions(self, idle_s: float, reason: Any = None) -> None:
+        """Release the KV of sessions untouched for idle_s seconds (0: all)."""
+
+    def take_session_events(self) -> list[Any]:
+        """What happened to kept sessions' KV since the last call (session_kv.SessionEvent)."""
+
 
 class PreparedStep(Protocol):
     sample_seqs: list[Sequence]  # the sequences that get a next token from this step, in row order

@@ -86,6 +86,7 @@ class EngineRequest:
     priority: int = 0  # higher number = less important (preempted first), like vLLM
     output_token_ids: list[int] = field(default_factory=list)  # already generated elsewhere (resume)
     group_id: str = ""  # requests sharing it (the choices of one n > 1 request) have one prompt: prefilled once
+    session_id: str = ""  # its conversation session: the KV is kept for the session's next turn (session_kv.py)
 
 
 class SequenceStatus(enum.Enum):
@@ -121,11 +122,13 @@ class Sequence:
         "stop_ids",
         "group_id",
         "grammar",
+        "session_id",
     )
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
         self.request_id = req.request_id
         self.group_id = req.group_id
+        self.session_id = req.session_id
         self.sampling = req.sampling
         self.priority = req.priority
         self.arrival = arrival  # global admission counter: larger = newer

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import Sequence, SequenceStatus
+from services.worker.engine.session_kv import SessionKV
 from shared.block_hash import extend_block_hashes
 from shared.events import State
 
@@ -34,9 +35,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, sessions: SessionKV | None = None):
         self.config = config
         self.blocks = blocks
+        # Paused sessions' KV: reclaimed (swapped or released) before anyone is preempted or made to wait.
+        self.sessions = sessions if sessions is not None else SessionKV(blocks, None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,6 +91,8 @@ class Scheduler:
         need = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         budget_back, preempted = 0, False
         while need > self.blocks.num_free_blocks:
+            if self.sessions.reclaim():
+                continue
             victim = max(self.running, key=lambda s: s.importance_key)
             for i, (s, k) in enumerate(batch.items):
                 if s is victim:  # already scheduled this step: un-schedule it
@@ -121,6 +126,8 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             hits: list[int] = []
+            if seq.session_id:
+                self.sessions.prepare(seq)
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
                 # that token must be computed to get the next token's logits.
@@ -130,8 +137,12 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_for(cached + n) - len(hits)
             if not self.blocks.can_allocate(need, hits):
+                if self.sessions.reclaim(spare=seq.session_id):
+                    continue  # a paused session gave its blocks back: try again
                 break  # head of line waits for blocks; admitting never preempts
             self.blocks.acquire(hits)
+            if seq.session_id:
+                self.sessions.resumed(seq.session_id)
             self.blocks.record_query(seq.num_tokens, cached)
             seq.block_table = hits + self.blocks.allocate(need)
             seq.num_computed_tokens = cached

@@ -1,0 +1,1 @@
+"""Conversation sessions at the gateway: the turns of a request's session (turns.py) and /v1/sessions (routes.py)."""

@@ -1,0 +1,198 @@
+"""The KV of paused conversation sessions: kept in the pool between turns, moved to a second tier under pressure.
+
+A session's turn that finishes keeps a reference on the full blocks it computed (at most `max_blocks`, the
+leading ones: a prefix is what the next turn can reuse). They stay registered in the prefix cache, so the next
+turn of the session finds them by their hashes as any prefix hit, and nothing else can evict them meanwhile: that
+is the whole difference from the plain prefix cache, where a conversation's blocks survive only if nothing else
+needed the room. The next turn's admission takes its own references and the session's are dropped (`resumed`).
+
+When the pool runs short (an allocation the scheduler cannot make), paused sessions are reclaimed least recently
+used first, before anyone is preempted: a run of at least `swap_min_tokens` tokens is copied to the tier (the
+runner's read_blocks, checksummed on disk by kv_tier.DiskTier) and its blocks released; a shorter one, or one the
+tier has no room for, is released only (recomputing it costs less than the copy, docs/benchmarks.md). A swapped
+session's next turn is swapped back in at admission: blocks allocated, the KV written back, their hashes
+registered, so the prompt lookup finds them. A tier entry that fails its checksum is treated as missing: the turn
+recomputes, never reads wrong KV.
+
+Every change a worker must record in the session's Redis record (swapped, released) is noted in `events` for
+the worker to publish; this module does no I/O besides the tier's files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.request import Sequence
+from shared.block_hash import extend_block_hashes
+from shared.events import SessionReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Kept:
+    """One session's KV on this worker: in the pool (blocks) or in the tier (blocks empty, num_blocks kept)."""
+
+    request_id: str  # the turn that left it: the fence of every move this worker records for it
+    hashes: list[bytes]  # the chained hashes of the kept blocks, in order
+    blocks: list[int]  # pool blocks referenced by the session ([] once swapped)
+    at: float  # monotonic time it was kept or last touched
+    swapped: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    session: str
+    request_id: str
+    what: str  # "swapped" | "released"
+    reason: SessionReason
+
+
+class SessionKV:
+    def __init__(self, blocks: BlockManager, runner, tier=None, max_blocks: int = 4096, swap_min_tokens: int = 0):
+        self.blocks = blocks
+        self.runner = runner
+        self.tier = tier  # kv_tier.DiskTier, or None: reclaimed sessions are released only
+        self.max_blocks = max_blocks
+        self.swap_min_tokens = swap_min_tokens
+        self.kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
+        self.events: list[SessionEvent] = []
+        self.swap_outs = 0
+        self.swap_ins = 0
+        self.swap_in_failures = 0
+
+    # ---- a turn ends / starts --------------------------------------------------------------------------------
+    def keep(self, session: str, seq: Sequence) -> int:
+        """Keep the finished turn's computed full blocks for the session (call before its blocks are released).
+        -> blocks kept (0: nothing, e.g. no prefix caching, or nothing complete)."""
+        self.forget(session)
+        if not self.blocks.enable_prefix_caching or self.max_blocks == 0:
+            return 0
+        n = min(seq.num_registered_blocks, len(seq.block_table), self.max_blocks)
+        if n == 0:
+            return 0
+        run = seq.block_table[:n]
+        self.blocks.acquire(run)
+        self.kept[session] = Kept(seq.request_id, list(seq.block_hashes[:n]), run, time.monotonic())
+        return n
+
+    def prepare(self, seq: Sequence) -> None:
+        """Before a session turn's prefix lookup: a swapped session is swapped back in (when its hashes are the
+        turn's prompt's and the pool has the room), so the lookup finds its blocks."""
+        k = self.kept.get(seq.session_id)
+        if k is None or not k.swapped:
+            return
+        extend_block_hashes(seq.token_ids, seq.block_hashes, self.blocks.block_size, seq.num_tokens)
+        if seq.block_hashes[: k.num_blocks] != k.hashes:  # another conversation under the same id: recompute
+            self._drop_swapped(seq.session_id)
+            return
+        if not self.blocks.can_allocate(k.num_blocks):
+            return  # no room now: it recomputes what it cannot find
+        entry = self.tier.get(seq.session_id)
+        if entry is None or list(entry.block_hashes) != k.hashes:
+            self.swap_in_failures += 1
+            logger.warning("session %s: its swapped KV is missing or corrupt: recomputing", seq.session_id)
+            self._drop_swapped(seq.session_id)
+            return
+        new = self.blocks.allocate(k.num_blocks)
+        self.runner.write_blocks(new, entry.payload)
+        run = []
+        for b, h in zip(new, k.hashes):
+            if self.blocks.register(b, h):
+                run.append(b)  # allocated: the session holds its one reference
+            else:  # that block is in the pool already (another conversation's shared prefix): use it instead
+                self.blocks.release([b])
+                found = self.blocks.lookup_prefix([h], 1)
+                self.blocks.acquire(found)
+                run.extend(found)
+        self.tier.drop(seq.session_id)
+        k.blocks, k.swapped, k.at = run, False, time.monotonic()
+        self.swap_ins += 1
+
+    def resumed(self, session: str) -> None:
+        """The session's turn was admitted (it holds its own references now): the session's are dropped."""
+        k = self.kept.get(session)
+        if k is not None and not k.swapped:
+            self.forget(session)
+
+    def forget(self, session: str) -> None:
+        """Release whatever is kept for the session (closed, replaced by a newer turn's KV)."""
+        k = self.kept.pop(session, None)
+        if k is None:
+            return
+        if k.swapped:
+            self.tier.drop(session)
+        else:
+            self.blocks.release(k.blocks)
+
+    # ---- pressure and idleness -------------------------------------------------------------------------------
+    def reclaim(self, spare: str = "") -> bool:
+        """Free the pool blocks of the least recently used paused session (not `spare`): swapped to the tier when
+        worth it and it fits, else released. -> whether any block was freed."""
+        for session, k in self.kept.items():
+            if k.swapped or session == spare:
+                continue
+            tokens = k.num_blocks * self.blocks.block_size
+            if self.tier is not None and tokens >= self.swap_min_tokens and self._swap_out(session, k):
+                self.events.append(SessionEvent(session, k.request_id, "swapped", SessionReason.PRESSURE))
+            else:
+                del self.kept[session]
+                self.blocks.release(k.blocks)
+                self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
+            return True
+        return False
+
+    def _swap_out(self, session: str, k: Kept) -> bool:
+        try:
+            payload = self.runner.read_blocks(k.blocks)
+            if not self.tier.put(session, k.hashes, payload):
+                return False
+        except OSError as e:  # a full or failing disk: the session is released instead
+            logger.warning("session %s: swapping its KV out failed (%s): releasing it", session, e)
+            return False
+        self.blocks.release(k.blocks)
+        k.blocks, k.swapped = [], True
+        self.kept.move_to_end(session)  # the tier's order is its own; keep the pool's LRU about pool entries
+        self.swap_outs += 1
+        return True
+
+    def expire(self, idle_s: float, reason: SessionReason = SessionReason.IDLE) -> None:
+        """Release every session kept untouched for idle_s (the whole kept set when idle_s is 0: stopping)."""
+        now = time.monotonic()
+        for session in [s for s, k in self.kept.items() if now - k.at >= idle_s]:
+            k = self.kept[session]
+            self.forget(session)
+            self.events.append(SessionEvent(session, k.request_id, "released", reason))
+
+    def _drop_swapped(self, session: str) -> None:
+        k = self.kept.get(session)
+        self.forget(session)
+        if k is not None:
+            self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
+
+    def take_events(self) -> list[SessionEvent]:
+        out, self.events = self.events, []
+        return out
+
+    # ---- figures ---------------------------------------------------------------------------------------------
+    def reclaimable_blocks(self) -> int:
+        """Pool blocks that only paused sessions reference: free for the taking, at the cost of a swap."""
+        return sum(1 for k in self.kept.values() for b in k.blocks if self.blocks.refs(b) == 1)
+
+    def figures(self) -> dict[str, int]:
+        paused = [k for k in self.kept.values() if not k.swapped]
+        swapped = [k for k in self.kept.values() if k.swapped]
+        return {
+            "sessions_paused": len(paused),
+            "sessions_swapped": len(swapped),
+            "session_blocks_paused": sum(k.num_blocks for k in paused),
+            "session_blocks_swapped": sum(k.num_blocks for k in swapped),
+        }

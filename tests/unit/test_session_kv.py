@@ -1,0 +1,142 @@
+"""A session's KV kept in the engine between turns (session_kv.py), on the real scheduler and block pool with the
+simulated runner: kept at the end of a turn, found by the next, reclaimed before anyone waits or is preempted,
+released when idle or closed."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.sim_model import SimTiming
+from services.worker.engine.sim_runner import SimRunner
+from shared.events import SessionReason
+
+TIMING = SimTiming(step_overhead_s=0.0, prefill_s_per_token=0.0, decode_s_per_seq=0.0, decode_s_per_kv_token=0.0)
+BS = 16
+
+
+@pytest.fixture
+def make_engine(vocab):
+    def build(num_kv_blocks: int = 256, **overrides) -> LLMEngine:
+        cfg = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BS, max_num_batched_tokens=4096, **overrides)
+        runner = SimRunner(TIMING, vocab, num_kv_blocks, 0.0, sleep=lambda s: None)
+        return LLMEngine(runner, cfg, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)
+
+    return build
+
+
+def turn(engine: LLMEngine, rid: str, prompt: list[int], session: str = "", max_tokens: int = 8):
+    """Run one request to its end -> (its output tokens, its final RequestOutput)."""
+    engine.add_request(
+        EngineRequest(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens), session_id=session)
+    )
+    tokens, last = [], None
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                last = o
+    return tokens, last
+
+
+def prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_a_finished_session_turn_keeps_its_computed_full_blocks(make_engine):
+    engine = make_engine()
+    _, end = turn(engine, "t1", prompt(100), session="s")
+    # 100 prompt tokens + 7 outputs computed (the last output is sampled, not computed): 6 full blocks
+    assert end.session_blocks == 6
+    assert engine.stats().sessions == {
+        "sessions_paused": 1,
+        "sessions_swapped": 0,
+        "session_blocks_paused": 6,
+        "session_blocks_swapped": 0,
+    }
+
+
+def test_the_next_turn_of_a_session_finds_the_conversation_so_far_in_the_cache(make_engine):
+    engine = make_engine()
+    first = prompt(100)
+    out, _ = turn(engine, "t1", first, session="s")
+    _, end = turn(engine, "t2", first + out + prompt(20, start=5000), session="s")
+    assert end.num_cached_tokens == 6 * BS
+    assert engine.stats().sessions["sessions_paused"] == 1  # the second turn's KV replaced the first's
+
+
+def test_a_request_without_a_session_keeps_nothing(make_engine):
+    engine = make_engine()
+    _, end = turn(engine, "t1", prompt(100))
+    assert end.session_blocks == 0
+    engine.check_no_leak()
+
+
+@pytest.mark.parametrize("session", ["a", ""], ids=["kept", "not-kept"])
+def test_a_paused_session_outlives_the_eviction_of_unkept_cached_prefixes(make_engine, session):
+    engine = make_engine(num_kv_blocks=64)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session=session)  # kept or not: 6 blocks
+    turn(engine, "b1", prompt(100, start=3000))  # cached, not kept: 7 blocks evictable
+    turn(engine, "c1", prompt(57 * BS - 8, start=8000), max_tokens=1)  # needs 57: takes the free and evicts
+    _, end = turn(engine, "a2", convo + out + [7], session=session)
+    if session:
+        assert end.num_cached_tokens == 6 * BS
+    else:  # the plain prefix cache lost most of the conversation to c1
+        assert end.num_cached_tokens < 6 * BS
+
+
+def test_under_pressure_a_paused_session_is_released_before_anyone_is_preempted(make_engine):
+    engine = make_engine(num_kv_blocks=32)
+    turn(engine, "a1", prompt(100), session="a")  # kept: 6 of 32 blocks
+    engine.take_session_events()
+    _, end = turn(engine, "big", prompt(30 * BS, start=9000), max_tokens=4)  # needs 31 blocks
+    assert end.finish_reason == "length"
+    assert engine.stats().num_preemptions == 0
+    events = engine.take_session_events()
+    assert [(e.session, e.request_id, e.what, e.reason) for e in events] == [
+        ("a", "a1", "released", SessionReason.PRESSURE)
+    ]
+    engine.check_no_leak()
+
+
+def test_the_blocks_a_paused_session_holds_count_as_free_in_the_engine_figures(make_engine):
+    engine = make_engine(num_kv_blocks=64)
+    turn(engine, "a1", prompt(100), session="a")
+    assert engine.stats().free_blocks == 64  # kept blocks are reclaimable: the scheduler may place work here
+
+
+def test_a_session_idle_past_the_ttl_has_its_kv_released(make_engine):
+    engine = make_engine()
+    turn(engine, "a1", prompt(100), session="a")
+    engine.take_session_events()
+    engine.expire_sessions(3600.0)
+    assert engine.stats().sessions["sessions_paused"] == 1  # not idle long enough
+    engine.expire_sessions(0.0)
+    assert [(e.what, e.reason) for e in engine.take_session_events()] == [("released", SessionReason.IDLE)]
+    engine.check_no_leak()
+
+
+def test_closing_a_session_releases_its_kv(make_engine):
+    engine = make_engine()
+    turn(engine, "a1", prompt(100), session="a")
+    engine.close_session("a")
+    engine.check_no_leak()
+
+
+def test_an_aborted_session_turn_keeps_nothing(make_engine):
+    engine = make_engine()
+    engine.add_request(EngineRequest("a1", prompt(100), SamplingOptions(max_tokens=50), session_id="a"))
+    engine.step()
+    engine.abort_request("a1")
+    assert engine.stats().sessions["sessions_paused"] == 0
+    engine.check_no_leak()
+
+
+def test_a_session_limited_to_fewer_blocks_keeps_the_leading_ones(make_engine):
+    engine = make_engine(session_max_blocks=2)
+    convo = prompt(100)
+    out, end = turn(engine, "a1", convo, session="a")
+    assert end.session_blocks == 2
+    _, nxt = turn(engine, "a2", convo + out + [5], session="a")
+    assert nxt.num_cached_tokens >= 2 * BS
