@@ -140,3 +140,59 @@ def test_a_session_limited_to_fewer_blocks_keeps_the_leading_ones(make_engine):
     assert end.session_blocks == 2
     _, nxt = turn(engine, "a2", convo + out + [5], session="a")
     assert nxt.num_cached_tokens >= 2 * BS
+
+
+def swap_engine(make_engine, tmp_path, **overrides) -> LLMEngine:
+    return make_engine(num_kv_blocks=32, session_swap_dir=str(tmp_path / "tier"), **overrides)
+
+
+def squeeze(engine: LLMEngine) -> None:
+    """A request that needs 31 of the pool's 32 blocks: every paused session must give its blocks back."""
+    _, end = turn(engine, "big", prompt(30 * BS, start=9000), max_tokens=4)
+    assert end.finish_reason == "length" and engine.stats().num_preemptions == 0
+
+
+def test_under_pressure_a_paused_session_moves_to_the_disk_tier_and_its_next_turn_swaps_it_back(make_engine, tmp_path):
+    engine = swap_engine(make_engine, tmp_path)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session="a")
+    squeeze(engine)
+    assert [(e.what, e.reason) for e in engine.take_session_events()] == [("swapped", SessionReason.PRESSURE)]
+    assert engine.stats().sessions["sessions_swapped"] == 1
+    _, end = turn(engine, "a2", convo + out + [7], session="a")
+    assert end.num_cached_tokens == 6 * BS
+    assert engine.sessions.swap_ins == 1 and engine.sessions.tier.num_entries == 0
+    assert engine.stats().sessions["sessions_swapped"] == 0
+
+
+def test_a_corrupt_swapped_entry_is_recomputed_never_read(make_engine, tmp_path):
+    engine = swap_engine(make_engine, tmp_path)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session="a")
+    squeeze(engine)
+    engine.take_session_events()
+    for f in (tmp_path / "tier").iterdir():
+        if f.is_file() and f.stat().st_size > 0:
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF  # one bit of the payload flipped
+            f.write_bytes(bytes(data))
+    _, end = turn(engine, "a2", convo + out + [7], session="a")
+    assert end.num_cached_tokens < 6 * BS and engine.sessions.swap_in_failures == 1  # what the pool still had
+    assert [e.what for e in engine.take_session_events()] == ["released"]
+
+
+def test_a_paused_session_shorter_than_the_swap_threshold_is_released_not_swapped(make_engine, tmp_path):
+    engine = swap_engine(make_engine, tmp_path, session_swap_min_tokens=512)
+    turn(engine, "a1", prompt(100), session="a")  # 96 tokens kept: below 512
+    squeeze(engine)
+    assert [e.what for e in engine.take_session_events()] == ["released"]
+
+
+def test_a_turn_of_another_conversation_under_a_swapped_session_id_drops_the_swapped_kv(make_engine, tmp_path):
+    engine = swap_engine(make_engine, tmp_path)
+    turn(engine, "a1", prompt(100), session="a")
+    squeeze(engine)
+    engine.take_session_events()
+    _, end = turn(engine, "a2", prompt(100, start=20000), session="a")
+    assert end.num_cached_tokens == 0 and engine.sessions.swap_ins == 0
+    assert engine.sessions.tier.num_entries == 0
