@@ -196,3 +196,20 @@ def test_a_turn_of_another_conversation_under_a_swapped_session_id_drops_the_swa
     _, end = turn(engine, "a2", prompt(100, start=20000), session="a")
     assert end.num_cached_tokens == 0 and engine.sessions.swap_ins == 0
     assert engine.sessions.tier.num_entries == 0
+
+
+def test_a_preempted_request_parks_its_kv_in_the_tier_and_swaps_it_back_instead_of_recomputing(make_engine, tmp_path):
+    engine = make_engine(num_kv_blocks=20, session_swap_dir=str(tmp_path / "tier"))
+    # Two requests of 9 blocks each grow past the 20-block pool: the newer one is preempted, parked, resumed.
+    for i in range(2):
+        engine.add_request(EngineRequest(f"r{i}", prompt(130, start=1000 + 500 * i), SamplingOptions(max_tokens=60)))
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            if o.finished:
+                done[o.request_id] = o.finish_reason
+    assert done == {"r0": "length", "r1": "length"}
+    assert engine.stats().num_preemptions >= 1
+    assert engine.sessions.swap_outs >= 1 and engine.sessions.swap_ins >= 1
+    assert engine.sessions.tier.num_entries == 0 and engine.take_session_events() == []
+    engine.check_no_leak()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import Sequence, SequenceStatus
-from services.worker.engine.session_kv import SessionKV
+from services.worker.engine.session_kv import PARKED, SessionKV
 from shared.block_hash import extend_block_hashes
 from shared.events import State
 
@@ -54,6 +54,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free_blocks(seq)
+        self.sessions.forget(PARKED + seq.request_id)  # what it parked when preempted, if anything
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
@@ -109,6 +110,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        self.sessions.park(seq)  # with a tier: its KV is swapped back at readmission, not recomputed
         self._free_blocks(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
@@ -126,8 +128,8 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             hits: list[int] = []
-            if seq.session_id:
-                self.sessions.prepare(seq)
+            if key := self.sessions.key_of(seq):
+                self.sessions.prepare(seq, key)
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
                 # that token must be computed to get the next token's logits.
@@ -137,12 +139,12 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_for(cached + n) - len(hits)
             if not self.blocks.can_allocate(need, hits):
-                if self.sessions.reclaim(spare=seq.session_id):
+                if self.sessions.reclaim(spare=key or ""):
                     continue  # a paused session gave its blocks back: try again
                 break  # head of line waits for blocks; admitting never preempts
             self.blocks.acquire(hits)
-            if seq.session_id:
-                self.sessions.resumed(seq.session_id)
+            if key:
+                self.sessions.resumed(key)
             self.blocks.record_query(seq.num_tokens, cached)
             seq.block_table = hits + self.blocks.allocate(need)
             seq.num_computed_tokens = cached

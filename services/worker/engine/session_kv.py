@@ -14,6 +14,10 @@ session's next turn is swapped back in at admission: blocks allocated, the KV wr
 registered, so the prompt lookup finds them. A tier entry that fails its checksum is treated as missing: the turn
 recomputes, never reads wrong KV.
 
+The same tier serves preemption: a preempted request's computed blocks are parked there (`park`, under
+PARKED + its id) and swapped back when it is admitted again, instead of recomputed; its sampler's state lives on
+its Sequence, untouched by either, so a seeded sampled output is the same preempted or not (the engine tests).
+
 Every change a worker must record in the session's Redis record (swapped, released) is noted in `events` for
 the worker to publish; this module does no I/O besides the tier's files.
 """
@@ -26,11 +30,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.request import Sequence
+from services.worker.engine.request import Sequence, SequenceStatus
 from shared.block_hash import extend_block_hashes
 from shared.events import SessionReason
 
 logger = logging.getLogger(__name__)
+
+PARKED = "preempted:"  # key prefix of a preempted request's KV in the tier (never a session key: those hold ':s:')
 
 
 @dataclass
@@ -84,23 +90,48 @@ class SessionKV:
         self.kept[session] = Kept(seq.request_id, list(seq.block_hashes[:n]), run, time.monotonic())
         return n
 
-    def prepare(self, seq: Sequence) -> None:
-        """Before a session turn's prefix lookup: a swapped session is swapped back in (when its hashes are the
-        turn's prompt's and the pool has the room), so the lookup finds its blocks."""
-        k = self.kept.get(seq.session_id)
+    @staticmethod
+    def key_of(seq: Sequence) -> str:
+        """Where a sequence being admitted finds KV of its own: parked when it was preempted, else its session's."""
+        return PARKED + seq.request_id if seq.status == SequenceStatus.PREEMPTED else seq.session_id
+
+    def park(self, seq: Sequence) -> None:
+        """A running sequence is being preempted: its computed full blocks go to the tier (when there is one and
+        they are worth it), to be swapped back at its readmission. Call before its blocks are released."""
+        n = seq.num_registered_blocks
+        if self.tier is None or n == 0 or n * self.blocks.block_size < self.swap_min_tokens:
+            return
+        key = PARKED + seq.request_id
+        try:
+            if not self.tier.put(key, list(seq.block_hashes[:n]), self.runner.read_blocks(seq.block_table[:n])):
+                return
+        except OSError as e:
+            logger.warning("parking the KV of preempted %s failed (%s): it recomputes", seq.request_id, e)
+            return
+        self.kept[key] = Kept(seq.request_id, list(seq.block_hashes[:n]), [], time.monotonic(), swapped=True)
+        self.swap_outs += 1
+
+    def prepare(self, seq: Sequence, key: str) -> None:
+        """Before a sequence's prefix lookup: KV swapped out under `key` (its session's, or its own when it was
+        preempted) is swapped back in (when its hashes are the prompt's and the pool has the room), so the lookup
+        finds its blocks."""
+        k = self.kept.get(key)
         if k is None or not k.swapped:
             return
         extend_block_hashes(seq.token_ids, seq.block_hashes, self.blocks.block_size, seq.num_tokens)
         if seq.block_hashes[: k.num_blocks] != k.hashes:  # another conversation under the same id: recompute
-            self._drop_swapped(seq.session_id)
+            self._drop_swapped(key)
+            return
+        if len(self.blocks.lookup_prefix(k.hashes, k.num_blocks)) == k.num_blocks:
+            self._drop_swapped(key, quietly=True)  # still in the pool's cache: nothing to copy back
             return
         if not self.blocks.can_allocate(k.num_blocks):
             return  # no room now: it recomputes what it cannot find
-        entry = self.tier.get(seq.session_id)
+        entry = self.tier.get(key)
         if entry is None or list(entry.block_hashes) != k.hashes:
             self.swap_in_failures += 1
-            logger.warning("session %s: its swapped KV is missing or corrupt: recomputing", seq.session_id)
-            self._drop_swapped(seq.session_id)
+            logger.warning("%s: the swapped KV is missing or corrupt: recomputing", key)
+            self._drop_swapped(key)
             return
         new = self.blocks.allocate(k.num_blocks)
         self.runner.write_blocks(new, entry.payload)
@@ -113,7 +144,7 @@ class SessionKV:
                 found = self.blocks.lookup_prefix([h], 1)
                 self.blocks.acquire(found)
                 run.extend(found)
-        self.tier.drop(seq.session_id)
+        self.tier.drop(key)
         k.blocks, k.swapped, k.at = run, False, time.monotonic()
         self.swap_ins += 1
 
@@ -138,7 +169,7 @@ class SessionKV:
         """Free the pool blocks of the least recently used paused session (not `spare`): swapped to the tier when
         worth it and it fits, else released. -> whether any block was freed."""
         for session, k in self.kept.items():
-            if k.swapped or session == spare:
+            if k.swapped or session == spare or session.startswith(PARKED):
                 continue
             tokens = k.num_blocks * self.blocks.block_size
             if self.tier is not None and tokens >= self.swap_min_tokens and self._swap_out(session, k):
@@ -167,15 +198,15 @@ class SessionKV:
     def expire(self, idle_s: float, reason: SessionReason = SessionReason.IDLE) -> None:
         """Release every session kept untouched for idle_s (the whole kept set when idle_s is 0: stopping)."""
         now = time.monotonic()
-        for session in [s for s, k in self.kept.items() if now - k.at >= idle_s]:
+        for session in [s for s, k in self.kept.items() if now - k.at >= idle_s and not s.startswith(PARKED)]:
             k = self.kept[session]
             self.forget(session)
             self.events.append(SessionEvent(session, k.request_id, "released", reason))
 
-    def _drop_swapped(self, session: str) -> None:
+    def _drop_swapped(self, session: str, quietly: bool = False) -> None:
         k = self.kept.get(session)
         self.forget(session)
-        if k is not None:
+        if k is not None and not quietly and not session.startswith(PARKED):
             self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
 
     def take_events(self) -> list[SessionEvent]:
@@ -188,8 +219,9 @@ class SessionKV:
         return sum(1 for k in self.kept.values() for b in k.blocks if self.blocks.refs(b) == 1)
 
     def figures(self) -> dict[str, int]:
-        paused = [k for k in self.kept.values() if not k.swapped]
-        swapped = [k for k in self.kept.values() if k.swapped]
+        kept = [k for s, k in self.kept.items() if not s.startswith(PARKED)]
+        paused = [k for k in kept if not k.swapped]
+        swapped = [k for k in kept if k.swapped]
         return {
             "sessions_paused": len(paused),
             "sessions_swapped": len(swapped),

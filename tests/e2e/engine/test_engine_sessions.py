@@ -50,17 +50,23 @@ def test_every_turn_through_a_session_matches_greedy_on_the_whole_conversation(
     engine.check_no_leak()
 
 
-def test_a_seeded_sampled_answer_is_the_same_whether_or_not_it_was_preempted(make_engine, chat):
-    prompts = [chat(q, system=SYSTEM) for q in ("Summarize the text.", "Name one effect of the press.")]
+def test_a_seeded_sampled_answer_is_the_same_whether_it_was_preempted_and_recomputed_or_swapped(
+    make_engine, chat, tmp_path
+):
+    # Prompts that differ from their first words: a preempted one's blocks are its own, evicted while it waits.
+    prompts = [chat(q + " " + PASSAGE) for q in ("Summarize this text.", "Name one effect of the press in")]
     sampled = SamplingOptions(temperature=0.9, top_p=0.95, seed=1234, max_tokens=40)
-    answers = []
-    for blocks in (256, 24):  # 24 blocks hold one of them at a time: the other is preempted, recomputed
-        engine = make_engine(num_kv_blocks=blocks)
+    answers, preempted, swapped_in = [], [], []
+    # 24 blocks hold one of them at a time: the other is preempted, then recomputed or (with a tier) swapped back
+    for blocks, tier in ((256, None), (24, None), (24, str(tmp_path / "tier"))):
+        engine = make_engine(num_kv_blocks=blocks, session_swap_dir=tier)
         for i, p in enumerate(prompts):
             engine.add_request(EngineRequest(f"r{i}", p, sampled))
         runs, _ = run_to_completion(engine)
         answers.append({rid: r.tokens for rid, r in runs.items()})
-        preempted = engine.stats().num_preemptions
+        preempted.append(engine.stats().num_preemptions)
+        swapped_in.append(engine.sessions.swap_ins)
         engine.check_no_leak()
-    assert preempted > 0, "the small pool must preempt for the comparison to mean anything"
-    assert answers[0] == answers[1]
+    assert preempted[0] == 0 and preempted[1] > 0 and preempted[2] > 0, preempted
+    assert swapped_in == [0, 0, swapped_in[2]] and swapped_in[2] > 0, swapped_in
+    assert answers[0] == answers[1] == answers[2]
