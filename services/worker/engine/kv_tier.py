@@ -48,6 +48,10 @@ LOCK_NAME = "tier.lock"
 _FIXED = struct.Struct("<4sHHIIQ")  # magic, version, hash length, number of hashes, key length, payload length
 _CRC = struct.Struct("<I")
 _ALIGN = 4096  # payload offset: a page, so the mapping of the payload starts on one
+# Slices of the payload checksummed and written one after the other: the payload is read from memory once, not
+# once for the crc and again for the write. 360 MiB (8k tokens of SmolLM2 KV), on a 2-core VM under load: one
+# crc32 then one write() took 470-2,000 ms (median 1,334), 256 KiB slices 325-420 ms (median 345), 1 MiB 473.
+_CHUNK = 256 << 10
 
 
 class TierBusyError(RuntimeError):
@@ -188,15 +192,23 @@ class DiskTier:
 
     @staticmethod
     def _write(path: Path, fixed: bytes, meta: bytes, offset: int, data: np.ndarray) -> None:
+        """The payload goes out in _CHUNK slices, each checksummed then written while it is still in the cache;
+        the crc, known only at the end, is written into its place last."""
         # Plain write() rather than a writable memmap: on 100 MB it took 29 ms against 104 ms (a fresh mapping
         # page-faults every page of the new file); reads do map (get).
-        crc = zlib.crc32(data, zlib.crc32(meta, zlib.crc32(fixed)))
-        head = fixed + _CRC.pack(crc) + meta
+        crc = zlib.crc32(meta, zlib.crc32(fixed))
         tmp = path.with_name(path.name + ".tmp")
+        view = memoryview(data)
         try:
             with open(tmp, "wb") as f:
+                head = fixed + _CRC.pack(0) + meta
                 f.write(head + bytes(offset - len(head)))
-                f.write(memoryview(data))
+                for start in range(0, data.nbytes, _CHUNK):
+                    part = view[start : start + _CHUNK]
+                    crc = zlib.crc32(part, crc)
+                    f.write(part)
+                f.seek(_FIXED.size)
+                f.write(_CRC.pack(crc))
             os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)  # a half-written temp file must not linger (it counts on no budget)
