@@ -202,7 +202,7 @@ def main() -> None:
     engine = LLMEngine.from_model(load(resolve_model_dir("", cache_dir)), config)
     warm_up(engine)
     tier_dir = Path(cache_dir) / f"kv-tier-bench-{os.getpid()}"
-    t0 = time.time()
+    t0, load_start = time.time(), os.getloadavg()
     try:
         with DiskTier(tier_dir, 4 << 30) as tier:
             results = [measure(engine, tier, n, args.reps) for n in args.sizes]
@@ -213,7 +213,8 @@ def main() -> None:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
         "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
-        "load_average": os.getloadavg(),
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
         "dtype": str(engine.runner.kv_cache.key.dtype),
         "block_bytes": engine.runner.block_bytes,
         "engine_config": {
@@ -221,7 +222,7 @@ def main() -> None:
             "max_num_batched_tokens": config.max_num_batched_tokens,
         },
         "context_window": engine.model_max_len,
-        "tier_dir_filesystem": str(Path(cache_dir).resolve()),
+        "tier_parent_dir": str(Path(cache_dir).resolve()),
         "reps": args.reps,
     }
     path = write_json(args.out, "swap_vs_recompute", {"meta": meta, "results": results})
