@@ -87,13 +87,25 @@ class ChatMessageIn(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
-        ..., description="text, or a list of text parts (null: an assistant turn of tool calls)"
+        ...,
+        description="text, or a list of text parts (null or left out: only in an assistant turn of tool calls)",
     )
     name: str | None = Field(None, max_length=256, description="accepted, not used by the chat template")
     tool_calls: Annotated[list[dict[str, Any]], Shallow] | None = Field(
         None, max_length=128, description="an assistant turn's calls"
     )
     tool_call_id: str | None = Field(None, max_length=256, description="a tool turn: the call it answers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        """As OpenAI's schema: an assistant turn's content is required unless it carries tool_calls (clients send
+        the model's calls back without it); a system, developer, user or tool turn's always is, so a missing one
+        there is still the field's own "Field required" at messages.N.content."""
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant":
+            if data.get("tool_calls"):
+                return {**data, "content": None}
+        return data
 
 
 class ResponseFormat(BaseModel):

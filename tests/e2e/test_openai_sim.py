@@ -1,0 +1,97 @@
+"""The OpenAI API's request and answer rules where the model's numbers do not matter, over HTTP against the session's
+simulated cluster: a tool-calling conversation's second step, a forced tool call cut by max_tokens (streamed and
+whole alike), and the seed's int64 range."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.support.openai_fixtures import MODEL
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_current_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALLED = {
+    "role": "assistant",
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_current_weather", "arguments": '{"city": "P"}'}}
+    ],
+}
+ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}
+FORCED = {
+    "required": "required",
+    "named": {"type": "function", "function": {"name": "get_current_weather"}},
+}
+
+
+def _chat(cluster, **body) -> httpx.Response:
+    return httpx.post(f"{cluster.url}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+def _streamed(cluster, **body) -> dict:
+    """A streamed chat answer put together as the non-stream message: content, calls (name, arguments), finish."""
+    content, calls, finish = "", {}, None
+    with httpx.stream(
+        "POST", f"{cluster.url}/v1/chat/completions", json={"model": MODEL, "stream": True, **body}, timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for d in choice["delta"].get("tool_calls") or []:
+                call = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                call["arguments"] += d["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)], "finish_reason": finish}
+
+
+def _whole(cluster, **body) -> dict:
+    r = _chat(cluster, **body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in choice["message"].get("tool_calls") or []
+    ]
+    return {"content": choice["message"]["content"], "calls": calls, "finish_reason": choice["finish_reason"]}
+
+
+@pytest.mark.parametrize("follow", [[], [ANSWERED]], ids=["calls_last", "tool_result_after"])
+def test_an_assistant_turn_of_tool_calls_may_leave_content_out(sim_cluster, follow):
+    r = _chat(sim_cluster, messages=[*ASK, CALLED, *follow], tools=[WEATHER], max_tokens=4, temperature=0)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user"},
+        {"role": "system"},
+        {"role": "developer"},
+        {"role": "tool", "tool_call_id": "call_1"},
+        {"role": "assistant"},
+        {"role": "assistant", "tool_calls": []},
+    ],
+    ids=["user", "system", "developer", "tool", "assistant_without_calls", "assistant_no_calls_given"],
+)
+def test_content_is_still_required_where_openai_requires_it(sim_cluster, message):
+    r = _chat(sim_cluster, messages=[*ASK, message], max_tokens=4)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.1.content" and "Field required" in err["message"], err
