@@ -216,7 +216,7 @@ def keyed_cluster(tmp_path_factory, model_dir):
     """Simulated workers behind API keys: KEY_A and KEY_B, and ADMIN an admin key (tests/support/cluster.py), with a
     trace URL template. Shared by the tests of keys, priorities and the dashboard's data: each reads or cancels
     only requests of its own."""
-    from tests.support.cluster import ADMIN, KEY_A, KEY_B, KeyedCluster, running
+    from tests.support.cluster import ADMIN, KEY_A, KEY_B, Cluster, running
     from tests.support.sim_reference import SIM
 
     env = {
@@ -225,7 +225,8 @@ def keyed_cluster(tmp_path_factory, model_dir):
         "CONVEYOR_ADMIN_API_KEYS": ADMIN,
         "CONVEYOR_TRACE_URL_TEMPLATE": "http://jaeger.example:16686/trace/{trace_id}",
     }
-    with running(KeyedCluster(tmp_path_factory.mktemp("keyed"), CACHE_DIR, env=env)) as c:
+    # Cluster's wait for /ready sends no key, as a probe: that it gets ready is part of what the keyed tests prove.
+    with running(Cluster(tmp_path_factory.mktemp("keyed"), CACHE_DIR, env=env)) as c:
         yield c
 
 

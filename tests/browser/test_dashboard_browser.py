@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.support.browser import headless_page, unavailable_reason
-from tests.support.cluster import KEY_A, KeyedCluster, cluster_fixture
+from tests.support.cluster import KEY_A, Cluster, cluster_fixture
 from tests.support.cluster import auth as _auth
 from tests.e2e.test_dashboard_api import _submit
 
@@ -30,7 +30,7 @@ def page():
 
 cluster = cluster_fixture(
     "dashboard-browser",
-    KeyedCluster,
+    Cluster,
     env={
         "CONVEYOR_API_KEYS": KEY_A,
         "CONVEYOR_ENGINE": "sim",

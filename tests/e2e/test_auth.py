@@ -1,4 +1,5 @@
-"""API keys: with keys set, every endpoint but /health wants one, and a request is visible only to its own key."""
+"""API keys: with keys set, every endpoint but the probes (/health, /ready) wants one, and a request is visible only
+to its own key."""
 
 from __future__ import annotations
 
@@ -28,16 +29,20 @@ def test_wrong_key_raises_the_clients_authentication_error(keyed_cluster):
 @pytest.mark.parametrize(
     "method, path",
     [
-        ("GET", "/ready"),
         ("GET", "/v1/models"),
         ("POST", "/generate"),
         ("GET", "/v1/requests/" + "0" * 32),
         ("GET", "/openapi.json"),
     ],
 )
-def test_every_endpoint_but_health_wants_a_key(keyed_cluster, method, path):
+def test_every_endpoint_but_the_probes_wants_a_key(keyed_cluster, method, path):
     assert httpx.request(method, f"{keyed_cluster.url}{path}", timeout=30).status_code == 401
+
+
+def test_the_probes_answer_without_a_key(keyed_cluster):
     assert httpx.get(f"{keyed_cluster.url}/health", timeout=30).status_code == 200
+    ready = httpx.get(f"{keyed_cluster.url}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
 def test_right_key_is_served(keyed_cluster):

@@ -15,18 +15,21 @@ import psutil
 
 from shared.redis_server import free_port
 from tests.support.cache import CACHE_DIR
+from tests.support.cluster import KEY_A, auth
 from tests.support.waiting import wait_for
 
 
 @contextlib.contextmanager
-def conveyor_up(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`conveyor up` on a free port, returned once it printed its ready line; killed if still alive after."""
+def conveyor_up(tmp_path: Path, *args: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`conveyor up` on a free port (env: more variables for it), returned once it printed its ready line; killed
+    if still alive after."""
     port = free_port()
     env = {
         **os.environ,
         "CONVEYOR_CACHE_DIR": str(CACHE_DIR),
         "CONVEYOR_KV_CACHE_BYTES": str(128 << 20),
         "PYTHONUNBUFFERED": "1",
+        **(env or {}),
     }
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen(
@@ -100,3 +103,16 @@ def test_conveyor_up_engine_sim_gives_simulated_engines_to_the_workers_only(tmp_
         assert gateway[0].environ().get("CONVEYOR_ENGINE") is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_conveyor_up_with_api_keys_gets_ready_and_serves_a_caller_with_a_key(tmp_path):
+    # A ready timeout well past a simulated cluster's start: a launcher that never sees /ready stops everything then.
+    up = conveyor_up(tmp_path, "--engine", "sim", "--ready-timeout", "60", env={"CONVEYOR_API_KEYS": KEY_A})
+    with up as (proc, url):
+        body = {"prompt": "Hi", "max_tokens": 3}
+        assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 401  # the keys are in force
+        r = httpx.post(f"{url}/generate", json=body, headers=auth(KEY_A), timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) >= 1, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert KEY_A not in (tmp_path / "up.log").read_text()

@@ -165,27 +165,10 @@ def cluster_fixture(name: str, cls: type = None, scope: str = "module", **kw):
     return fixture
 
 
-# API keys of the clusters that want one (KeyedCluster): tests of keys, the dashboard and priorities.
+# API keys of the clusters that want one (env CONVEYOR_API_KEYS): tests of keys, the dashboard and priorities.
 KEY_A, KEY_B = "key-alpha-0123456789", "key-beta-9876543210"
 ADMIN = "key-admin-5555555555"  # an admin key (CONVEYOR_ADMIN_API_KEYS)
 
 
 def auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
-
-
-class KeyedCluster(Cluster):
-    """A cluster started with API keys (env CONVEYOR_API_KEYS naming KEY_A): its /ready wants a key too."""
-
-    def wait_ready(self, timeout: float) -> None:
-        from tests.support.waiting import wait_for
-
-        def ready() -> bool:
-            for name, p in self.procs.items():
-                assert p.poll() is None, self.logs(name)
-            try:
-                return httpx.get(f"{self.url}/ready", headers=auth(KEY_A), timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout, 0.3, what="cluster ready")

@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer <key>` on every endpoint but /health, when keys are set.
+"""API keys: `Authorization: Bearer <key>` on every endpoint but the probes (/health, /ready), when keys are set.
 
 Keys come from the setting CONVEYOR_API_KEYS. A request is recorded with its caller's key id
 (a hash prefix, never the key itself) and only that key may read or cancel it: anyone else
@@ -24,7 +24,12 @@ from services.gateway.edge.errors import NotFound, Unauthorized, error_response
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)  # liveness probes carry no key
+# The probes carry no key. A Kubernetes probe (or a load balancer's health check) is an HTTP GET written in the
+# deployment's spec, where a key would sit in plain text, and vLLM checks keys only under /v1, leaving /health open;
+# so a readiness probe that needs a key is itself a defect: `conveyor up`'s own wait for /ready got 401s and shut
+# the cluster down at --ready-timeout while it was serving (issue 28). /ready tells only whether this gateway
+# would serve (if not, why) and how many instances of each service kind are live: no request, output or key.
+OPEN_PATHS = ("/health", "/ready")
 STATE_KEY = "api_key_id"  # where the caller's key id is put in the ASGI scope's state
 ADMIN_STATE_KEY = "api_key_admin"  # ... and whether it is an admin key
 DASHBOARD_PREFIX = "/dashboard"  # the only paths that take the key from a cookie
@@ -46,7 +51,7 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def open_path(path: str) -> bool:
-    """Paths served without a key: liveness probes, and the dashboard's page and static files (no data)."""
+    """Paths served without a key: the probes, and the dashboard's page and static files (no data)."""
     return path in OPEN_PATHS or path in DASHBOARD_OPEN or path.startswith(DASHBOARD_STATIC)
 
 

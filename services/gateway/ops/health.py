@@ -18,7 +18,7 @@ async def health():
     return {"status": "ok"}
 
 
-@router.get("/ready", responses=error_responses(401, 503))
+@router.get("/ready", responses=error_responses(503))  # no 401: a probe takes no key (edge.auth.OPEN_PATHS)
 async def ready(core: Core):
     try:
         found = await core.ready(core.ops_r)  # the ops pool: a saturated request pool must not fail the probe
