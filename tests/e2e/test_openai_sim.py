@@ -95,3 +95,14 @@ def test_content_is_still_required_where_openai_requires_it(sim_cluster, message
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages.1.content" and "Field required" in err["message"], err
+
+
+@pytest.mark.parametrize("choice", FORCED, ids=list(FORCED))
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 14, 20])
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_or_whole(sim_cluster, choice, max_tokens):
+    body = dict(messages=ASK, tools=[WEATHER], tool_choice=FORCED[choice], max_tokens=max_tokens, temperature=0)
+    whole, streamed = _whole(sim_cluster, **body), _streamed(sim_cluster, **body)
+    assert whole == streamed
+    # the call array is the answer: none of its raw text is content, whatever is cut
+    assert whole["finish_reason"] == "length" and whole["content"] is None
+    assert all(c["name"] == "get_current_weather" for c in whole["calls"])

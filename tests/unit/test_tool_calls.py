@@ -107,6 +107,32 @@ def test_a_cut_forced_call_keeps_finish_reason_length():
     assert finish == "length" and msg["tool_calls"][0]["function"]["arguments"] == '{"ci'
 
 
+def _streamed_message(plan, text: str) -> dict:
+    """The message a client puts together from the stream's deltas of text, fed a character at a time."""
+    shaper, content, calls = ToolShaper(plan), "", {}
+    for ch in text:
+        for delta in shaper.feed(ch):
+            content += delta.get("content") or ""
+            for d in delta.get("tool_calls") or []:
+                call = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                call["arguments"] += d["function"]["arguments"]
+    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)]}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_anywhere_gives_the_stream_and_the_whole_answer_the_same_message(tool_choice):
+    plan = plan_chat(_chat(tools=[WEATHER], tool_choice=tool_choice))
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    for cut in range(1, len(text)):
+        msg, finish = message(plan, text[:cut], "length")
+        calls = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in msg.get("tool_calls") or []
+        ]
+        assert {"content": msg["content"], "calls": calls} == _streamed_message(plan, text[:cut]), text[:cut]
+        assert finish == "length" and msg["content"] is None  # the call array's raw text is never content
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -2,8 +2,10 @@
 
 Calls are read as they stream (tool_calls.CallParser): the first delta of each call carries its index, id, type
 and name with empty arguments, the next ones argument fragments; finish_reason is "tool_calls" once the array is
-complete. A cut output (max_tokens) ends with finish_reason "length": its last call's arguments are then not
-complete JSON, as with plain text.
+complete. A cut output (max_tokens) ends with finish_reason "length", streamed or not alike: the calls whose name
+was complete, the last one's arguments then not complete JSON (as vLLM answers a cut named call: its name and the
+partial arguments), and no content, also when the cut came before any name (the call array's raw text is never
+content; vLLM's "required" path fails to parse it instead, and OpenAI's cut calls carry their partial arguments).
 
 With tool_choice "required" or a named function the whole output is the call array. With "auto" the grammar
 (tool_calls.auto_grammar) lets the model either write text that does not start with "[" or the call array, so the
@@ -25,11 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 def message(plan: OutputPlan, text: str, finish_reason: str) -> tuple[dict, str]:
-    """The non-stream assistant message and finish reason of a chat answer under plan."""
+    """The non-stream assistant message and finish reason of a chat answer under plan: what the stream's deltas of
+    the same text add up to (ToolShaper reads both)."""
     shaper = ToolShaper(plan)
     deltas = shaper.feed(text)
     if not shaper.calls:
-        return {"role": "assistant", "content": text}, finish_reason
+        # A call array cut (max_tokens) before its first name is complete ('[', '[{"name": "get_cur') has no call
+        # yet, and its text is no answer either: content null, as the stream sends no text for it.
+        return {"role": "assistant", "content": None if shaper.parser is not None else text}, finish_reason
     content = "".join(d.get("content") or "" for d in deltas) or None
     return (
         {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in shaper.calls]},
