@@ -106,3 +106,24 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_or_whole(sim_clust
     # the call array is the answer: none of its raw text is content, whatever is cut
     assert whole["finish_reason"] == "length" and whole["content"] is None
     assert all(c["name"] == "get_current_weather" for c in whole["calls"])
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), -123456789])
+def test_a_negative_seed_is_served_and_gives_the_same_tokens_again(sim_cluster, seed):
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": seed}
+    outs = [httpx.post(f"{sim_cluster.url}/v1/completions", json={"model": MODEL, **body}, timeout=60) for _ in "ab"]
+    assert [r.status_code for r in outs] == [200, 200], outs[0].text
+    assert outs[0].json()["choices"][0]["text"] == outs[1].json()["choices"][0]["text"]
+    native = [httpx.post(f"{sim_cluster.url}/generate", json=body, timeout=60) for _ in "ab"]
+    assert [r.status_code for r in native] == [200, 200], native[0].text
+    assert native[0].json()["token_ids"] == native[1].json()["token_ids"]
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_seed_outside_int64_is_a_400_naming_seed_and_the_limit(sim_cluster, seed, path):
+    body = {"prompt": "Hello", "max_tokens": 2, "seed": seed} | ({"model": MODEL} if path.startswith("/v1") else {})
+    r = httpx.post(f"{sim_cluster.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "seed" and str(2**63 - 1 if seed > 0 else -(2**63)) in err["message"], err

@@ -12,7 +12,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.gateway.session.request import INT32_MAX, MAX_CHOICES, MAX_LOGPROBS, Shallow, Stop, shallow
+from services.gateway.session.request import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    Shallow,
+    Stop,
+    shallow,
+)
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -35,7 +44,7 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="any int64; same seed, same output")
     presence_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="subtracted from the logit of every token already in the output (0 = off)"
     )

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.gateway.session.request import INT64_MIN
+
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.request import GenerateRequest
 
-SEED_SPACE = 2**63  # seeds are 0..2**63-1 (request.py): choice i's seed + i wraps within them
+SEED_SPACE = 2**64  # seeds are any int64 (request.py): choice i's seed + i wraps within them
 
 
 def choice_body(body: GenerateRequest, index: int) -> GenerateRequest:
-    """Choice `index`'s own request: the same but for its seed."""
+    """Choice `index`'s own request: the same but for its seed (seed + index, past INT64_MAX on from INT64_MIN, so
+    choice 0 keeps the request's own seed and every choice's is a valid one)."""
     if body.seed is None:
         return body
-    return body.model_copy(update={"seed": (body.seed + index) % SEED_SPACE})
+    seed = (body.seed - INT64_MIN + index) % SEED_SPACE + INT64_MIN
+    return body.model_copy(update={"seed": seed})
 
 
 async def members(core: GatewayCore, meta: dict, request_id: str) -> list[str]:

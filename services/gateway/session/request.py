@@ -9,6 +9,7 @@ from pydantic_core import PydanticCustomError
 
 
 INT32_MAX = 2**31 - 1  # integers travel as msgpack ints: bounded so every valid value encodes
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range: OpenAI's schema takes any int64 (msgpack encodes it)
 MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own (groups.py)
 MAX_LOGPROBS = 20  # most alternatives per token (the engine's limit, OpenAI's top_logprobs limit)
 # Levels a free-form JSON value (a tool, its schema, a response format, a tool call) may nest. Python's own code
@@ -75,7 +76,7 @@ class GenerateRequest(BaseModel):
         le=2.0,
         description="OpenAI's: subtracted from a token's logit once per time it is already in the output (0 = off)",
     )
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="any int64; same seed, same tokens")
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")

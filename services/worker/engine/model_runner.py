@@ -25,7 +25,7 @@ from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence
-from services.worker.engine.sampler import sample
+from services.worker.engine.sampler import generator_seed, sample
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ModelRunner:
         if seq.sampling.seed is None:
             gen.seed()
         else:
-            gen.manual_seed(seq.sampling.seed)
+            gen.manual_seed(generator_seed(seq.sampling.seed))
         seq.generator = gen
 
     def sample(

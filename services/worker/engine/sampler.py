@@ -20,6 +20,14 @@ from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence
 
 
+def generator_seed(seed: int) -> int:
+    """A request's seed (any int64, as OpenAI's) as a torch.Generator's, which lies in [0, 2**64): its two's
+    complement, so negative seeds land past the non-negative ones and no two int64 seeds share one. Done here, not
+    left to Generator.manual_seed, whose taking of a negative value is its own undocumented detail (torch 2.13 maps
+    it the same way, so a seed's tokens are what that version gave them)."""
+    return seed % 2**64
+
+
 def _needs_penalty(seq: Sequence) -> bool:
     o = seq.sampling
     return (

@@ -42,6 +42,17 @@ def test_different_seeds_differ(make_engine, chat):
     assert runs["s1"].tokens != runs["s2"].tokens
 
 
+def test_a_negative_seed_gives_the_same_tokens_again_and_those_of_its_uint64_twin(make_engine, chat):
+    """Any int64 seed is served (OpenAI's range), seeding the generator with seed % 2**64: -1 is 2**64 - 1."""
+    engine = make_engine()
+    prompt = chat("Invent a name for a new planet and describe it.")
+    for name, seed in [("a", -(2**63)), ("b", -(2**63)), ("minus_one", -1), ("twin", 2**64 - 1)]:
+        engine.add_request(EngineRequest(name, prompt, SamplingOptions(temperature=1.0, seed=seed, max_tokens=12)))
+    runs, _ = run_to_completion(engine)
+    assert runs["a"].tokens == runs["b"].tokens and runs["minus_one"].tokens == runs["twin"].tokens
+    engine.check_no_leak()
+
+
 def test_max_tokens_and_stop_token_ids(make_engine, chat, hf_greedy):
     prompt = chat(QUESTIONS[2])
     expected = hf_greedy(prompt, 24)
