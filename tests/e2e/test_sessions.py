@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.cluster import KEY_A, KEY_B, KeyedCluster, auth, cluster_fixture
+from tests.support.cluster import KEY_A, KEY_B, auth, cluster_fixture
 from tests.support.openai_fixtures import MODEL
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
@@ -20,7 +20,6 @@ KEY_C = "key-gamma-1357924680"  # this module's own: its sessions are counted ag
 LIMIT = 16
 cluster = cluster_fixture(
     "sessions",
-    cls=KeyedCluster,
     workers=2,
     env={**SIM, "CONVEYOR_API_KEYS": f"{KEY_A},{KEY_B},{KEY_C}", "CONVEYOR_MAX_SESSIONS_PER_KEY": str(LIMIT)},
 )

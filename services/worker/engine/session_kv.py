@@ -123,8 +123,7 @@ class SessionKV:
             self._drop_swapped(key)
             return
         if len(self.blocks.lookup_prefix(k.hashes, k.num_blocks)) == k.num_blocks:
-            self._drop_swapped(key, quietly=True)  # still in the pool's cache: nothing to copy back
-            return
+            return  # still in the pool's cache: nothing to copy back (the tier's copy goes at admission)
         if not self.blocks.can_allocate(k.num_blocks):
             return  # no room now: it recomputes what it cannot find
         entry = self.tier.get(key)
@@ -149,10 +148,9 @@ class SessionKV:
         self.swap_ins += 1
 
     def resumed(self, session: str) -> None:
-        """The session's turn was admitted (it holds its own references now): the session's are dropped."""
-        k = self.kept.get(session)
-        if k is not None and not k.swapped:
-            self.forget(session)
+        """The sequence kept under `session` was admitted (it holds its own references now): what was kept for it,
+        in the pool or the tier, is released."""
+        self.forget(session)
 
     def forget(self, session: str) -> None:
         """Release whatever is kept for the session (closed, replaced by a newer turn's KV)."""
@@ -203,10 +201,10 @@ class SessionKV:
             self.forget(session)
             self.events.append(SessionEvent(session, k.request_id, "released", reason))
 
-    def _drop_swapped(self, session: str, quietly: bool = False) -> None:
+    def _drop_swapped(self, session: str) -> None:
         k = self.kept.get(session)
         self.forget(session)
-        if k is not None and not quietly and not session.startswith(PARKED):
+        if k is not None and not session.startswith(PARKED):
             self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
 
     def take_events(self) -> list[SessionEvent]:
