@@ -37,6 +37,8 @@ ALLOWED: dict[SessionState, frozenset[SessionState]] = {
     S.CLOSED: frozenset(),
 }
 KV_KEPT = frozenset({S.PAUSED, S.SWAPPED})  # states in which a worker holds the conversation's KV
+# A worker's session figures: fields of its Heartbeat and of its liveness entry, summed by /metrics and the dashboard.
+SESSION_FIGURES = ("sessions_paused", "sessions_swapped", "session_blocks_paused", "session_blocks_swapped")
 
 
 def predecessors(to: SessionState) -> list[SessionState]:

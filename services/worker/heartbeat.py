@@ -20,6 +20,8 @@ from shared.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S, Names
 from shared.events import Heartbeat
 from shared.runtime import Liveness
 
+from shared.sessions import SESSION_FIGURES
+
 logger = logging.getLogger(__name__)
 
 
@@ -81,8 +83,5 @@ def _summary(hb: Heartbeat) -> dict:
         "prefix_cache_hits": hb.prefix_cache_hits,
         "step": hb.step_no,
         "step_time_s": hb.step_time_s,
-        "sessions_paused": hb.sessions_paused,
-        "sessions_swapped": hb.sessions_swapped,
-        "session_blocks_paused": hb.session_blocks_paused,
-        "session_blocks_swapped": hb.session_blocks_swapped,
+        **{k: getattr(hb, k) for k in SESSION_FIGURES},
     }

@@ -131,3 +131,15 @@ def test_the_login_form_says_when_a_key_is_wrong(page, cluster):
         "document.getElementById('login-error').textContent.includes('invalid API key')", timeout=WAIT_MS
     )
     assert page.is_visible("#login") and not page.context.cookies()
+
+
+def test_the_workers_line_counts_the_sessions_paused_on_them(page, cluster):
+    _log_in(page, cluster.url, KEY_A)
+    page.wait_for_selector(".worker", timeout=WAIT_MS)
+    body = {"prompt": "Keep this conversation going " * 8, "max_tokens": 4, "session_id": "dash-1"}  # full blocks
+    assert httpx.post(f"{cluster.url}/generate", json=body, headers=_auth(KEY_A), timeout=60).status_code == 200
+    page.wait_for_function(
+        "[...document.querySelectorAll('.worker .sessions')].some(s => Number(s.textContent) >= 1)", timeout=WAIT_MS
+    )
+    _shot(page, "4-sessions")
+    httpx.delete(f"{cluster.url}/v1/sessions/dash-1", headers=_auth(KEY_A), timeout=10)

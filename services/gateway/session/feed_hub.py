@@ -21,6 +21,7 @@ import redis
 from shared import liveness
 from shared.constants import Names
 from shared.lifecycle_feed import FeedRecord, decode_record
+from shared.sessions import SESSION_FIGURES
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class FeedHub:
 
 
 async def worker_figures(client, names: Names) -> dict:
-    """The live workers' heartbeat summaries (one HGETALL): running, waiting, KV blocks, step time, preemptions.
+    """The live workers' heartbeat summaries (one HGETALL): running, waiting, KV blocks, step time, preemptions,
+    sessions paused and swapped.
     Cluster-wide load, like /metrics shows to any key; no request of anyone is in it."""
     live = await liveness.aread_live(client, names, "worker")
     keep = (
@@ -173,5 +175,6 @@ async def worker_figures(client, names: Names) -> dict:
         "preemptions",
         "step",
         "step_time_s",
+        *SESSION_FIGURES,
     )
     return {"at": time.time(), "workers": {w: {k: e.get(k) for k in keep} for w, e in sorted(live.items())}}

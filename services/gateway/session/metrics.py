@@ -12,6 +12,7 @@ from services.gateway.session.outcome import ending
 from shared import liveness
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
+from shared.sessions import SESSION_FIGURES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 LIVE_STATES = [s for s in State if s not in TERMINAL]
@@ -68,9 +69,6 @@ class GatewayMetrics:
         cluster = CollectorRegistry()
         cluster.register(_Snapshot(await cluster_figures(r, names)))
         return generate_latest(self.registry) + generate_latest(cluster)
-
-
-SESSION_FIGURES = ("sessions_paused", "sessions_swapped", "session_blocks_paused", "session_blocks_swapped")
 
 
 async def cluster_figures(r, names: Names) -> dict:

@@ -144,6 +144,7 @@ function makeCharts() {
     run: new LiveChart($("chart-run"), [{ name: "running", color: "#34d399" }, { name: "waiting", color: "#f5b942" }]),
     kv: new LiveChart($("chart-kv"), [{ name: "used", color: "#60a5fa" }, { name: "cached", color: "#a78bfa" }, { name: "free", color: "#6b7280" }]),
     step: new LiveChart($("chart-step"), [{ name: "step ms", color: "#22d3ee" }, { name: "preempt", color: "#fb923c" }]),
+    sessions: new LiveChart($("chart-sessions"), [{ name: "paused", color: "#34d399" }, { name: "swapped", color: "#a78bfa" }]),
   };
 }
 
@@ -156,9 +157,10 @@ function onWorkers(w) {
   charts.kv.push(t, [sum("total_blocks") - sum("free_blocks"), sum("cached_blocks"), sum("free_blocks")]);
   const step = ws.length ? 1000 * sum("step_time_s") / ws.length : 0;
   charts.step.push(t, [step, sum("preemptions")]);
+  charts.sessions.push(t, [sum("sessions_paused"), sum("sessions_swapped")]);
   Object.values(charts).forEach((ch) => ch.draw());
   $("workers").innerHTML = Object.entries(w.workers).map(([id, x]) =>
-    `<span class="worker">${esc(id)} · running <b>${x.running}</b> · waiting <b>${x.waiting}</b> · KV <b>${x.total_blocks - x.free_blocks}</b>/${x.total_blocks} (cached ${x.cached_blocks}) · step <b>${fmtS(x.step_time_s)}</b> · preemptions <b>${x.preemptions}</b></span>`).join("") || "no live worker";
+    `<span class="worker">${esc(id)} · running <b>${x.running}</b> · waiting <b>${x.waiting}</b> · KV <b>${x.total_blocks - x.free_blocks}</b>/${x.total_blocks} (cached ${x.cached_blocks}) · step <b>${fmtS(x.step_time_s)}</b> · preemptions <b>${x.preemptions}</b> · sessions <b class="sessions">${x.sessions_paused || 0}</b> paused (${x.session_blocks_paused || 0} blocks), ${x.sessions_swapped || 0} swapped</span>`).join("") || "no live worker";
 }
 
 // ---- one request: its timeline, timings, layers, trace link, cancel
