@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from services.worker.engine import (
     Engine,
@@ -142,10 +143,17 @@ class WorkerService(BusService):
         )
 
     def swap_dir(self, s: WorkerSettings) -> str:
-        """Its own folder: the tier empties it at start (what a previous process left belongs to no session)."""
+        """A folder of this process's own (the tier empties it at start); by default a new one under
+        <cache_dir>/kv-swap each start, the folders of processes that died removed first."""
         if not s.session_swap:
             return ""
-        return s.session_swap_dir or str(s.cache_dir / "kv-swap" / self.id)
+        if s.session_swap_dir:
+            return s.session_swap_dir
+        from services.worker.engine.kv_tier import remove_abandoned  # numpy only; not for a worker without a tier
+
+        parent = s.cache_dir / "kv-swap"
+        remove_abandoned(parent)
+        return str(parent / f"{self.id}-{uuid.uuid4().hex[:8]}")
 
     def warm_up(self) -> None:
         """One tiny request before taking work: the first forward pass pays one-off costs (allocations,

@@ -194,3 +194,18 @@ def test_hashes_of_different_lengths_are_refused(tier):
     with pytest.raises(ValueError):
         tier.put("s", [b"a" * 16, b"b" * 8], payload())
     assert tier.num_entries == 0
+
+
+def test_abandoned_tier_folders_are_removed_and_live_or_new_ones_kept(tmp_path):
+    live = DiskTier(tmp_path / "live", 1 << 20)
+    dead = DiskTier(tmp_path / "dead", 1 << 20)
+    dead.put("s", [b"h" * 16], b"\0" * 64)
+    dead.close()  # its process died: the lock is free
+    new = tmp_path / "new"
+    new.mkdir()  # just made by a starting process, not locked yet
+    old = 1_000_000_000
+    for d in (tmp_path / "live", tmp_path / "dead"):
+        os.utime(d, (old, old))
+    assert kv_tier.remove_abandoned(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "new"]
+    live.close()

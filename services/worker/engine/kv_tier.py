@@ -31,8 +31,10 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,3 +272,29 @@ def _read(path: Path, key: str) -> SwappedKV:
         raise CorruptEntryError(f"{path.name}: holds another key's entry")
     hashes = meta[key_len:]
     return SwappedKV([hashes[i * hash_len : (i + 1) * hash_len] for i in range(num_hashes)], payload)
+
+
+def remove_abandoned(parent: Path, min_age_s: float = 60.0) -> int:
+    """Remove the tier folders under `parent` that no live tier holds (their processes died: nobody will read their
+    files again, and each start makes a folder of its own, so without this they would pile up). A folder changed in
+    the last min_age_s is left alone: it may be one a starting process made and has not locked yet. -> removed."""
+    removed, now = 0, time.time()
+    for d in parent.iterdir() if parent.is_dir() else ():
+        if not d.is_dir() or now - d.stat().st_mtime < min_age_s:
+            continue
+        try:
+            fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            logger.warning("cannot check the KV tier folder %s: %s", d, e)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live tier's
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    if removed:
+        logger.info("removed %d abandoned KV tier folders under %s", removed, parent)
+    return removed
