@@ -12,16 +12,11 @@ import time
 import uuid
 
 from services.worker.engine import (
-    Engine,
-    EngineConfig,
     EngineRequest,
-    LLMEngine,
     RecoverableEngineError,
     SamplingOptions,
 )
-from services.worker.engine.request import GrammarSpec
-from services.worker.engine.sim_model import SimTiming
-from services.worker.engine.sim_runner import build_sim_engine
+from services.worker.build import build_engine, sampling_options
 from services.worker.heartbeat import Heartbeater
 from services.worker.kv_events import KvEventPublisher
 from services.worker.publisher import Active, StepPublisher
@@ -42,75 +37,15 @@ from shared.events import (
     SessionClosed,
     SessionReason,
     Reason,
-    Sampling,
     Scheduled,
     TimedOut,
 )
 from shared.lifecycle import Publish, State
-from shared.model_files import resolve_model_dir
 from shared.runtime import StopFlag, run_loop
 from shared.sessions import SessionStore
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
-
-
-def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
-    """swap_dir: the disk tier of paused sessions' KV ("" = none)."""
-    return EngineConfig(
-        block_size=s.block_size,
-        kv_cache_bytes=s.kv_cache_bytes,
-        gpu_memory_fraction=s.gpu_memory_fraction,
-        max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
-        enable_prefix_caching=s.enable_prefix_caching,
-        device=s.device,
-        dtype=s.dtype,
-        gemm_tuning=s.gemm_tuning,
-        cpu_kernels=s.cpu_kernels,
-        fused_model=s.fused_model,
-        tuning_cache_dir=str(s.cache_dir),
-        session_max_blocks=s.session_max_blocks,
-        session_swap_dir=swap_dir or None,
-        session_swap_max_bytes=s.session_swap_max_bytes,
-        session_swap_min_tokens=s.session_swap_min_tokens,
-    )
-
-
-def build_engine(s: WorkerSettings, swap_dir: str = "") -> Engine:
-    """The torch engine, or with CONVEYOR_ENGINE=sim the simulated one (no weights are loaded, torch is not
-    imported)."""
-    model_dir = resolve_model_dir(s.model, s.cache_dir)
-    config = engine_config(s, swap_dir)
-    if s.engine == "sim":
-        timing = SimTiming(
-            s.sim_step_overhead_s,
-            s.sim_prefill_s_per_token,
-            s.sim_decode_s_per_seq,
-            s.sim_decode_s_per_kv_token,
-            s.sim_speedup,
-        )
-        return build_sim_engine(model_dir, config, timing, s.sim_eos_probability, s.sim_step_log_dir)
-    return LLMEngine.from_model_dir(model_dir, config)
-
-
-def sampling_options(s: Sampling) -> SamplingOptions:
-    return SamplingOptions(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs,
-        grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None,
-    )
 
 
 class WorkerService(BusService):

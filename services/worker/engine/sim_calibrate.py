@@ -22,7 +22,7 @@ import random
 import sys
 
 from services.worker.engine import EngineRequest, LLMEngine, SamplingOptions
-from services.worker.service import engine_config
+from services.worker.build import engine_config
 from shared.model_files import resolve_model_dir
 from shared.runtime import setup_logging
 from shared.settings import WorkerSettings
