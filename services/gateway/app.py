@@ -23,6 +23,7 @@ from services.gateway.edge.handlers import gateway_error_handler, http_error_han
 from services.gateway.edge.middleware import BodyLimit, OpenRequestLimit
 from services.gateway.edge.openapi_doc import install as install_openapi
 from services.gateway.native.routes import router as native_router
+from services.gateway.native.tokenize import router as tokenize_router
 from services.gateway.openai.routes import router as openai_router
 from services.gateway.ops.dashboard import router as dashboard_router
 from services.gateway.ops.health import router as health_router
@@ -75,6 +76,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
     app.include_router(openai_router)
     install_openapi(app, OPEN_PATHS)  # document the answers middlewares and validation really give
-    for router in (introspection_router, dashboard_router, native_router, sessions_router, health_router):
+    routers = (introspection_router, dashboard_router, native_router, tokenize_router, sessions_router, health_router)
+    for router in routers:
         app.include_router(router)
     return app

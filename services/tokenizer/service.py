@@ -12,14 +12,13 @@ import json
 import logging
 from dataclasses import dataclass
 
-import jinja2
 from opentelemetry.trace import Span
 
-from services.tokenizer.tool_prompt import template_takes_tools, with_tools
 from shared.service import BusService
 from shared import telemetry
 from shared.block_hash import block_hashes
 from shared.bus import Delivery, event_field
+from shared.chat_template import TemplateRefused, render
 from shared.constants import GROUP_TOKENIZER
 from shared.events import Failed, Preprocessed, Reason, RequestReceived
 from shared.lifecycle import Publish, State, TransitionResult
@@ -45,21 +44,12 @@ class Preprocessor:
     def __init__(self, tokenizer, max_len: int):
         self.tok = tokenizer
         self.max_len = max_len
-        self.tools_in_template = template_takes_tools(tokenizer)
 
     def _template(self, chat: list[dict], tools: list[dict] | None) -> str:
         try:
-            if tools and self.tools_in_template:
-                return self.tok.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
-            if tools:
-                chat = with_tools(chat, tools)
-            return self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        except jinja2.TemplateError as e:
-            # The model's own template refuses this conversation (its raise_exception: Mistral's and Llama 2's on
-            # two user turns in a row, Gemma's on a system turn): the client's to fix, as it says.
-            raise PromptError(
-                Reason.INVALID, "messages", f"messages: the model's chat template refuses them: {e}"
-            ) from e
+            return render(self.tok, chat, tools)
+        except TemplateRefused as e:  # the client's to fix, as the template says
+            raise PromptError(Reason.INVALID, "messages", f"messages: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:

@@ -1,4 +1,4 @@
-"""The tokenizer puts a request's tools into its prompt (services/tokenizer/tool_prompt.py): SmolLM2's template
+"""The tokenizer puts a request's tools into its prompt (shared/chat_template.py): SmolLM2's template
 has no tool support, so they go into a system turn with the call format the gateway reads back."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from services.tokenizer.service import Preprocessor
+from shared.chat_template import template_takes_tools
 from shared.events import ChatMessage, RequestReceived, Sampling
 from shared.tokenization import load_tokenizer
 
@@ -41,7 +42,7 @@ def _prompt(pre, messages: list[tuple[str, str]], tools: str = "") -> str:
 
 
 def test_smollm2_template_has_no_tool_support_so_the_generic_prompt_is_used(pre):
-    assert not pre.tools_in_template
+    assert not template_takes_tools(pre.tok)
 
 
 def test_tools_go_into_a_system_turn_with_the_call_format(pre):

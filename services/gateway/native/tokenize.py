@@ -1,0 +1,96 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shapes (its serving_tokenization): token-counting clients and
+benchmarks call them. A chat's prompt is rendered exactly as the tokenizer service renders a request's
+(shared.chat_template), so the count is what a request would be charged."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway.edge.deps import Core
+from services.gateway.edge.errors import InvalidRequest, NotFound
+from services.gateway.edge.openapi_doc import error_responses
+from services.gateway.session.request import INT32_MAX, Shallow
+from services.gateway.text.render import off_loop
+from shared.chat_template import TemplateRefused, render
+
+router = APIRouter(tags=["Tokenization"])
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class TokenizeMessage(BaseModel):
+    model_config = STRICT
+    role: str = Field(max_length=64)
+    content: str | None = Field(None, max_length=1_000_000)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=4_000_000, description="text; exactly one of prompt/messages")
+    messages: list[TokenizeMessage] | None = Field(None, min_length=1, max_length=10_000)
+    add_special_tokens: bool | None = Field(
+        None, description="the tokenizer's special tokens (default: true for prompt, false for messages: the template)"
+    )
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+    tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(None, max_length=128)
+    return_token_strs: bool = Field(False, description="also each token's string")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=1_000_000)
+
+
+def _check_model(core, model: str | None) -> None:
+    if model is not None and model != core.model_name:
+        raise NotFound(
+            f"the model '{model}' does not exist; this server serves '{core.model_name}'", "model", "model_not_found"
+        )
+
+
+def _tokenize(core, body: TokenizeRequest) -> dict:
+    tok = core.tokenizer
+    if body.messages is not None:
+        chat = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        try:
+            text = render(tok, chat, body.tools, body.add_generation_prompt)
+        except TemplateRefused as e:
+            raise InvalidRequest(f"messages: {e}", "messages", "invalid_value") from e
+        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    return {
+        "count": len(ids),
+        "max_model_len": core.max_len,
+        "tokens": ids,
+        "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    }
+
+
+@router.post("/tokenize", responses=error_responses(400, 401, 404))
+async def tokenize(body: TokenizeRequest, core: Core) -> dict:
+    _check_model(core, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        which = "both were given" if body.prompt is not None else "neither was given"
+        raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
+    if body.tools is not None and body.messages is None:
+        raise InvalidRequest("tools: only with messages", "tools", "invalid_value")
+    size = len(body.prompt or "") + sum(len(m.content or "") for m in body.messages or ())
+    return await off_loop(lambda: _tokenize(core, body), size)
+
+
+@router.post("/detokenize", responses=error_responses(400, 401, 404))
+async def detokenize(body: DetokenizeRequest, core: Core) -> dict:
+    _check_model(core, body.model)
+    vocab = len(core.tokenizer)
+    if bad := [t for t in body.tokens if t >= vocab]:
+        raise InvalidRequest(
+            f"tokens: every id must be below the vocabulary size {vocab} (got {bad[0]})",
+            "tokens",
+            "token_id_out_of_range",
+        )
+    return {"prompt": await off_loop(lambda: core.tokenizer.decode(body.tokens), len(body.tokens) * 4)}

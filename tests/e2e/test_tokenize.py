@@ -1,0 +1,60 @@
+"""POST /tokenize and /detokenize in vLLM's shapes, on the session's simulated cluster (the tokenizer is the
+served model's whatever engine runs): ids, counts, strings, and the count a chat request is charged."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.openai_fixtures import MODEL
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(sim_cluster):
+    return sim_cluster
+
+
+def post(cluster, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{cluster.url}{path}", json=body, timeout=30)
+
+
+def test_tokenize_a_prompt_gives_its_ids_their_count_and_the_context_window(cluster, tokenizer):
+    r = post(cluster, "/tokenize", {"model": MODEL, "prompt": "Hello there, world"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode("Hello there, world")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
+
+
+def test_tokenize_messages_counts_what_a_chat_request_is_charged(cluster):
+    counted = post(cluster, "/tokenize", {"messages": MESSAGES}).json()["count"]
+    chat = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).json()
+    assert counted == chat["usage"]["prompt_tokens"]
+
+
+def test_token_strings_come_back_when_asked(cluster, tokenizer):
+    body = post(cluster, "/tokenize", {"prompt": "Hello there", "return_token_strs": True}).json()
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+
+
+def test_detokenize_gives_back_the_text_of_the_ids(cluster):
+    ids = post(cluster, "/tokenize", {"prompt": "Hello there, world", "add_special_tokens": False}).json()["tokens"]
+    assert post(cluster, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": "Hello there, world"}
+
+
+def test_an_id_beyond_the_vocabulary_is_a_400_naming_tokens(cluster):
+    r = post(cluster, "/detokenize", {"tokens": [1, 10_000_000]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x", "messages": MESSAGES}, {}], ids=["both", "neither"])
+def test_tokenize_takes_exactly_one_of_prompt_or_messages(cluster, body):
+    r = post(cluster, "/tokenize", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_tokenize_for_another_model_is_a_404(cluster):
+    r = post(cluster, "/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
