@@ -19,6 +19,7 @@ import jinja2
 class TemplateRefused(ValueError):
     """The model's own chat template refuses this conversation (its raise_exception)."""
 
+
 CALL_FORMAT = (
     "To call one or more of these functions, reply with only a JSON array of calls, "
     '[{"name": "<function name>", "arguments": {<its arguments>}}], and nothing else. '
