@@ -120,6 +120,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0  # OpenAI's, over the output so far, [-2, 2]; 0 = off
     logprobs: int | None = None  # None = off; k: each token's log probability and its k most likely (0..20)
     constraint: Constraint | None = None  # grammar every output token must keep to (None = free text)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, -100..100) added to its logit
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

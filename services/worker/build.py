@@ -66,5 +66,6 @@ def sampling_options(s: Sampling) -> SamplingOptions:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs,
+        logit_bias=tuple(s.logit_bias),
         grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None,
     )

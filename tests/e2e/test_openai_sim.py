@@ -1,6 +1,6 @@
 """The OpenAI API's request and answer rules where the model's numbers do not matter, over HTTP against the session's
 simulated cluster: a tool-calling conversation's second step, a forced tool call cut by max_tokens (streamed and
-whole alike), and the seed's int64 range."""
+whole alike), the seed's int64 range, and logit_bias's rules."""
 
 from __future__ import annotations
 
@@ -127,3 +127,18 @@ def test_a_seed_outside_int64_is_a_400_naming_seed_and_the_limit(sim_cluster, se
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "seed" and str(2**63 - 1 if seed > 0 else -(2**63)) in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "bias, why",
+    [({"10": 101}, "above 100"), ({"10": -100.5}, "below -100"), ({"ten": 5}, "not an id"), ({"99999999": 1}, "vocab")],
+)
+def test_a_logit_bias_outside_its_rules_is_a_400_naming_it(sim_cluster, bias, why):
+    r = _chat(sim_cluster, messages=ASK, max_tokens=2, logit_bias=bias)
+    assert r.status_code == 400, (why, r.text)
+    assert r.json()["error"]["param"].startswith("logit_bias"), why
+
+
+def test_a_logit_bias_within_its_rules_is_served(sim_cluster):
+    r = _chat(sim_cluster, messages=ASK, max_tokens=2, logit_bias={"10": 100, "11": -100})
+    assert r.status_code == 200, r.text

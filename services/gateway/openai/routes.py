@@ -62,6 +62,7 @@ PASSED = (
     "timeout",
     "stop",
     "session_id",
+    "logit_bias",
 )
 
 
@@ -76,7 +77,6 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
             f"the model '{body.model}' does not exist; this server serves '{name}'", "model", "model_not_found"
         )
     rules: list[tuple[str, bool, str]] = [
-        ("logit_bias", bool(body.logit_bias), "not supported"),
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
     ]
     for param, broken, message in rules:

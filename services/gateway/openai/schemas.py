@@ -1,7 +1,7 @@
 """OpenAI's request and response bodies (completions, chat completions, models), plus vLLM's extras.
 
 Requests are validated strictly, like the native API. Every field an OpenAI client may send is
-known: the ones Conveyor cannot honour (n > 1, logit_bias, echo, tools...) are refused with a
+known: the ones Conveyor cannot honour (echo, suffix, best_of...) are refused with a
 400 naming them, never silently ignored. Response models document the answers (and let the API
 fuzzer check them); the handlers build plain dicts of the same shape.
 """
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.gateway.session.request import (
     INT32_MAX,
+    LogitBias,
     INT64_MAX,
     INT64_MIN,
     MAX_CHOICES,
@@ -54,7 +55,7 @@ class OpenAIRequest(BaseModel):
         le=2.0,
         description="subtracted from a token's logit once per time it is already in the output (0 = off)",
     )
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: null or {}")
+    logit_bias: LogitBias | None = Field(None, description="token id (as a string) -> -100..100 added to its logit")
     user: str | None = Field(None, max_length=256, description="end-user id, recorded with the request")
     # vLLM's extra sampling and scheduling fields
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1 = off")

@@ -212,6 +212,7 @@ class GatewayCore(ReplyReader):
             frequency_penalty=req.frequency_penalty,
             logprobs=req.logprobs,
             constraint=constraint,
+            logit_bias=tuple(sorted((int(t), b) for t, b in (req.logit_bias or {}).items())),
         )
         messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's

@@ -97,6 +97,12 @@ async def accept(
             "stop_token_ids",
             "token_id_out_of_range",
         )
+    if any(int(t) >= vocab for t in body.logit_bias or {}):
+        raise InvalidRequest(
+            f"logit_bias: every token id must be below the vocabulary size {vocab}",
+            "logit_bias",
+            "token_id_out_of_range",
+        )
     limit = min(core.s.max_tokens_limit, core.max_len - 1) if core.max_len else core.s.max_tokens_limit
     max_tokens = body.max_tokens or min(default_max_tokens or core.s.default_max_tokens, limit)
     if max_tokens > limit:

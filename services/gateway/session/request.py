@@ -42,6 +42,12 @@ def shallow(value: Any) -> Any:
 
 Shallow = AfterValidator(shallow)
 
+MAX_LOGIT_BIAS = 1024  # entries of one logit_bias (each is a row of the sampler's work on every step)
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
+
 # A stop string: matched on the output text; neither it nor any part of it is returned.
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
@@ -79,6 +85,9 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="any int64; same seed, same tokens")
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
+    logit_bias: LogitBias | None = Field(
+        None, description="OpenAI's: token id (as a string) -> -100..100 added to its logit before sampling"
+    )
     stop: Stop | None = Field(None, description="up to 4 strings that end the output (not included in it)")
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000, description="lower is served first")

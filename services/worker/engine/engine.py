@@ -156,7 +156,8 @@ class LLMEngine:
         if not req.prompt_token_ids:
             raise InvalidRequestError(f"request {req.request_id!r} has an empty prompt")
         req.sampling.validate()
-        ids = [*req.prompt_token_ids, *req.output_token_ids, *req.sampling.stop_token_ids]
+        bias = [t for t, _ in req.sampling.logit_bias]
+        ids = [*req.prompt_token_ids, *req.output_token_ids, *req.sampling.stop_token_ids, *bias]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequestError(f"request {req.request_id!r} has token ids outside [0, {self.vocab_size})")
 

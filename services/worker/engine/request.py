@@ -16,6 +16,7 @@ from services.worker.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit; vLLM's default)
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None = off; k >= 0: each sampled token's log probability and its k most likely
     grammar: GrammarSpec | None = None  # every output token must keep to it (None = free text)
+    logit_bias: tuple = ()  # (token id, bias in [-100, 100]) pairs added to those logits before anything else
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +74,8 @@ class SamplingOptions:
                 bad.append(f"{name}={value} (must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}])")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad.append(f"logprobs={self.logprobs!r} (must be None or in [0, {MAX_LOGPROBS}])")
+        if any(not -MAX_BIAS <= b <= MAX_BIAS for _, b in self.logit_bias):
+            bad.append(f"logit_bias={self.logit_bias!r} (biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}])")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad.append(f"stop_token_ids={self.stop_token_ids!r} (must be non-negative ints)")
         if bad:

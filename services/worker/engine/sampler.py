@@ -1,6 +1,6 @@
 """Per-request sampling over a batch of next-token logits.
 
-Order (as transformers' logits processors, then vLLM's penalties): repetition penalty (prompt and output
+Order (as transformers' logits processors, then vLLM's penalties): OpenAI's logit_bias, repetition penalty (prompt and output
 tokens), OpenAI's frequency and presence penalties (output tokens only), min_tokens masking, then greedy argmax
 (temperature 0) or temperature -> top_k -> top_p -> min_p -> draw (inverse CDF) with the request's own
 torch.Generator (so a seed gives the same tokens whatever else is batched). Greedy rows are the exact argmax of
@@ -31,7 +31,8 @@ def generator_seed(seed: int) -> int:
 def _needs_penalty(seq: Sequence) -> bool:
     o = seq.sampling
     return (
-        o.repetition_penalty != 1.0
+        bool(o.logit_bias)
+        or o.repetition_penalty != 1.0
         or seq.num_outputs < o.min_tokens
         or (seq.num_outputs > 0 and (o.frequency_penalty != 0.0 or o.presence_penalty != 0.0))
     )
@@ -42,6 +43,9 @@ def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     before min_tokens."""
     for i, seq in enumerate(seqs):
         opts = seq.sampling
+        if opts.logit_bias:  # OpenAI's: added to the logits as the model gave them, before any other change
+            ids = torch.tensor([t for t, _ in opts.logit_bias], dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in opts.logit_bias], dtype=logits.dtype, device=logits.device)
         if opts.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
             scores = logits[i, seen]

@@ -144,3 +144,20 @@ def test_native_draw_at_a_temperature_follows_softmax_across_chunks(kernels_dir)
     expected = torch.softmax(logits / torch.tensor([[0.5], [1.5]]), dim=-1)
     assert counts[:, 5].sum() == 0 and counts[:, 36].sum() == 0
     torch.testing.assert_close(counts / 20000, expected, atol=0.015, rtol=0)
+
+
+def test_a_logit_bias_of_100_makes_a_greedy_answer_that_token_and_minus_100_bans_it(make_engine, chat):
+    engine = make_engine(gemm_tuning=False)
+    prompt = chat("Name a colour.")
+    engine.add_request(EngineRequest("free", prompt, SamplingOptions(temperature=0, max_tokens=4)))
+    runs, _ = run_to_completion(engine)
+    first = runs["free"].tokens[0]
+    forced, banned = 1000, ((first, -100.0),)
+    engine.add_request(
+        EngineRequest("up", prompt, SamplingOptions(temperature=0, max_tokens=4, logit_bias=((forced, 100.0),)))
+    )
+    engine.add_request(EngineRequest("down", prompt, SamplingOptions(temperature=0, max_tokens=4, logit_bias=banned)))
+    runs, _ = run_to_completion(engine)
+    assert runs["up"].tokens == [forced] * 4
+    assert first not in runs["down"].tokens
+    engine.check_no_leak()
