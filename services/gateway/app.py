@@ -20,7 +20,7 @@ from services.gateway.edge import log_redaction
 from services.gateway.edge.auth import OPEN_PATHS, ApiKeyAuth
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.handlers import gateway_error_handler, http_error_handler, validation_error_handler
-from services.gateway.edge.middleware import BodyLimit, OpenRequestLimit
+from services.gateway.edge.middleware import BodyLimit, OpenRequestLimit, RequestIdHeader
 from services.gateway.edge.openapi_doc import install as install_openapi
 from services.gateway.native.routes import router as native_router
 from services.gateway.native.tokenize import router as tokenize_router
@@ -70,8 +70,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         retry_after_s=settings.retry_after_s,
         per_key_limit=settings.max_open_requests_per_key,
     )  # the key id: set by ApiKeyAuth, below
-    # outermost: nothing runs for a caller without a key
+    # nothing runs for a caller without a key
     app.add_middleware(ApiKeyAuth, keys=settings.api_keys, admin_keys=settings.admin_api_keys)
+    app.add_middleware(RequestIdHeader)  # around everything: a refusal by any of the above carries one too
     if not settings.api_keys and not settings.admin_api_keys:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
     app.include_router(openai_router)

@@ -1,9 +1,12 @@
-"""ASGI middleware at the gateway's edge, before any route runs: a body's size, and how many HTTP requests are open.
+"""ASGI middleware at the gateway's edge, before any route runs: a body's size, how many HTTP requests are open, and
+the X-Request-Id every response carries.
 
 Both answer in the gateway's error shape (services.gateway.edge.errors) without the routes knowing.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from services.gateway.edge.auth import STATE_KEY
 from services.gateway.edge.errors import BodyTooLarge, Overloaded, error_response
@@ -101,3 +104,30 @@ class OpenRequestLimit:
                     self.open_by_key[key] = left
                 else:
                     del self.open_by_key[key]
+
+
+class RequestIdHeader:
+    """ASGI middleware: every response carries X-Request-Id, as vLLM's do. A generation's is its request id (set by
+    its route); any other echoes the client's own X-Request-Id (when it is a short printable token) or gets a new
+    one, so a client can quote it whatever it called, a refusal (401, 413, 429) included."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        rid = (
+            given if 0 < len(given) <= 128 and given.isascii() and given.strip() == given and b" " not in given else b""
+        )
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", rid or uuid.uuid4().hex.encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_id)

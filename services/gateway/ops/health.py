@@ -3,6 +3,8 @@ instance). Both are let through the open-request limit under any load (edge.midd
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from fastapi import APIRouter
 from redis.exceptions import RedisError
 
@@ -28,3 +30,19 @@ async def ready(core: Core):
     if missing:
         raise Unavailable(f"no live {', '.join(missing)}", None, "not_ready", extra={"live": found})
     return {"status": "ready", "live": found}
+
+
+@router.get("/version", responses=error_responses(401))
+async def version():
+    """The server's version, as vLLM's GET /version answers it."""
+    return {"version": _VERSION}
+
+
+def _installed_version() -> str:
+    try:
+        return metadata.version("conveyor")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+_VERSION = _installed_version()

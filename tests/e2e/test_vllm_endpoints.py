@@ -1,5 +1,6 @@
-"""POST /tokenize and /detokenize in vLLM's shapes, on the session's simulated cluster (the tokenizer is the
-served model's whatever engine runs): ids, counts, strings, and the count a chat request is charged."""
+"""What vLLM serves besides generation, on the session's simulated cluster (the tokenizer is the served model's
+whatever engine runs): POST /tokenize and /detokenize in vLLM's shapes (ids, counts, strings, and the count a chat
+request is charged), X-Request-Id on every response, GET /version."""
 
 from __future__ import annotations
 
@@ -58,3 +59,16 @@ def test_tokenize_takes_exactly_one_of_prompt_or_messages(cluster, body):
 def test_tokenize_for_another_model_is_a_404(cluster):
     r = post(cluster, "/tokenize", {"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_every_response_carries_an_x_request_id_echoing_the_clients(cluster):
+    assert httpx.get(f"{cluster.url}/health").headers["x-request-id"]
+    assert httpx.get(f"{cluster.url}/health", headers={"X-Request-Id": "abc-123"}).headers["x-request-id"] == "abc-123"
+    refused = post(cluster, "/tokenize", {})
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
+    chat = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    assert chat.headers["x-request-id"] == chat.json()["id"].removeprefix("chatcmpl-")  # a generation's: its id
+
+
+def test_version_answers_the_servers_version(cluster):
+    assert httpx.get(f"{cluster.url}/version").json()["version"]
