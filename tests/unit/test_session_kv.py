@@ -36,6 +36,8 @@ def turn(engine: LLMEngine, rid: str, prompt: list[int], session: str = "", max_
             if o.request_id == rid:
                 tokens += o.new_token_ids
                 last = o
+    kept = engine.sessions  # its running count of pool blocks is what it holds
+    assert kept.pool_blocks == sum(len(k.blocks) for k in kept.kept.values())
     return tokens, last
 
 

@@ -70,6 +70,7 @@ class SessionKV:
         self.max_blocks = max_blocks
         self.swap_min_tokens = swap_min_tokens
         self.kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
+        self.pool_blocks = 0  # pool blocks the kept sessions reference (kept up to date: read every tick)
         self.events: list[SessionEvent] = []
         self.swap_outs = 0
         self.swap_ins = 0
@@ -88,6 +89,7 @@ class SessionKV:
         run = seq.block_table[:n]
         self.blocks.acquire(run)
         self.kept[session] = Kept(seq.request_id, list(seq.block_hashes[:n]), run, time.monotonic())
+        self.pool_blocks += n
         return n
 
     @staticmethod
@@ -145,6 +147,7 @@ class SessionKV:
                 run.extend(found)
         self.tier.drop(key)
         k.blocks, k.swapped, k.at = run, False, time.monotonic()
+        self.pool_blocks += len(run)
         self.swap_ins += 1
 
     def resumed(self, session: str) -> None:
@@ -161,6 +164,7 @@ class SessionKV:
             self.tier.drop(session)
         else:
             self.blocks.release(k.blocks)
+            self.pool_blocks -= len(k.blocks)
 
     # ---- pressure and idleness -------------------------------------------------------------------------------
     def reclaim(self, spare: str = "") -> bool:
@@ -175,6 +179,7 @@ class SessionKV:
             else:
                 del self.kept[session]
                 self.blocks.release(k.blocks)
+                self.pool_blocks -= len(k.blocks)
                 self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
             return True
         return False
@@ -188,6 +193,7 @@ class SessionKV:
             logger.warning("session %s: swapping its KV out failed (%s): releasing it", session, e)
             return False
         self.blocks.release(k.blocks)
+        self.pool_blocks -= len(k.blocks)
         k.blocks, k.swapped = [], True
         self.kept.move_to_end(session)  # the tier's order is its own; keep the pool's LRU about pool entries
         self.swap_outs += 1
@@ -213,8 +219,10 @@ class SessionKV:
 
     # ---- figures ---------------------------------------------------------------------------------------------
     def reclaimable_blocks(self) -> int:
-        """Pool blocks that only paused sessions reference: free for the taking, at the cost of a swap."""
-        return sum(1 for k in self.kept.values() for b in k.blocks if self.blocks.refs(b) == 1)
+        """Pool blocks paused sessions reference: free for the taking, at the cost of a swap. Counted, not walked
+        (the worker reads it every tick); a block a running request shares with a session is counted too, which
+        overstates the room by what a session shares with a turn running meanwhile (its own, usually: none)."""
+        return self.pool_blocks
 
     def figures(self) -> dict[str, int]:
         kept = [k for s, k in self.kept.items() if not s.startswith(PARKED)]
