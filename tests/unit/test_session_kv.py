@@ -215,3 +215,20 @@ def test_a_preempted_request_parks_its_kv_in_the_tier_and_swaps_it_back_instead_
     assert engine.sessions.swap_outs >= 1 and engine.sessions.swap_ins >= 1
     assert engine.sessions.tier.num_entries == 0 and engine.take_session_events() == []
     engine.check_no_leak()
+
+
+def test_under_pressure_an_idle_session_is_reclaimed_before_one_whose_next_turn_is_waiting(make_engine):
+    engine = make_engine(num_kv_blocks=40)
+    out_a, _ = turn(engine, "a1", prompt(100), session="a")  # kept first: the least recently used
+    turn(engine, "b1", prompt(100, start=4000), session="b")
+    engine.take_session_events()
+    # a's next turn waits behind a request that needs the room of one of the two sessions
+    engine.add_request(EngineRequest("big", prompt(28 * BS + 1, start=9000), SamplingOptions(max_tokens=2)))  # 29 of 28
+    engine.add_request(EngineRequest("a2", prompt(100) + out_a + [7], SamplingOptions(max_tokens=2), session_id="a"))
+    ends = {}
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            if o.finished:
+                ends[o.request_id] = o
+    assert [e.session for e in engine.take_session_events()] == ["b"]  # b went, a's waiting turn found its own
+    assert ends["a2"].num_cached_tokens == 6 * BS

@@ -46,6 +46,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.session_id:
+            self.sessions.waiting(seq.session_id)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give its blocks back (finish, failure, abort)."""
@@ -53,6 +55,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.session_id and seq.status == SequenceStatus.WAITING:
+                self.sessions.admitted(seq.session_id)  # never admitted: no longer waiting either
         self._free_blocks(seq)
         self.sessions.forget(PARKED + seq.request_id)  # what it parked when preempted, if anything
 
@@ -145,6 +149,8 @@ class Scheduler:
             self.blocks.acquire(hits)
             if key:
                 self.sessions.resumed(key)
+            if seq.session_id and seq.status == SequenceStatus.WAITING:
+                self.sessions.admitted(seq.session_id)
             self.blocks.record_query(seq.num_tokens, cached)
             seq.block_table = hits + self.blocks.allocate(need)
             seq.num_computed_tokens = cached

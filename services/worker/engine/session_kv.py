@@ -71,6 +71,7 @@ class SessionKV:
         self.swap_min_tokens = swap_min_tokens
         self.kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
         self.pool_blocks = 0  # pool blocks the kept sessions reference (kept up to date: read every tick)
+        self.wanted: dict[str, int] = {}  # session -> its turns in the engine's queue, not yet admitted
         self.events: list[SessionEvent] = []
         self.swap_outs = 0
         self.swap_ins = 0
@@ -126,8 +127,11 @@ class SessionKV:
             return
         if len(self.blocks.lookup_prefix(k.hashes, k.num_blocks)) == k.num_blocks:
             return  # still in the pool's cache: nothing to copy back (the tier's copy goes at admission)
-        if not self.blocks.can_allocate(k.num_blocks):
-            return  # no room now: it recomputes what it cannot find
+        # Room for all of it first, from other paused sessions if need be: admitted without, the turn would take a
+        # prefill chunk's few blocks, recompute what it swapped out, and need them all in the end anyway.
+        while not self.blocks.can_allocate(k.num_blocks):
+            if not self.reclaim(spare=key):
+                return  # the running requests hold the pool: it recomputes what it cannot find
         entry = self.tier.get(key)
         if entry is None or list(entry.block_hashes) != k.hashes:
             self.swap_in_failures += 1
@@ -168,11 +172,13 @@ class SessionKV:
 
     # ---- pressure and idleness -------------------------------------------------------------------------------
     def reclaim(self, spare: str = "") -> bool:
-        """Free the pool blocks of the least recently used paused session (not `spare`): swapped to the tier when
+        """Free the pool blocks of the least recently used paused session (not `spare`), one whose next turn is not
+        already waiting here first (its KV would be swapped out only to be swapped back in): swapped to the tier when
         worth it and it fits, else released. -> whether any block was freed."""
-        for session, k in self.kept.items():
-            if k.swapped or session == spare or session.startswith(PARKED):
-                continue
+        candidates = [s for s, k in self.kept.items() if not k.swapped and s != spare and not s.startswith(PARKED)]
+        idle = [s for s in candidates if s not in self.wanted]
+        for session in (idle or candidates)[:1]:
+            k = self.kept[session]
             tokens = k.num_blocks * self.blocks.block_size
             if self.tier is not None and tokens >= self.swap_min_tokens and self._swap_out(session, k):
                 self.events.append(SessionEvent(session, k.request_id, "swapped", SessionReason.PRESSURE))
@@ -183,6 +189,16 @@ class SessionKV:
                 self.events.append(SessionEvent(session, k.request_id, "released", SessionReason.PRESSURE))
             return True
         return False
+
+    def waiting(self, session: str) -> None:
+        """A turn of the session is in the engine's queue: its KV is reclaimed last (until it is admitted)."""
+        self.wanted[session] = self.wanted.get(session, 0) + 1
+
+    def admitted(self, session: str) -> None:
+        if (n := self.wanted.get(session, 0) - 1) > 0:
+            self.wanted[session] = n
+        else:
+            self.wanted.pop(session, None)
 
     def _swap_out(self, session: str, k: Kept) -> bool:
         try:
