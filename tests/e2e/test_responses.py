@@ -1,0 +1,255 @@
+"""The Responses API (/v1/responses) through the official client against simulated workers behind API keys: the
+answer is chat completions' for the same conversation in the Responses shape (text, function calls, json_schema),
+fields it cannot honour are a 400 naming them, stored responses are retrieved, listed, continued and deleted by
+their own key only, and a stream's events add up to the stored response."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import KEY_A, KEY_B, auth
+from tests.support.openai_fixtures import MODEL, openai_client
+
+WEATHER = {
+    "type": "function",
+    "name": "get_current_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def client(keyed_cluster):
+    return openai_client(keyed_cluster.url, api_key=KEY_A)
+
+
+@pytest.fixture(scope="module")
+def other(keyed_cluster):
+    return openai_client(keyed_cluster.url, api_key=KEY_B)
+
+
+def _chat(cluster, **body) -> dict:
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", json={"model": MODEL, **body}, headers=auth(KEY_A), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _post(cluster, **body) -> httpx.Response:
+    return httpx.post(f"{cluster.url}/v1/responses", json={"model": MODEL, **body}, headers=auth(KEY_A), timeout=60)
+
+
+def test_a_string_input_is_answered_with_a_message_and_the_usage(client):
+    resp = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=8, temperature=0)
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == MODEL
+    assert resp.status in ("completed", "incomplete")
+    assert [item.type for item in resp.output] == ["message"]
+    assert resp.output[0].role == "assistant" and resp.output[0].content[0].type == "output_text"
+    assert resp.output_text == resp.output[0].content[0].text
+    u = resp.usage
+    assert u.total_tokens == u.input_tokens + u.output_tokens and 1 <= u.output_tokens <= 8
+    assert u.output_tokens_details.reasoning_tokens == 0 and u.input_tokens_details.cached_tokens >= 0
+
+
+def test_greedy_text_and_prompt_equal_chat_completions_for_the_same_conversation(client, keyed_cluster):
+    turns = [
+        {"role": "user", "content": "Name a river"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "The Loire."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "And a sea?"}]},
+    ]
+    resp = client.responses.create(
+        model=MODEL, instructions="Answer briefly.", input=turns, max_output_tokens=10, temperature=0
+    )
+    messages = [{"role": "system", "content": "Answer briefly."}, *turns[:1]]
+    messages += [{"role": "assistant", "content": "The Loire."}, {"role": "user", "content": "And a sea?"}]
+    chat = _chat(keyed_cluster, messages=messages, max_tokens=10, temperature=0)
+    assert resp.output_text == chat["choices"][0]["message"]["content"]
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_an_output_cut_by_max_output_tokens_is_incomplete_with_the_reason(client):
+    resp = client.responses.create(model=MODEL, input="Count to fifty", max_output_tokens=1, temperature=0)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output[0].status == "incomplete" and resp.usage.output_tokens == 1
+
+
+def test_a_required_tool_is_answered_with_a_function_call_item(client):
+    resp = client.responses.create(
+        model=MODEL,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert resp.status == "completed", resp
+    call = resp.output[0]
+    assert call.type == "function_call" and call.name == "get_current_weather" and call.call_id.startswith("call_")
+    assert set(json.loads(call.arguments)) == {"city"}
+
+
+def test_function_call_items_and_their_outputs_are_the_chat_turns_of_tool_calls(client, keyed_cluster):
+    items = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": "call_1", "name": "get_current_weather", "arguments": '{"city": "P"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'},
+    ]
+    resp = client.responses.create(model=MODEL, input=items, tools=[WEATHER], max_output_tokens=6, temperature=0)
+    called = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_current_weather", "arguments": '{"city": "P"}'},
+    }
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "tool_calls": [called]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    chat = _chat(keyed_cluster, messages=messages, tools=[CHAT_WEATHER], max_tokens=6, temperature=0)
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_a_json_schema_format_gives_json_of_that_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"enum": ["Ada", "Alan"]}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    resp = client.responses.create(
+        model=MODEL,
+        input="Give me a name as JSON",
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert resp.status == "completed"
+    assert set(json.loads(resp.output_text)) == {"name"}
+
+
+@pytest.mark.parametrize(
+    "field, param",
+    [
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"unknown_field": 1}, "unknown_field"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_field_conveyor_cannot_honour_is_a_400_naming_it(keyed_cluster, field, param):
+    r = _post(keyed_cluster, **{"input": "hi", **field})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(client):
+    resp = client.responses.create(
+        model=MODEL, input="Hello there", max_output_tokens=4, temperature=0, metadata={"k": "v"}
+    )
+    got = client.responses.retrieve(resp.id)
+    assert got.output_text == resp.output_text and got.metadata == {"k": "v"} and got.status == resp.status
+    items = client.responses.input_items.list(resp.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Hello there")]
+    client.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+
+
+def test_a_response_not_stored_cannot_be_retrieved(client):
+    resp = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+
+
+def test_previous_response_id_puts_its_input_and_output_before_the_new_input(client):
+    first = client.responses.create(model=MODEL, input="Name a river", max_output_tokens=6, temperature=0)
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="And a sea?", max_output_tokens=6, temperature=0
+    )
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    same = [
+        {"role": "user", "content": "Name a river"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And a sea?"},
+    ]
+    whole = client.responses.create(model=MODEL, input=same, max_output_tokens=6, temperature=0)
+    assert whole.usage.input_tokens == second.usage.input_tokens and whole.output_text == second.output_text
+
+
+def test_another_key_cannot_see_delete_or_continue_a_response(client, other):
+    resp = client.responses.create(model=MODEL, input="Mine", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        other.responses.create(model=MODEL, input="Yours?", previous_response_id=resp.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    assert client.responses.retrieve(resp.id).id == resp.id
+
+
+def _events(client, **body) -> list:
+    with client.responses.stream(model=MODEL, **body) as stream:
+        return list(stream)
+
+
+def test_a_stream_s_events_come_in_order_and_add_up_to_the_stored_response(client):
+    events = _events(client, input="Tell me a story", max_output_tokens=12, temperature=0)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added"] + [
+        "response.content_part.added"
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{events[-1].response.status}",
+    ]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text and text == final.output_text == client.responses.retrieve(final.id).output_text
+    whole = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=12, temperature=0)
+    assert whole.output_text == text
+
+
+def test_a_streamed_function_call_s_argument_deltas_add_up_to_its_arguments(client):
+    events = _events(
+        client,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and len(done) == 1
+    assert args == done[0].arguments == final.output[0].arguments
+    assert client.responses.retrieve(final.id).output[0].call_id == final.output[0].call_id
