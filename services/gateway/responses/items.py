@@ -106,7 +106,7 @@ def input_items(raw: str | list[dict]) -> list[dict]:
     out = []
     for i, item in enumerate(raw):
         kind = item.get("type", "message")  # a message may leave its type out (the SDK's EasyInputMessage)
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise _bad(f"input[{i}].type", f"must be one of {', '.join(KINDS)} (got {kind!r})", "unsupported_value")
         out.append(KINDS[kind](item, f"input[{i}]"))
     return out

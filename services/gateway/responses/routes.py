@@ -17,14 +17,20 @@ from fastapi import APIRouter, Query, Request
 from services.gateway.edge.auth import caller
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound, Unavailable
-from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses
+from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import plan_chat, plan_weight
 from services.gateway.responses import store
 from services.gateway.responses.chat_body import chat_request, renamed
 from services.gateway.responses.items import chat_turns, input_items
 from services.gateway.responses.output import ECHOED, Envelope, OutputBuilder
-from services.gateway.responses.schemas import REFUSED, ResponsesRequest
+from services.gateway.responses.schemas import (
+    REFUSED,
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from services.gateway.responses.stream import start_stream
 from services.gateway.session.drive import collect_choices
 from services.gateway.session.intake import accept_choices
@@ -77,7 +83,7 @@ def _echoed(body: ResponsesRequest) -> dict:
     return {k: DEFAULTS.get(k) if v is None else v for k, v in given.items()}
 
 
-@router.post("/v1/responses", responses=GENERATION_ERRORS)
+@router.post("/v1/responses", responses={**sse_or_json(ResponseObject, "the response"), **GENERATION_ERRORS})
 async def create_response(body: ResponsesRequest, request: Request, core: Core):
     _check(core, body)
     owner = caller(request)
@@ -123,12 +129,14 @@ async def create_response(body: ResponsesRequest, request: Request, core: Core):
     return await json_response(lambda: response, len(native_body["token_ids"]), headers)
 
 
-@router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(401, 404))
 async def get_response(response_id: str, request: Request, core: Core) -> dict:
     return (await store.get(core, caller(request), response_id)).response
 
 
-@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(401, 404))
+@router.get(
+    "/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=error_responses(400, 401, 404)
+)
 async def list_input_items(
     response_id: str,
     request: Request,
@@ -156,7 +164,7 @@ async def list_input_items(
     }
 
 
-@router.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
+@router.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404))
 async def delete_response(response_id: str, request: Request, core: Core) -> dict:
     await store.delete(core, caller(request), response_id)
     return {"id": response_id, "object": "response", "deleted": True}

@@ -77,3 +77,33 @@ class ResponsesRequest(BaseModel):
     stream_options: Annotated[dict[str, Any], Shallow] | None = None
     prompt_cache_key: str | None = Field(None, max_length=1024)
     safety_identifier: str | None = Field(None, max_length=256)
+
+
+# ---- answers (documented; the handlers build plain dicts of the same shape) ----
+
+
+class ResponseObject(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(description="resp_<the request id>")
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]] = Field(description="message items (output_text parts) and function_call items")
+    usage: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
