@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from tests.support.cluster import KEY_A, KEY_B, auth
-from tests.support.openai_fixtures import MODEL, openai_client
+from tests.support.openai_fixtures import MODEL, openai_client, snapshot
+from tests.support.waiting import wait_for
 
 WEATHER = {
     "type": "function",
@@ -144,7 +145,8 @@ def test_a_json_schema_format_gives_json_of_that_schema(client):
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "store"),
+        ({"background": True, "stream": True}, "stream"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         (
@@ -253,3 +255,36 @@ def test_a_streamed_function_call_s_argument_deltas_add_up_to_its_arguments(clie
     assert events[-1].type == "response.completed" and len(done) == 1
     assert args == done[0].arguments == final.output[0].arguments
     assert client.responses.retrieve(final.id).output[0].call_id == final.output[0].call_id
+
+
+def _ended(client, response_id: str):
+    got = client.responses.retrieve(response_id)
+    return got if got.status not in ("queued", "in_progress") else None
+
+
+def test_a_background_response_is_queued_at_once_and_polling_sees_its_answer(client):
+    resp = client.responses.create(
+        model=MODEL, input="Tell me a tale", background=True, max_output_tokens=8, temperature=0
+    )
+    assert resp.status == "queued" and resp.background is True and resp.output == []
+    done = wait_for(lambda: _ended(client, resp.id), 60, what="the background response's end")
+    whole = client.responses.create(model=MODEL, input="Tell me a tale", max_output_tokens=8, temperature=0)
+    assert done.status == whole.status and done.output_text == whole.output_text and done.background is True
+    assert done.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_cancelled_background_response_stays_cancelled_and_its_work_stops(client, keyed_cluster):
+    resp = client.responses.create(model=MODEL, input="Count to a thousand", background=True, max_output_tokens=400)
+    cancelled = client.responses.cancel(resp.id)
+    assert cancelled.status == "cancelled"
+    rid = resp.id.removeprefix("resp_")
+    headers = auth(KEY_A)
+    wait_for(lambda: snapshot(keyed_cluster.url, rid, headers)["state"] == "CANCELLED", 30, what="the work stopped")
+    assert client.responses.retrieve(resp.id).status == "cancelled"
+
+
+def test_only_a_background_response_can_be_cancelled(client):
+    resp = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(resp.id)
+    assert e.value.body["param"] == "response_id"

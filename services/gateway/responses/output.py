@@ -54,6 +54,7 @@ class Envelope:
     id: str
     model: str
     echoed: dict
+    background: bool = False
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def response(
@@ -65,7 +66,7 @@ class Envelope:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": self.background,
             "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "model": self.model,

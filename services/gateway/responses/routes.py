@@ -9,6 +9,7 @@ responses_ttl_s (responses.store), owned by the caller's API key: another key ge
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import redis
@@ -20,7 +21,7 @@ from services.gateway.edge.errors import InvalidRequest, NotFound, Unavailable
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import plan_chat, plan_weight
-from services.gateway.responses import store
+from services.gateway.responses import background, store
 from services.gateway.responses.chat_body import chat_request, renamed
 from services.gateway.responses.items import chat_turns, input_items
 from services.gateway.responses.output import ECHOED, Envelope, OutputBuilder
@@ -37,7 +38,9 @@ from services.gateway.session.intake import accept_choices
 from services.gateway.text.render import json_response, off_loop
 
 if TYPE_CHECKING:
+    from services.gateway.openai.structured_output import OutputPlan
     from services.gateway.session.core import GatewayCore
+    from services.gateway.session.handle import Choices
 
 router = APIRouter(tags=["Responses"])
 
@@ -83,16 +86,46 @@ def _echoed(body: ResponsesRequest) -> dict:
     return {k: DEFAULTS.get(k) if v is None else v for k, v in given.items()}
 
 
-@router.post("/v1/responses", responses={**sse_or_json(ResponseObject, "the response"), **GENERATION_ERRORS})
-async def create_response(body: ResponsesRequest, request: Request, core: Core):
+@dataclass
+class Accepted:
+    """A request created, and what its answer is made with."""
+
+    core: GatewayCore
+    body: ResponsesRequest
+    owner: str
+    choices: Choices
+    plan: OutputPlan
+    items: list[dict]  # its input, as stored
+    before: list[dict]  # the previous response's conversation (chat turns)
+    envelope: Envelope
+
+    def stored(self, response: dict) -> store.Stored:
+        turns = self.before + chat_turns(self.items) + chat_turns(response["output"])
+        return store.Stored(response, self.items, turns, self.choices.primary.reply_to)
+
+    async def stored_while_running(self, response: dict) -> bool:
+        """A background response's step, written unless it was cancelled, deleted or has ended."""
+        return await store.update_running(self.core, self.owner, self.stored(response))
+
+    async def finished(self, response: dict) -> None:
+        """Store the final response (store=true) before the client hears of it."""
+        if not self.body.store:
+            return
+        try:
+            await store.put(self.core, self.owner, self.stored(response))
+        except redis.RedisError as e:  # the client was promised a stored response: it hears that it is not
+            raise Unavailable(
+                f"store: the response was generated but could not be stored ({e!r})", "store", "store_failed"
+            ) from e
+
+
+async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -> Accepted:
     _check(core, body)
     owner = caller(request)
     items = input_items(body.input)
-    before = (
-        (await store.get(core, owner, body.previous_response_id, "previous_response_id")).turns
-        if (body.previous_response_id)
-        else []
-    )
+    before = []
+    if body.previous_response_id:
+        before = (await store.get(core, owner, body.previous_response_id, "previous_response_id")).turns
     try:
         chat = chat_request(body, before + chat_turns(items))
         plan = await off_loop(lambda: plan_chat(chat), plan_weight(chat))  # its schemas compiled off the loop
@@ -103,29 +136,37 @@ async def create_response(body: ResponsesRequest, request: Request, core: Core):
         )
     except InvalidRequest as e:
         raise renamed(e) from e
-    primary = choices.primary
-    envelope = Envelope(f"resp_{primary.request_id}", core.model_name, _echoed(body))
+    envelope = Envelope(f"resp_{choices.primary.request_id}", core.model_name, _echoed(body), bool(body.background))
+    return Accepted(core, body, owner, choices, plan, items, before, envelope)
+
+
+@router.post("/v1/responses", responses={**sse_or_json(ResponseObject, "the response"), **GENERATION_ERRORS})
+async def create_response(body: ResponsesRequest, request: Request, core: Core):
+    if body.background and body.store is False:
+        raise InvalidRequest("store: a background response is stored (store must be true)", "store", "invalid_value")
+    if body.background and body.stream:
+        raise InvalidRequest("stream: not supported with background (poll GET /v1/responses/{id})", "stream")
+    job = await _accept(core, request, body)
+    primary, envelope = job.choices.primary, job.envelope
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
-
-    async def finished(response: dict) -> None:
-        if not body.store:
-            return
-        turns = before + chat_turns(items) + chat_turns(response["output"])
+    if body.background:
+        queued = envelope.response("queued", [])
         try:
-            await store.put(core, owner, store.Stored(response, items, turns))
-        except redis.RedisError as e:  # the client was promised a stored response: it hears that it is not
-            raise Unavailable(
-                f"store: the response was generated but could not be stored ({e!r})", "store", "store_failed"
-            ) from e
-
-    if native.stream:
-        return await start_stream(request, core, choices, envelope, OutputBuilder(plan), finished, headers)
-    (native_body,) = await collect_choices(core, choices, request, with_logprobs=False)
-    out = OutputBuilder(plan)
+            await store.put(core, job.owner, job.stored(queued))
+        except BaseException:
+            core.abandon(primary, "store_failed")  # nobody would ever see it: do not run it
+            raise
+        save = job.stored_while_running
+        background.start(core, request, primary, envelope, OutputBuilder(job.plan), save)
+        return queued
+    if body.stream:
+        return await start_stream(request, core, job.choices, envelope, OutputBuilder(job.plan), job.finished, headers)
+    (native_body,) = await collect_choices(core, job.choices, request, with_logprobs=False)
+    out = OutputBuilder(job.plan)
     out.feed(native_body["text"])
     status, reason, _events = out.finish(native_body["finish_reason"])
     response = envelope.response(status, out.output, native_body["usage"], reason)
-    await finished(response)
+    await job.finished(response)
     return await json_response(lambda: response, len(native_body["token_ids"]), headers)
 
 
@@ -164,7 +205,31 @@ async def list_input_items(
     }
 
 
+@router.post(
+    "/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=error_responses(400, 401, 404)
+)
+async def cancel_response(response_id: str, request: Request, core: Core) -> dict:
+    """Cancel a background response: settled cancelled in its record first (its task's later writes are then
+    no-ops, whatever gateway runs it), then its work stopped. One that has ended already is answered as it is."""
+    owner = caller(request)
+    stored = await store.get(core, owner, response_id)
+    if not stored.response.get("background"):
+        raise InvalidRequest(
+            "response_id: only a background response can be cancelled", "response_id", "not_background"
+        )
+    if stored.response["status"] in store.RUNNING:
+        cancelled = stored.with_response(stored.response | {"status": "cancelled"})
+        if await store.update_running(core, owner, cancelled):
+            await core.cancel(stored.request_id, "client_cancel", stored.reply_to)
+    return (await store.get(core, owner, response_id)).response
+
+
 @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404))
 async def delete_response(response_id: str, request: Request, core: Core) -> dict:
-    await store.delete(core, caller(request), response_id)
+    """Delete it; a background response still running is cancelled too (nobody could read its answer)."""
+    owner = caller(request)
+    stored = await store.get(core, owner, response_id)
+    await store.delete(core, owner, response_id)
+    if stored.response.get("background") and stored.response["status"] in store.RUNNING:
+        await core.cancel(stored.request_id, "client_cancel", stored.reply_to)
     return {"id": response_id, "object": "response", "deleted": True}

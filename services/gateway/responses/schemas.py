@@ -30,7 +30,6 @@ REFUSED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("prompt_cache_key", (None,), "not supported (prefix caching is automatic)"),
     ("safety_identifier", (None,), "not supported"),
     ("truncation", (None, "disabled"), "only 'disabled' is supported (a prompt too long is a 400)"),
-    ("background", (None, False), "not supported yet"),
 )
 
 
@@ -65,7 +64,9 @@ class ResponsesRequest(BaseModel):
         None, description="{format: {type: text | json_object | json_schema (name, schema, strict)}}"
     )
     truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
+    background: bool | None = Field(
+        None, description="answer at once (status queued) and go on detached from the client; needs store"
+    )
     # refused unless they ask for nothing (REFUSED)
     reasoning: Annotated[dict[str, Any], Shallow] | None = None
     include: list[str] | None = None
@@ -87,7 +88,7 @@ class ResponseObject(BaseModel):
     id: str = Field(description="resp_<the request id>")
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[dict[str, Any]] = Field(description="message items (output_text parts) and function_call items")
     usage: dict[str, Any] | None

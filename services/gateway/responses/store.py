@@ -1,12 +1,16 @@
-"""Stored responses (store=true) in Redis: one JSON string per response, owned by the API key that created it.
+"""Stored responses (store=true) in Redis: one hash per response, owned by the API key that created it.
 
 A record holds what the API shows (the response, its input items) and the conversation so far as chat turns (every
-turn up to and including this response's output), so that previous_response_id costs one GET, whatever the length
+turn up to and including this response's output), so that previous_response_id costs one read, whatever the length
 of the chain, and a continuation survives the deletion or expiry of an earlier response of the chain. A copy per
-response is bounded by the body limit and the model's context; a chain walked at read time would cost a GET per
+response is bounded by the body limit and the model's context; a chain walked at read time would cost a read per
 turn instead. Any gateway reads any record: the key names the owner, not the process.
 
-The key lives responses_ttl_s from its creation (set in the same SET): nothing in Redis outlives its TTL.
+The hash's fields: `status` (the response's, apart so that a script can read it without decoding the record),
+`record` (JSON), `reply_to` (the reply stream of the gateway driving it: what a cancel from any gateway needs).
+A background response is written again as it runs, only while it runs (update_running): a cancel, a deletion or
+the end, whichever comes first, is the last word. The key lives responses_ttl_s from its creation (set in the same
+MULTI as the hash; later writes keep it): nothing in Redis outlives its TTL.
 """
 
 from __future__ import annotations
@@ -16,9 +20,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.gateway.edge.errors import NotFound
+from shared.replies import as_text
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
+
+RUNNING = ("queued", "in_progress")
+# Write the record only while the stored response is still running (an existing key whose status is RUNNING).
+_UPDATE_RUNNING = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' or status == 'in_progress' then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
+    return 1
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -26,27 +42,49 @@ class Stored:
     response: dict  # the Response object, as GET /v1/responses/{id} answers
     input_items: list[dict]  # this request's own input, each item with its id
     turns: list[dict]  # the conversation through this response's output, as chat messages
+    reply_to: str = ""  # the reply stream of the gateway that drives it
 
-    def encode(self) -> str:
-        return json.dumps(
-            {"response": self.response, "input_items": self.input_items, "turns": self.turns}, ensure_ascii=False
-        )
+    @property
+    def request_id(self) -> str:
+        return self.response["id"].removeprefix("resp_")
+
+    def with_response(self, response: dict, turns: list[dict] | None = None) -> Stored:
+        return Stored(response, self.input_items, self.turns if turns is None else turns, self.reply_to)
+
+    def fields(self) -> dict:
+        record = {"response": self.response, "input_items": self.input_items, "turns": self.turns}
+        return {"status": self.response["status"], "record": json.dumps(record, ensure_ascii=False)}
+
+
+def _key(core: GatewayCore, owner: str, response_id: str) -> str:
+    return core.names.response(owner, response_id)
 
 
 async def put(core: GatewayCore, owner: str, stored: Stored) -> None:
-    key = core.names.response(owner, stored.response["id"])
-    await core.r.set(key, stored.encode(), ex=core.s.responses_ttl_s)
+    key = _key(core, owner, stored.response["id"])
+    pipe = core.r.pipeline(transaction=True)  # born with its TTL
+    pipe.hset(key, mapping={**stored.fields(), "reply_to": stored.reply_to})
+    pipe.expire(key, core.s.responses_ttl_s)
+    await pipe.execute()
+
+
+async def update_running(core: GatewayCore, owner: str, stored: Stored) -> bool:
+    """Write stored if the stored response still runs (not cancelled, deleted, expired or ended); True if written."""
+    f = stored.fields()
+    key = _key(core, owner, stored.response["id"])
+    return bool(await core.r.eval(_UPDATE_RUNNING, 1, key, f["status"], f["record"]))
 
 
 async def get(core: GatewayCore, owner: str, response_id: str, param: str = "response_id") -> Stored:
     """The stored response, or a 404 naming param (unknown, expired, deleted, or another key's look alike)."""
-    raw = await core.r.get(core.names.response(owner, response_id))
-    if raw is None:
+    raw = await core.r.hgetall(_key(core, owner, response_id))
+    if not raw:
         raise NotFound(f"{param}: no response {response_id!r} (never stored, deleted, or expired)", param, "not_found")
-    data = json.loads(raw)
-    return Stored(data["response"], data["input_items"], data["turns"])
+    fields = {as_text(k): as_text(v) for k, v in raw.items()}
+    data = json.loads(fields["record"])
+    return Stored(data["response"], data["input_items"], data["turns"], fields.get("reply_to", ""))
 
 
 async def delete(core: GatewayCore, owner: str, response_id: str) -> None:
-    if not await core.r.delete(core.names.response(owner, response_id)):
+    if not await core.r.delete(_key(core, owner, response_id)):
         raise NotFound(f"response_id: no response {response_id!r}", "response_id", "not_found")
