@@ -288,3 +288,23 @@ def test_only_a_background_response_can_be_cancelled(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.cancel(resp.id)
     assert e.value.body["param"] == "response_id"
+
+
+def test_a_response_id_names_its_request_in_the_requests_api(client, keyed_cluster):
+    resp = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert snapshot(keyed_cluster.url, resp.id, auth(KEY_A))["state"] == "FINISHED"
+
+
+def test_a_response_with_a_session_header_is_a_turn_of_that_session(client, keyed_cluster):
+    first = client.responses.create(
+        model=MODEL, input="Tell me about the sea " * 8, max_output_tokens=4, extra_headers={"X-Session-ID": "resp-1"}
+    )
+    client.responses.create(
+        model=MODEL,
+        input="And rivers?",
+        previous_response_id=first.id,
+        max_output_tokens=4,
+        extra_headers={"X-Session-ID": "resp-1"},
+    )
+    s = httpx.get(f"{keyed_cluster.url}/v1/sessions/resp-1", headers=auth(KEY_A), timeout=10).json()
+    assert s["turns"] == 2 and s["state"] == "PAUSED"
