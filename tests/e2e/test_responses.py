@@ -295,16 +295,39 @@ def test_a_response_id_names_its_request_in_the_requests_api(client, keyed_clust
     assert snapshot(keyed_cluster.url, resp.id, auth(KEY_A))["state"] == "FINISHED"
 
 
-def test_a_response_with_a_session_header_is_a_turn_of_that_session(client, keyed_cluster):
+def test_a_continuation_of_a_session_s_response_is_the_session_s_next_turn_and_reuses_its_kv(client, keyed_cluster):
     first = client.responses.create(
         model=MODEL, input="Tell me about the sea " * 8, max_output_tokens=4, extra_headers={"X-Session-ID": "resp-1"}
     )
-    client.responses.create(
-        model=MODEL,
-        input="And rivers?",
-        previous_response_id=first.id,
-        max_output_tokens=4,
-        extra_headers={"X-Session-ID": "resp-1"},
+    second = client.responses.create(
+        model=MODEL, input="And rivers?", previous_response_id=first.id, max_output_tokens=4
     )
     s = httpx.get(f"{keyed_cluster.url}/v1/sessions/resp-1", headers=auth(KEY_A), timeout=10).json()
     assert s["turns"] == 2 and s["state"] == "PAUSED"
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
+
+
+def test_a_prompt_beyond_the_context_names_input_and_max_output_tokens_beyond_it_names_that(keyed_cluster):
+    too_long = _post(keyed_cluster, input="hello " * 9000, max_output_tokens=4)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input", too_long.text
+    crowded = _post(keyed_cluster, input="hello " * 5000, max_output_tokens=4000)
+    assert crowded.status_code == 400 and crowded.json()["error"]["param"] == "max_output_tokens", crowded.text
+    assert "max_output_tokens" in crowded.json()["error"]["message"]
+
+
+def test_a_function_call_answered_by_its_output_continues_the_stored_conversation(client, keyed_cluster):
+    tools = dict(tools=[WEATHER], parallel_tool_calls=False, temperature=0)
+    called = client.responses.create(model=MODEL, input=ASK, tool_choice="required", max_output_tokens=60, **tools)
+    call = called.output[0]
+    answer = [{"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}]
+    final = client.responses.create(
+        model=MODEL, previous_response_id=called.id, input=answer, max_output_tokens=6, **tools
+    )
+    assert final.status in ("completed", "incomplete")
+    same = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        *answer,
+    ]
+    whole = client.responses.create(model=MODEL, input=same, max_output_tokens=6, **tools)
+    assert whole.usage.input_tokens == final.usage.input_tokens and whole.output_text == final.output_text

@@ -31,7 +31,7 @@ RENAMED = (
     ),
     (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
     (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
-    (re.compile(r"^messages[.\[].*"), "input"),
+    (re.compile(r"^messages\b.*"), "input"),
     (re.compile(r"^max_tokens$"), "max_output_tokens"),
 )
 
@@ -47,7 +47,7 @@ def renamed(e: InvalidRequest) -> InvalidRequest:
     for pattern, to in RENAMED:
         if pattern.match(e.param):
             param = pattern.sub(to, e.param, count=1)
-            message = e.message.replace(e.param, param, 1)
+            message = e.message.replace(e.param, param)
             return InvalidRequest(message, param, e.code, e.extra or None, e.headers)
     return e
 
@@ -92,10 +92,13 @@ def _response_format(text: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-def chat_request(body: ResponsesRequest, turns: list[dict]) -> ChatCompletionRequest:
-    """The chat body of the request, whose conversation is `turns` (chat messages, instructions not included)."""
+def chat_request(body: ResponsesRequest, turns: list[dict], session_id: str | None = None) -> ChatCompletionRequest:
+    """The chat body of the request, whose conversation is `turns` (chat messages, instructions not included), a
+    turn of session_id if given."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"model": body.model, "messages": system + turns, "stream": bool(body.stream)}
+    if session_id:
+        chat["session_id"] = session_id
     for name in ("temperature", "top_p", "user", "parallel_tool_calls"):
         if (value := getattr(body, name)) is not None:
             chat[name] = value

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import redis
 from fastapi import APIRouter, Query, Request
 
+from services.gateway.conversation import turns
 from services.gateway.edge.auth import caller
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound, Unavailable
@@ -98,10 +99,11 @@ class Accepted:
     items: list[dict]  # its input, as stored
     before: list[dict]  # the previous response's conversation (chat turns)
     envelope: Envelope
+    session_id: str  # the session it is a turn of ("" none)
 
     def stored(self, response: dict) -> store.Stored:
-        turns = self.before + chat_turns(self.items) + chat_turns(response["output"])
-        return store.Stored(response, self.items, turns, self.choices.primary.reply_to)
+        conversation = self.before + chat_turns(self.items) + chat_turns(response["output"])
+        return store.Stored(response, self.items, conversation, self.choices.primary.reply_to, self.session_id)
 
     async def stored_while_running(self, response: dict) -> bool:
         """A background response's step, written unless it was cancelled, deleted or has ended."""
@@ -123,11 +125,12 @@ async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -
     _check(core, body)
     owner = caller(request)
     items = input_items(body.input)
-    before = []
+    before, session = [], turns.session_id_of(request, None)
     if body.previous_response_id:
-        before = (await store.get(core, owner, body.previous_response_id, "previous_response_id")).turns
+        previous = await store.get(core, owner, body.previous_response_id, "previous_response_id")
+        before, session = previous.turns, session or previous.session_id  # its session goes on, with its KV
     try:
-        chat = chat_request(body, before + chat_turns(items))
+        chat = chat_request(body, before + chat_turns(items), session)
         plan = await off_loop(lambda: plan_chat(chat), plan_weight(chat))  # its schemas compiled off the loop
         native = native_request(chat, body.max_output_tokens, None, messages=chat_messages(chat))
         meta = {"api": "openai.responses", "user": body.user}
@@ -137,7 +140,7 @@ async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -
     except InvalidRequest as e:
         raise renamed(e) from e
     envelope = Envelope(f"resp_{choices.primary.request_id}", core.model_name, _echoed(body), bool(body.background))
-    return Accepted(core, body, owner, choices, plan, items, before, envelope)
+    return Accepted(core, body, owner, choices, plan, items, before, envelope, session or "")
 
 
 @router.post("/v1/responses", responses={**sse_or_json(ResponseObject, "the response"), **GENERATION_ERRORS})
@@ -159,9 +162,13 @@ async def create_response(body: ResponsesRequest, request: Request, core: Core):
         save = job.stored_while_running
         background.start(core, request, primary, envelope, OutputBuilder(job.plan), save)
         return queued
-    if body.stream:
-        return await start_stream(request, core, job.choices, envelope, OutputBuilder(job.plan), job.finished, headers)
-    (native_body,) = await collect_choices(core, job.choices, request, with_logprobs=False)
+    try:  # the prompt refused (too long, max_output_tokens beyond the context) names the chat field: rename it
+        if body.stream:
+            out = OutputBuilder(job.plan)
+            return await start_stream(request, core, job.choices, envelope, out, job.finished, headers)
+        (native_body,) = await collect_choices(core, job.choices, request, with_logprobs=False)
+    except InvalidRequest as e:
+        raise renamed(e) from e
     out = OutputBuilder(job.plan)
     out.feed(native_body["text"])
     status, reason, _events = out.finish(native_body["finish_reason"])

@@ -7,7 +7,8 @@ response is bounded by the body limit and the model's context; a chain walked at
 turn instead. Any gateway reads any record: the key names the owner, not the process.
 
 The hash's fields: `status` (the response's, apart so that a script can read it without decoding the record),
-`record` (JSON), `reply_to` (the reply stream of the gateway driving it: what a cancel from any gateway needs).
+`record` (JSON), `reply_to` (the reply stream of the gateway driving it: what a cancel from any gateway needs),
+`session_id` (the session it was a turn of: a continuation is a turn of it too).
 A background response is written again as it runs, only while it runs (update_running): a cancel, a deletion or
 the end, whichever comes first, is the last word. The key lives responses_ttl_s from its creation (set in the same
 MULTI as the hash; later writes keep it): nothing in Redis outlives its TTL.
@@ -43,13 +44,16 @@ class Stored:
     input_items: list[dict]  # this request's own input, each item with its id
     turns: list[dict]  # the conversation through this response's output, as chat messages
     reply_to: str = ""  # the reply stream of the gateway that drives it
+    session_id: str = ""  # the conversation session it was a turn of (a continuation's turn is one too)
 
     @property
     def request_id(self) -> str:
         return self.response["id"].removeprefix("resp_")
 
     def with_response(self, response: dict, turns: list[dict] | None = None) -> Stored:
-        return Stored(response, self.input_items, self.turns if turns is None else turns, self.reply_to)
+        return Stored(
+            response, self.input_items, self.turns if turns is None else turns, self.reply_to, self.session_id
+        )
 
     def fields(self) -> dict:
         record = {"response": self.response, "input_items": self.input_items, "turns": self.turns}
@@ -63,7 +67,7 @@ def _key(core: GatewayCore, owner: str, response_id: str) -> str:
 async def put(core: GatewayCore, owner: str, stored: Stored) -> None:
     key = _key(core, owner, stored.response["id"])
     pipe = core.r.pipeline(transaction=True)  # born with its TTL
-    pipe.hset(key, mapping={**stored.fields(), "reply_to": stored.reply_to})
+    pipe.hset(key, mapping={**stored.fields(), "reply_to": stored.reply_to, "session_id": stored.session_id})
     pipe.expire(key, core.s.responses_ttl_s)
     await pipe.execute()
 
@@ -82,7 +86,9 @@ async def get(core: GatewayCore, owner: str, response_id: str, param: str = "res
         raise NotFound(f"{param}: no response {response_id!r} (never stored, deleted, or expired)", param, "not_found")
     fields = {as_text(k): as_text(v) for k, v in raw.items()}
     data = json.loads(fields["record"])
-    return Stored(data["response"], data["input_items"], data["turns"], fields.get("reply_to", ""))
+    return Stored(
+        data["response"], data["input_items"], data["turns"], fields.get("reply_to", ""), fields.get("session_id", "")
+    )
 
 
 async def delete(core: GatewayCore, owner: str, response_id: str) -> None:
