@@ -49,3 +49,25 @@ def test_a_stored_response_outlives_its_gateway_and_a_redis_restart(start_cluste
         assert second.responses.retrieve(r.id).output_text == r.output_text
     ttl = redis.Redis.from_url(c.redis.url).ttl(Names(c.ns).response("", resp.id))
     assert 0 < ttl <= TTL_S
+
+
+def _ended(client, response_id: str):
+    got = client.responses.retrieve(response_id)
+    return got if got.status not in ("queued", "in_progress") else None
+
+
+def test_a_background_response_whose_gateway_died_is_settled_failed_by_another(start_cluster):
+    c = start_cluster(env={**FAST, **SIM})
+    other = f"http://127.0.0.1:{free_port()}"
+    c.start_service("gateway2", {"CONVEYOR_PORT": other.rsplit(":", 1)[1]})
+    wait_for(lambda: _ready(other), 120, what="the second gateway")
+    first, second = openai_client(c.url), openai_client(other)
+    resp = first.responses.create(model=MODEL, input="Count to a thousand", background=True, max_output_tokens=400)
+    wait_for(lambda: second.responses.retrieve(resp.id).status == "in_progress", 30, what="the response running")
+    os.kill(c.procs["gateway"].pid, signal.SIGKILL)
+    c.procs["gateway"].wait()
+    lost = wait_for(lambda: _ended(second, resp.id), 30, what="the orphan settled")
+    assert lost.status == "failed" and lost.error.code == "gateway_lost"
+    rid = resp.id.removeprefix("resp_")
+    r = redis.Redis.from_url(c.redis.url)
+    wait_for(lambda: r.hget(Names(c.ns).layer(rid, "meta"), "state") == b"CANCELLED", 30, what="its work stopped")

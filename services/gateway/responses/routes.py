@@ -103,7 +103,14 @@ class Accepted:
 
     def stored(self, response: dict) -> store.Stored:
         conversation = self.before + chat_turns(self.items) + chat_turns(response["output"])
-        return store.Stored(response, self.items, conversation, self.choices.primary.reply_to, self.session_id)
+        return store.Stored(
+            response,
+            self.items,
+            conversation,
+            reply_to=self.choices.primary.reply_to,
+            session_id=self.session_id,
+            gateway=self.core.id,
+        )
 
     async def stored_while_running(self, response: dict) -> bool:
         """A background response's step, written unless it was cancelled, deleted or has ended."""
@@ -179,7 +186,8 @@ async def create_response(body: ResponsesRequest, request: Request, core: Core):
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(401, 404))
 async def get_response(response_id: str, request: Request, core: Core) -> dict:
-    return (await store.get(core, caller(request), response_id)).response
+    stored = await store.get(core, caller(request), response_id)
+    return (await background.orphan_settled(core, caller(request), stored)).response
 
 
 @router.get(

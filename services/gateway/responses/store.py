@@ -8,7 +8,8 @@ turn instead. Any gateway reads any record: the key names the owner, not the pro
 
 The hash's fields: `status` (the response's, apart so that a script can read it without decoding the record),
 `record` (JSON), `reply_to` (the reply stream of the gateway driving it: what a cancel from any gateway needs),
-`session_id` (the session it was a turn of: a continuation is a turn of it too).
+`session_id` (the session it was a turn of: a continuation is a turn of it too), `gateway` (the id of the one
+driving it).
 A background response is written again as it runs, only while it runs (update_running): a cancel, a deletion or
 the end, whichever comes first, is the last word. The key lives responses_ttl_s from its creation (set in the same
 MULTI as the hash; later writes keep it): nothing in Redis outlives its TTL.
@@ -17,7 +18,7 @@ MULTI as the hash; later writes keep it): nothing in Redis outlives its TTL.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.gateway.edge.errors import NotFound
@@ -45,15 +46,14 @@ class Stored:
     turns: list[dict]  # the conversation through this response's output, as chat messages
     reply_to: str = ""  # the reply stream of the gateway that drives it
     session_id: str = ""  # the conversation session it was a turn of (a continuation's turn is one too)
+    gateway: str = ""  # the id of the gateway that drives it (its liveness says whether anyone still does)
 
     @property
     def request_id(self) -> str:
         return self.response["id"].removeprefix("resp_")
 
     def with_response(self, response: dict, turns: list[dict] | None = None) -> Stored:
-        return Stored(
-            response, self.input_items, self.turns if turns is None else turns, self.reply_to, self.session_id
-        )
+        return replace(self, response=response, turns=self.turns if turns is None else turns)
 
     def fields(self) -> dict:
         record = {"response": self.response, "input_items": self.input_items, "turns": self.turns}
@@ -67,7 +67,8 @@ def _key(core: GatewayCore, owner: str, response_id: str) -> str:
 async def put(core: GatewayCore, owner: str, stored: Stored) -> None:
     key = _key(core, owner, stored.response["id"])
     pipe = core.r.pipeline(transaction=True)  # born with its TTL
-    pipe.hset(key, mapping={**stored.fields(), "reply_to": stored.reply_to, "session_id": stored.session_id})
+    about = {"reply_to": stored.reply_to, "session_id": stored.session_id, "gateway": stored.gateway}
+    pipe.hset(key, mapping={**stored.fields(), **about})
     pipe.expire(key, core.s.responses_ttl_s)
     await pipe.execute()
 
@@ -86,9 +87,8 @@ async def get(core: GatewayCore, owner: str, response_id: str, param: str = "res
         raise NotFound(f"{param}: no response {response_id!r} (never stored, deleted, or expired)", param, "not_found")
     fields = {as_text(k): as_text(v) for k, v in raw.items()}
     data = json.loads(fields["record"])
-    return Stored(
-        data["response"], data["input_items"], data["turns"], fields.get("reply_to", ""), fields.get("session_id", "")
-    )
+    about = {k: fields.get(k, "") for k in ("reply_to", "session_id", "gateway")}
+    return Stored(data["response"], data["input_items"], data["turns"], **about)
 
 
 async def delete(core: GatewayCore, owner: str, response_id: str) -> None:
