@@ -242,6 +242,9 @@ class Names:
         cannot even name it, so for that key it does not exist (404)."""
         return f"{self.ns}:{{resp:{owner or '-'}}}:r:{response_id}"
 
+    def response_events(self, owner: str, response_id: str) -> str:  # stream: a background response's events
+        return f"{self.response(owner, response_id)}:events"
+
     @property
     def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
         return f"{self.ns}:epoch"

@@ -146,7 +146,6 @@ def test_a_json_schema_format_gives_json_of_that_schema(client):
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True, "store": False}, "store"),
-        ({"background": True, "stream": True}, "stream"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         (
@@ -331,3 +330,35 @@ def test_a_function_call_answered_by_its_output_continues_the_stored_conversatio
     ]
     whole = client.responses.create(model=MODEL, input=same, max_output_tokens=6, **tools)
     assert whole.usage.input_tokens == final.usage.input_tokens and whole.output_text == final.output_text
+
+
+def test_a_background_stream_gives_the_stored_response_s_events_and_resumes_after_a_sequence_number(client):
+    body = dict(model=MODEL, input="Tell me a story", max_output_tokens=12, temperature=0)
+    events = list(client.responses.create(background=True, stream=True, **body))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.status == "queued"
+    assert events[-1].type == f"response.{events[-1].response.status}"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    stored = client.responses.retrieve(events[0].response.id)
+    assert text == stored.output_text == client.responses.create(**body).output_text
+    k = len(events) // 2
+    again = list(client.responses.retrieve(stored.id, stream=True, starting_after=k))
+    assert [e.sequence_number for e in again] == list(range(k + 1, len(events)))
+    assert [e.type for e in again] == [e.type for e in events[k + 1 :]]
+
+
+def test_only_a_background_response_created_streaming_can_be_streamed_again(client):
+    resp = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, background=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(resp.id, stream=True))
+    assert e.value.body["param"] == "stream"
+
+
+def test_a_cancelled_background_stream_ends_with_its_failure(client):
+    stream = client.responses.create(
+        model=MODEL, input="Count to a thousand", background=True, stream=True, max_output_tokens=400
+    )
+    first = next(iter(stream))
+    client.responses.cancel(first.response.id)
+    rest = list(stream)
+    assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"

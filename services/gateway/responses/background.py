@@ -2,24 +2,26 @@
 this gateway detached from the client, each step written to the stored response while it still runs
 (store.update_running: queued -> in_progress -> completed | incomplete | failed | cancelled). Any gateway's GET
 sees it; POST .../cancel settles it cancelled first and then stops the work, so the task's later writes are no-ops.
+Created with stream=true, its events are also appended to its event log in Redis (store.append_events), from which
+any gateway streams them, from the start or after a sequence_number (responses.stream.replay).
 
 The task holds the request's handle as a client's handler would, and releases it at the end. A gateway that dies
 takes its tasks with it, and the scheduler cancels their requests as orphaned: a GET through any other gateway then
 finds the record running under a gateway that is not live, and settles it failed (`gateway_lost`: send it again)
-rather than leave it in_progress until its TTL (orphan_settled). Not yet (issue 27): another gateway taking the
-work over, or resuming a background response's stream.
+rather than leave it in_progress until its TTL (store.orphan_settled). Not yet (issue 27): another gateway taking
+the work over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from services.gateway.edge.errors import GatewayError, RequestCancelled
 from services.gateway.responses import store
 from services.gateway.session.drive import drive, final_body
-from shared.liveness import aread_live
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -27,66 +29,74 @@ if TYPE_CHECKING:
     from services.gateway.responses.output import Envelope, OutputBuilder
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import RequestHandle
-    from services.gateway.responses.store import Stored
 
 logger = logging.getLogger(__name__)
 
-Save = Callable[[dict], Awaitable[bool]]  # write a Response object while the stored one still runs
 _TASKS: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
 
 
-def start(
-    core: GatewayCore, request: Request, handle: RequestHandle, envelope: Envelope, out: OutputBuilder, save: Save
-) -> None:
-    task = asyncio.get_running_loop().create_task(
-        _run(core, request, handle, envelope, out, save), name=f"background-{envelope.id}"
-    )
+@dataclass
+class Job:
+    core: GatewayCore
+    request: Request
+    handle: RequestHandle
+    envelope: Envelope
+    out: OutputBuilder
+    save: Callable[[dict], Awaitable[bool]]  # write a Response object while the stored one still runs
+    owner: str
+    streamed: bool  # created with stream=true: its events go to its log
+    _next: int = field(default=0)  # the next event's sequence_number
+
+    async def log(self, events: list[dict]) -> None:
+        if not self.streamed or not events:
+            return
+        for event in events:
+            event["sequence_number"] = self._next
+            self._next += 1
+        await store.append_events(
+            self.core, self.owner, self.envelope.id, events, first=events[0]["sequence_number"] == 0
+        )
+
+    async def end(self, response: dict) -> None:
+        """The last word: the record (if it still runs), then the log's terminal event."""
+        await self.save(response)
+        await self.log([{"type": store.terminal_event(response["status"]), "response": response}])
+
+
+async def start(job: Job) -> None:
+    """Log its creation (a stream of it may be asked for from now on), then drive it in a task of its own."""
+    await job.log([{"type": "response.created", "response": job.envelope.response("queued", [])}])
+    task = asyncio.get_running_loop().create_task(_run(job), name=f"background-{job.envelope.id}")
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
 
 
-async def _run(
-    core: GatewayCore, request: Request, handle: RequestHandle, envelope: Envelope, out: OutputBuilder, save: Save
-) -> None:
+async def _run(job: Job) -> None:
     try:
-        await _drive(core, request, handle, envelope, out, save)
+        await _drive(job)
     except Exception:  # nobody awaits this task: what went wrong is logged here or never seen
-        logger.exception("background response %s: its record may stay as it was until its TTL", envelope.id)
+        logger.exception("background response %s: its record may stay as it was until its TTL", job.envelope.id)
     finally:
-        core.release(handle)
+        job.core.release(job.handle)
 
 
-async def _drive(
-    core: GatewayCore, request: Request, handle: RequestHandle, envelope: Envelope, out: OutputBuilder, save: Save
-) -> None:
+async def _drive(job: Job) -> None:
+    envelope, out = job.envelope, job.out
     try:
         started = False
-        async for chunk in drive(core, handle, request, watch=False):  # no client to watch: it has its answer
+        async for chunk in drive(job.core, job.handle, job.request, watch=False):  # no client: it has its answer
             if not started:
                 started = True
-                await save(envelope.response("in_progress", []))
+                running = envelope.response("in_progress", [])
+                await job.save(running)
+                await job.log([{"type": "response.in_progress", "response": running}])
             if chunk.text:
-                out.feed(chunk.text)
-        body = await final_body(core, handle, with_logprobs=False)
-        status, reason, _events = out.finish(body["finish_reason"])
-        await save(envelope.response(status, out.output, body["usage"], reason))
+                await job.log(out.feed(chunk.text))
+        body = await final_body(job.core, job.handle, with_logprobs=False)
+        status, reason, closing = out.finish(body["finish_reason"])
+        await job.log(closing)
+        await job.end(envelope.response(status, out.output, body["usage"], reason))
     except RequestCancelled:
-        await save(envelope.response("cancelled", out.output))
+        await job.end(envelope.response("cancelled", out.output))
     except GatewayError as e:
-        await save(envelope.response("failed", out.output) | {"error": {"code": e.code, "message": e.message}})
-
-
-async def orphan_settled(core: GatewayCore, owner: str, stored: Stored) -> Stored:
-    """stored, settled failed if it still runs under a gateway that is no longer live (nobody will end it)."""
-    if stored.response["status"] not in store.RUNNING or stored.gateway in ("", core.id):
-        return stored
-    if stored.gateway in await aread_live(core.r, core.names, "gateway"):
-        return stored
-    error = {"code": "gateway_lost", "message": "the gateway driving this response stopped; send it again"}
-    lost = stored.with_response(stored.response | {"status": "failed", "error": error})
-    if await store.update_running(core, owner, lost):
-        logger.warning(
-            "background response %s: its gateway %s is gone; settled failed", lost.response["id"], stored.gateway
-        )
-        return lost
-    return await store.get(core, owner, stored.response["id"])  # it changed meanwhile: what it is now
+        await job.end(envelope.response("failed", out.output) | {"error": {"code": e.code, "message": e.message}})

@@ -19,6 +19,7 @@ from services.gateway.conversation import turns
 from services.gateway.edge.auth import caller
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound, Unavailable
+from services.gateway.edge.sse import SseResponse
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import plan_chat, plan_weight
@@ -33,7 +34,7 @@ from services.gateway.responses.schemas import (
     ResponseObject,
     ResponsesRequest,
 )
-from services.gateway.responses.stream import start_stream
+from services.gateway.responses.stream import replay, start_stream
 from services.gateway.session.drive import collect_choices
 from services.gateway.session.intake import accept_choices
 from services.gateway.text.render import json_response, off_loop
@@ -150,25 +151,39 @@ async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -
     return Accepted(core, body, owner, choices, plan, items, before, envelope, session or "")
 
 
+async def _in_background(core: GatewayCore, request: Request, job: Accepted):
+    """Store it queued, start its task, answer: the queued response, or (stream) its events as they are logged."""
+    primary, envelope = job.choices.primary, job.envelope
+    queued = envelope.response("queued", [])
+    try:
+        await store.put(core, job.owner, job.stored(queued))
+    except BaseException:
+        core.abandon(primary, "store_failed")  # nobody would ever see it: do not run it
+        raise
+    out = OutputBuilder(job.plan)
+    save = job.stored_while_running
+    try:
+        await background.start(
+            background.Job(core, request, primary, envelope, out, save, job.owner, bool(job.body.stream))
+        )
+    except BaseException:
+        core.abandon(primary, "store_failed")
+        raise
+    if job.body.stream:
+        headers = {"X-Request-Id": primary.request_id}
+        return SseResponse(replay(core, job.owner, envelope.id, -1), core.s.sse_write_timeout_s, headers=headers)
+    return queued
+
+
 @router.post("/v1/responses", responses={**sse_or_json(ResponseObject, "the response"), **GENERATION_ERRORS})
 async def create_response(body: ResponsesRequest, request: Request, core: Core):
     if body.background and body.store is False:
         raise InvalidRequest("store: a background response is stored (store must be true)", "store", "invalid_value")
-    if body.background and body.stream:
-        raise InvalidRequest("stream: not supported with background (poll GET /v1/responses/{id})", "stream")
     job = await _accept(core, request, body)
     primary, envelope = job.choices.primary, job.envelope
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if body.background:
-        queued = envelope.response("queued", [])
-        try:
-            await store.put(core, job.owner, job.stored(queued))
-        except BaseException:
-            core.abandon(primary, "store_failed")  # nobody would ever see it: do not run it
-            raise
-        save = job.stored_while_running
-        background.start(core, request, primary, envelope, OutputBuilder(job.plan), save)
-        return queued
+        return await _in_background(core, request, job)
     try:  # the prompt refused (too long, max_output_tokens beyond the context) names the chat field: rename it
         if body.stream:
             out = OutputBuilder(job.plan)
@@ -184,10 +199,26 @@ async def create_response(body: ResponsesRequest, request: Request, core: Core):
     return await json_response(lambda: response, len(native_body["token_ids"]), headers)
 
 
-@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(401, 404))
-async def get_response(response_id: str, request: Request, core: Core) -> dict:
-    stored = await store.get(core, caller(request), response_id)
-    return (await background.orphan_settled(core, caller(request), stored)).response
+@router.get(
+    "/v1/responses/{response_id}",
+    responses={**sse_or_json(ResponseObject, "the response, or its events"), **error_responses(400, 401, 404)},
+)
+async def get_response(
+    response_id: str,
+    request: Request,
+    core: Core,
+    stream: bool = Query(False, description="a background response created with stream=true: its events"),
+    starting_after: int = Query(-1, ge=-1, description="with stream: the events after this sequence_number"),
+):
+    owner = caller(request)
+    stored = await store.orphan_settled(core, owner, await store.get(core, owner, response_id))
+    if not stream:
+        return stored.response
+    if not stored.response.get("background") or not await store.has_events(core, owner, response_id):
+        raise InvalidRequest(
+            "stream: only a background response created with stream=true can be streamed again", "stream"
+        )
+    return SseResponse(replay(core, owner, response_id, starting_after), core.s.sse_write_timeout_s)
 
 
 @router.get(

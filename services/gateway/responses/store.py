@@ -18,16 +18,22 @@ MULTI as the hash; later writes keep it): nothing in Redis outlives its TTL.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.gateway.edge.errors import NotFound
+from shared.liveness import aread_live
 from shared.replies import as_text
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
 
+logger = logging.getLogger(__name__)
+
 RUNNING = ("queued", "in_progress")
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+EVENT_FIELD = "e"  # an event log entry's one field: the event's JSON
 # Write the record only while the stored response is still running (an existing key whose status is RUNNING).
 _UPDATE_RUNNING = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -92,5 +98,53 @@ async def get(core: GatewayCore, owner: str, response_id: str, param: str = "res
 
 
 async def delete(core: GatewayCore, owner: str, response_id: str) -> None:
-    if not await core.r.delete(_key(core, owner, response_id)):
+    if not await core.r.delete(_key(core, owner, response_id), core.names.response_events(owner, response_id)):
         raise NotFound(f"response_id: no response {response_id!r}", "response_id", "not_found")
+
+
+def terminal_event(status: str) -> str:
+    """The type of the event that ends a stream of a response ended so (cancelled too is a failure to answer)."""
+    return f"response.{status}" if status in ("completed", "incomplete") else "response.failed"
+
+
+async def append_events(core: GatewayCore, owner: str, response_id: str, events: list[dict], first: bool) -> None:
+    """Append a background response's events to its log (first: the log is born here, with its TTL)."""
+    key = core.names.response_events(owner, response_id)
+    pipe = core.r.pipeline(transaction=True)
+    for event in events:
+        pipe.xadd(key, {EVENT_FIELD: json.dumps(event, ensure_ascii=False)})
+    if first:
+        pipe.expire(key, core.s.responses_ttl_s)
+    await pipe.execute()
+
+
+async def read_events(
+    core: GatewayCore, owner: str, response_id: str, after: str, block_ms: int | None
+) -> list[tuple[str, dict]]:
+    """The log's entries after entry id `after` (blocking up to block_ms for the first, None: not at all)."""
+    key = core.names.response_events(owner, response_id)
+    reply = await core.r.xread({key: after}, count=256, block=block_ms)
+    out = []
+    for _stream, entries in reply or []:
+        for entry_id, fields in entries:
+            event = next(v for k, v in fields.items() if as_text(k) == EVENT_FIELD)
+            out.append((as_text(entry_id), json.loads(event)))
+    return out
+
+
+async def has_events(core: GatewayCore, owner: str, response_id: str) -> bool:
+    return bool(await core.r.exists(core.names.response_events(owner, response_id)))
+
+
+async def orphan_settled(core: GatewayCore, owner: str, stored: Stored) -> Stored:
+    """stored, settled failed if it still runs under a gateway that is no longer live (nobody will end it)."""
+    if stored.response["status"] not in RUNNING or stored.gateway in ("", core.id):
+        return stored
+    if stored.gateway in await aread_live(core.r, core.names, "gateway"):
+        return stored
+    error = {"code": "gateway_lost", "message": "the gateway driving this response stopped; send it again"}
+    lost = stored.with_response(stored.response | {"status": "failed", "error": error})
+    if await update_running(core, owner, lost):
+        logger.warning("response %s: its gateway %s is gone; settled failed", lost.response["id"], stored.gateway)
+        return lost
+    return await get(core, owner, stored.response["id"])  # it changed meanwhile: what it is now

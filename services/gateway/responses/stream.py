@@ -14,8 +14,9 @@ import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-from services.gateway.edge.errors import GatewayError
+from services.gateway.edge.errors import GatewayError, NotFound
 from services.gateway.edge.sse import SseResponse
+from services.gateway.responses import store
 from services.gateway.session.drive import ChoiceRun, first_outcome
 from services.gateway.session.outcome import ending
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REPLAY_BLOCK_MS = 1000  # a replay's longest wait for its log before it looks whether the response still runs
 Finished = Callable[[dict], Awaitable[None]]  # what to do with the final Response before it is sent (store it)
 
 
@@ -40,7 +42,11 @@ class Numbered:
     def sse(self, event: dict) -> bytes:
         event["sequence_number"] = self.next
         self.next += 1
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        return _sse(event)
+
+
+def _sse(event: dict) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
 async def start_stream(
@@ -94,3 +100,29 @@ async def _events(
             _, chunk = await run.next()
     finally:
         run.close(failed)  # before any await: a cancelled handler's next await raises at once
+
+
+async def replay(core: GatewayCore, owner: str, response_id: str, after: int) -> AsyncIterator[bytes]:
+    """A background response's events from its log, those after sequence_number `after`, until its terminal event;
+    followed as they come, from any gateway. A response ended with no terminal event in its log (cancelled before
+    its task heard of it, settled failed because its gateway died) ends the replay with one made from its record."""
+    last, seq = "0-0", -1
+    try:
+        while True:
+            entries = await store.read_events(core, owner, response_id, last, REPLAY_BLOCK_MS)
+            for entry_id, event in entries:
+                last, seq = entry_id, event["sequence_number"]
+                if seq > after:
+                    yield _sse(event)
+                if event["type"] in store.TERMINAL_EVENTS:
+                    return
+            if entries:
+                continue
+            stored = await store.orphan_settled(core, owner, await store.get(core, owner, response_id))
+            status = stored.response["status"]
+            if status in store.RUNNING or await store.read_events(core, owner, response_id, last, None):
+                continue  # still running, or its end was logged meanwhile
+            yield _sse({"type": store.terminal_event(status), "response": stored.response, "sequence_number": seq + 1})
+            return
+    except NotFound:  # deleted while followed: nothing more will come
+        logger.info("response %s: deleted while its events were followed", response_id)
