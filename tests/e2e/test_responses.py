@@ -362,3 +362,17 @@ def test_a_cancelled_background_stream_ends_with_its_failure(client):
     client.responses.cancel(first.response.id)
     rest = list(stream)
     assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"
+
+
+def test_a_background_prompt_beyond_the_context_fails_naming_input(client):
+    resp = client.responses.create(model=MODEL, input="hello " * 9000, background=True, max_output_tokens=4)
+    failed = wait_for(lambda: _ended(client, resp.id), 30, what="the refused prompt's end")
+    assert failed.status == "failed" and failed.error.message.startswith("input")
+
+
+def test_a_running_background_response_cannot_be_continued_yet(client):
+    resp = client.responses.create(model=MODEL, input="Count to a thousand", background=True, max_output_tokens=400)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="and?", previous_response_id=resp.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.cancel(resp.id)

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from services.gateway.edge.errors import GatewayError, RequestCancelled
+from services.gateway.edge.errors import GatewayError, InvalidRequest, RequestCancelled
 from services.gateway.responses import store
 from services.gateway.session.drive import drive, final_body
 
@@ -45,6 +45,7 @@ class Job:
     save: Callable[[dict], Awaitable[bool]]  # write a Response object while the stored one still runs
     owner: str
     streamed: bool  # created with stream=true: its events go to its log
+    renamed: Callable[[InvalidRequest], InvalidRequest]  # a refused prompt's error, naming the Responses field
     _next: int = field(default=0)  # the next event's sequence_number
 
     async def log(self, events: list[dict]) -> None:
@@ -99,4 +100,6 @@ async def _drive(job: Job) -> None:
     except RequestCancelled:
         await job.end(envelope.response("cancelled", out.output))
     except GatewayError as e:
+        if isinstance(e, InvalidRequest):  # the prompt refused (too long...): named as the client sent it
+            e = job.renamed(e)
         await job.end(envelope.response("failed", out.output) | {"error": {"code": e.code, "message": e.message}})

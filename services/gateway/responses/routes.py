@@ -136,6 +136,13 @@ async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -
     before, session = [], turns.session_id_of(request, None)
     if body.previous_response_id:
         previous = await store.get(core, owner, body.previous_response_id, "previous_response_id")
+        if previous.response["status"] in store.RUNNING:  # its output is not known yet: nothing to continue from
+            raise InvalidRequest(
+                f"previous_response_id: the response {body.previous_response_id!r} is still "
+                f"{previous.response['status']}; continue it once it has ended",
+                "previous_response_id",
+                "response_running",
+            )
         before, session = previous.turns, session or previous.session_id  # its session goes on, with its KV
     try:
         chat = chat_request(body, before + chat_turns(items), session)
@@ -164,7 +171,7 @@ async def _in_background(core: GatewayCore, request: Request, job: Accepted):
     save = job.stored_while_running
     try:
         await background.start(
-            background.Job(core, request, primary, envelope, out, save, job.owner, bool(job.body.stream))
+            background.Job(core, request, primary, envelope, out, save, job.owner, bool(job.body.stream), renamed)
         )
     except BaseException:
         core.abandon(primary, "store_failed")
