@@ -80,8 +80,8 @@ async def _events(
         for kind in ("response.created", "response.in_progress"):
             yield seq.sse({"type": kind, "response": envelope.response("in_progress", [])})
         while True:
-            if chunk.text:
-                yield b"".join(seq.sse(e) for e in out.feed(chunk.text))
+            if chunk.text and (events := out.feed(chunk.text)):  # none while a call's name is still incomplete
+                yield b"".join(seq.sse(e) for e in events)
             try:
                 body = await first_outcome(core, run, 0, chunk, with_logprobs=False)
                 if body is not None:
