@@ -236,6 +236,15 @@ class Names:
     def _session_prefix(self, owner: str) -> str:
         return f"{self.ns}:{{sess:{owner or '-'}}}"
 
+    # --- stored responses (/v1/responses): one slot per owner, as its sessions ---------------------------------
+    def response(self, owner: str, response_id: str) -> str:
+        """String: one stored response (services/gateway/responses/store.py). Keyed by its owner: another API key
+        cannot even name it, so for that key it does not exist (404)."""
+        return f"{self.ns}:{{resp:{owner or '-'}}}:r:{response_id}"
+
+    def response_events(self, owner: str, response_id: str) -> str:  # stream: a background response's events
+        return f"{self.response(owner, response_id)}:events"
+
     @property
     def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
         return f"{self.ns}:epoch"

@@ -166,6 +166,12 @@ class GatewaySettings(CommonSettings):
     max_sessions_per_key: int = Field(
         1024, ge=1, description="conversation sessions one API key (or, without keys, everyone) may have at once"
     )
+    responses_ttl_s: int = Field(
+        30 * 24 * 3600,
+        ge=60,
+        description="how long a stored response (/v1/responses with store=true) is kept, from its creation; "
+        "30 days by default, as OpenAI keeps them",
+    )
     redis_pool_size: int = Field(
         64,
         ge=2,

@@ -1,7 +1,7 @@
 """The gateway's FastAPI application: where its packages are put together (docs/architecture.md).
 
 edge/ is what every HTTP request crosses first (middleware, API keys, the error shape, the OpenAPI document);
-native/ and openai/ are the two APIs; ops/ the probes, introspection and the dashboard; session/ and text/
+native/, openai/ and responses/ are the APIs; ops/ the probes, introspection and the dashboard; session/ and text/
 the request's life, which neither API's shapes reach into.
 """
 
@@ -25,6 +25,7 @@ from services.gateway.edge.openapi_doc import install as install_openapi
 from services.gateway.native.routes import router as native_router
 from services.gateway.native.tokenize import router as tokenize_router
 from services.gateway.openai.routes import router as openai_router
+from services.gateway.responses.routes import router as responses_router
 from services.gateway.ops.dashboard import router as dashboard_router
 from services.gateway.ops.health import router as health_router
 from services.gateway.ops.introspection import router as introspection_router
@@ -76,6 +77,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     if not settings.api_keys and not settings.admin_api_keys:
         logger.warning("no API keys are set (CONVEYOR_API_KEYS): every endpoint is open to anyone who can reach it")
     app.include_router(openai_router)
+    app.include_router(responses_router)
     install_openapi(app, OPEN_PATHS)  # document the answers middlewares and validation really give
     routers = (introspection_router, dashboard_router, native_router, tokenize_router, sessions_router, health_router)
     for router in routers:

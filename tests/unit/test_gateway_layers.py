@@ -1,5 +1,5 @@
 """The gateway's packages keep their layers (docs/architecture.md): the request's life (session/) and its text
-(text/) never reach into an API's shapes (native/, openai/), and no import chain inside services/gateway is deeper
+(text/) never reach into an API's shapes (native/, openai/, responses/), and no import chain inside services/gateway is deeper
 than MAX_DEPTH, so a module is understood from a few others. Read from the source (ast): nothing is imported."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ GATEWAY = next(
 PACKAGE = "services.gateway"
 MAX_DEPTH = 5  # import edges from the app down to the deepest leaf
 CORE_LAYERS = ("session", "text")
-API_PACKAGES = ("native", "openai")
+API_PACKAGES = ("native", "openai", "responses")
 
 
 def _module_name(path: Path) -> str:

@@ -119,7 +119,7 @@ def visible_owner(request) -> str | None:
 
 async def owned_snapshot(core, request, request_id: str):
     """The request's context if the caller may see it; else 404 (unknown and not-yours look alike)."""
-    for prefix in ("chatcmpl-", "cmpl-"):  # the OpenAI API's response ids wrap the request id
+    for prefix in ("chatcmpl-", "cmpl-", "resp_"):  # the OpenAI API's response ids wrap the request id
         if request_id.startswith(prefix):
             request_id = request_id[len(prefix) :]
     snap = await core.store.aread(core.ops_r, request_id)

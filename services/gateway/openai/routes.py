@@ -10,12 +10,10 @@ summed), there chunks over Server-Sent Events.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
@@ -30,11 +28,11 @@ from services.gateway.openai.schemas import (
     OpenAIRequest,
 )
 from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
+from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
-from services.gateway.openai.tool_calls import turn_text
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
-from services.gateway.session.request import GenerateRequest, Message
+from services.gateway.session.request import GenerateRequest
 from services.gateway.text.render import json_response, off_loop
 
 if TYPE_CHECKING:
@@ -45,25 +43,6 @@ router = APIRouter(tags=["OpenAI-compatible"])
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 STARTED = int(time.time())  # "created" of the model card: when this gateway started serving it
-# Fields passed to the native request unchanged when given (both sides validate them alike).
-PASSED = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "min_tokens",
-    "stop_token_ids",
-    "ignore_eos",
-    "priority",
-    "timeout",
-    "stop",
-    "session_id",
-    "logit_bias",
-)
 
 
 def _unsupported(param: str, message: str) -> InvalidRequest:
@@ -110,26 +89,6 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs not in (None, 0) and not body.logprobs:
         raise InvalidRequest("top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value")
     return (body.top_logprobs or 0) if body.logprobs else None
-
-
-def _messages(body: ChatCompletionRequest) -> list[Message]:
-    out = []
-    for i, m in enumerate(body.messages):
-        # As vLLM does: text parts are joined by newlines; "developer" is OpenAI's new name for "system".
-        text = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
-        text = turn_text(i, m.role, text, m.tool_calls)
-        out.append(Message(role="system" if m.role == "developer" else m.role, content=text))
-    return out
-
-
-def _native(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> GenerateRequest:
-    fields = {k: v for k in PASSED if (v := getattr(body, k)) is not None}
-    try:
-        return GenerateRequest(**prompt, **fields, max_tokens=max_tokens, logprobs=logprobs, stream=bool(body.stream))
-    except ValidationError as e:  # a rule of the native API the OpenAI schema does not repeat (empty prompt)
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise InvalidRequest(f"{param}: {err['msg']}", param, err["type"]) from e
 
 
 async def _serve(
@@ -179,7 +138,7 @@ async def _serve(
 async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     prompt = _check_completion(body)
-    native = _native(body, body.max_tokens, body.logprobs, prompt=prompt)
+    native = native_request(body, body.max_tokens, body.logprobs, prompt=prompt)
     return await _serve(core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
@@ -190,8 +149,8 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
 async def chat_completions(body: ChatCompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     plan = await off_loop(lambda: plan_chat(body), plan_weight(body))  # its schemas compiled off the loop
-    native = _native(
-        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=_messages(body)
+    native = native_request(
+        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=chat_messages(body)
     )
     return await _serve(core, request, body, native, chat=True, plan=plan)
 
