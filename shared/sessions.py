@@ -138,7 +138,7 @@ class Move:
     only_from: tuple[SessionState, ...] | None = None  # narrower than the table's predecessors
     fields: tuple[tuple[str, str | int | float], ...] = ()
 
-    def keys(self) -> list[str]:
+    def redis_keys(self) -> list[str]:
         return [self.key, Names.index_of_session(self.key)]
 
     def args(self, ttl_s: int) -> list:
@@ -175,14 +175,14 @@ class SessionStore:
         return self.names.session(owner, session_id)
 
     def move(self, m: Move, client=None) -> MoveResult:
-        return _result(self._script(keys=m.keys(), args=m.args(self.ttl_s), client=client or self.r))
+        return _result(self._script(keys=m.redis_keys(), args=m.args(self.ttl_s), client=client or self.r))
 
     async def amove(self, m: Move) -> MoveResult:
-        return _result(await self._script(keys=m.keys(), args=m.args(self.ttl_s)))
+        return _result(await self._script(keys=m.redis_keys(), args=m.args(self.ttl_s)))
 
     def queue_move(self, pipe, m: Move) -> None:
         """The move queued on a pipeline / transaction (its reply: decode with result())."""
-        self._script(keys=m.keys(), args=m.args(self.ttl_s), client=pipe)
+        self._script(keys=m.redis_keys(), args=m.args(self.ttl_s), client=pipe)
 
     result = staticmethod(_result)
 

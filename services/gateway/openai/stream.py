@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.sse import SseResponse, sse
 from services.gateway.openai.tools import ToolShaper, message
-from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage
-from services.gateway.session.outcome import ending
+from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage, started_run
 from services.gateway.text import logprobs as lp_shapes
 from services.gateway.text.logprobs import CompletionLogprobs
 from services.gateway.text.render import sse_events
@@ -159,14 +158,7 @@ async def start_stream(
     request: Request, core: GatewayCore, choices: Choices, shapes: list[Shape], headers: dict
 ) -> SseResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
-    run = ChoiceRun(core, choices, request)
-    try:
-        first = await run.next()
-        if first[1].end is not None and not ending(first[1].end).outcome.ok:
-            await first_outcome(core, run, *first, with_logprobs=False)  # raises the GatewayError of this ending
-    except BaseException as e:
-        run.close(isinstance(e, GatewayError))
-        raise
+    run, first = await started_run(core, choices, request)
     return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
 
 

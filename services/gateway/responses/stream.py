@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from services.gateway.edge.errors import GatewayError, NotFound
 from services.gateway.edge.sse import SseResponse
 from services.gateway.responses import store
-from services.gateway.session.drive import ChoiceRun, first_outcome
-from services.gateway.session.outcome import ending
+from services.gateway.session.drive import ChoiceRun, first_outcome, started_run
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -59,14 +58,7 @@ async def start_stream(
     headers: dict,
 ) -> SseResponse:
     """Wait for the first output (or end), then answer with the stream (or raise the request's error)."""
-    run = ChoiceRun(core, choices, request)
-    try:
-        first = await run.next()
-        if first[1].end is not None and not ending(first[1].end).outcome.ok:
-            await first_outcome(core, run, *first, with_logprobs=False)  # raises the GatewayError of this ending
-    except BaseException as e:
-        run.close(isinstance(e, GatewayError))
-        raise
+    run, first = await started_run(core, choices, request)
     events = _events(core, run, first[1], envelope, out, finished)
     return SseResponse(events, core.s.sse_write_timeout_s, headers=headers)
 

@@ -171,6 +171,21 @@ class ChoiceRun:
             self.core.release(h)
 
 
+async def started_run(core: GatewayCore, choices: Choices, request) -> tuple[ChoiceRun, tuple[int, Chunk]]:
+    """A stream's start: drive the choices until the first output (or end) of any, -> (the run, that chunk). A
+    request that failed before any output raises its GatewayError here (its client gets the status, not a 200
+    stream); the run is closed then."""
+    run = ChoiceRun(core, choices, request)
+    try:
+        first = await run.next()
+        if first[1].end is not None and not ending(first[1].end).outcome.ok:
+            await first_outcome(core, run, *first, with_logprobs=False)  # raises the GatewayError of this ending
+    except BaseException as e:
+        run.close(isinstance(e, GatewayError))
+        raise
+    return run, first
+
+
 async def first_outcome(
     core: GatewayCore, run: ChoiceRun, index: int, chunk: Chunk, with_logprobs: bool = True
 ) -> dict | None:

@@ -53,9 +53,7 @@ class LLMEngine:
         self.runner = runner
         num_blocks = runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.sessions = SessionKV(
-            self.blocks, runner, _swap_tier(config), config.session_max_blocks, config.session_swap_min_tokens
-        )
+        self.sessions = SessionKV.for_config(self.blocks, runner, config)
         self.scheduler = Scheduler(config, self.blocks, self.sessions)
         self.eos_token_ids = frozenset(eos_ids)
         self.vocab_size = int(vocab_size)
@@ -391,12 +389,3 @@ class LLMEngine:
         assert not self.scheduler.waiting, f"waiting queue not empty: {[s.request_id for s in self.scheduler.waiting]}"
         assert not self.sessions.kept, f"sessions still keep KV: {list(self.sessions.kept)[:20]}"
         self.blocks.check_no_leak()
-
-
-def _swap_tier(config: EngineConfig):
-    """The disk tier paused sessions' KV moves to under pressure (None: not configured, they are released)."""
-    if not config.session_swap_dir:
-        return None
-    from services.worker.engine.kv_tier import DiskTier  # only where a tier is configured
-
-    return DiskTier(Path(config.session_swap_dir), config.session_swap_max_bytes)

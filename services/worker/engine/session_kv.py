@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from pathlib import Path
 from dataclasses import dataclass
 
 from services.worker.engine.block_manager import BlockManager
@@ -76,6 +77,16 @@ class SessionKV:
         self.swap_outs = 0
         self.swap_ins = 0
         self.swap_in_failures = 0
+
+    @classmethod
+    def for_config(cls, blocks: BlockManager, runner, config) -> SessionKV:
+        """An engine's, from its EngineConfig: with the disk tier when a folder is configured."""
+        tier = None
+        if config.session_swap_dir:
+            from services.worker.engine.kv_tier import DiskTier  # numpy; only where a tier is configured
+
+            tier = DiskTier(Path(config.session_swap_dir), config.session_swap_max_bytes)
+        return cls(blocks, runner, tier, config.session_max_blocks, config.session_swap_min_tokens)
 
     # ---- a turn ends / starts --------------------------------------------------------------------------------
     def keep(self, session: str, seq: Sequence) -> int:
