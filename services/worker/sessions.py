@@ -62,6 +62,7 @@ class SessionRecorder:
             if isinstance(reply, Exception):
                 logger.warning("session move %s -> %s failed: %r", m.key, m.to.value, reply)
             elif not (res := self.store.result(reply)).applied:
-                logger.info("session move %s -> %s: %s (state %s)", m.key, m.to.value, res.status.value, res.state)
+                # The ordinary race: the session's next turn began (or it was closed) before this worker's write.
+                logger.debug("session move %s -> %s: %s (state %s)", m.key, m.to.value, res.status.value, res.state)
                 refused.append(m)
         return refused
