@@ -52,20 +52,9 @@ def build_engine(s: WorkerSettings, swap_dir: str = "") -> Engine:
 
 
 def sampling_options(s: Sampling) -> SamplingOptions:
-    return SamplingOptions(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs,
-        logit_bias=tuple(s.logit_bias),
-        grammar=GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None,
-    )
+    """The engine's options of a wire Sampling: every field but the constraint has the same name on both sides (so a
+    sampling field is added to the wire struct and the engine's options, and arrives), the constraint becomes the
+    engine's GrammarSpec."""
+    same = {f: getattr(s, f) for f in s.__struct_fields__ if f != "constraint"}
+    grammar = GrammarSpec(s.constraint.kind, s.constraint.spec) if s.constraint else None
+    return SamplingOptions(**same, grammar=grammar)
