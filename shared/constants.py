@@ -40,7 +40,9 @@ PRIVATE_STREAM_TTL_S = 300
 LIFECYCLE_FEED_MAXLEN = 10_000
 # Its flat fields, in the order the scripts write them (every record has all of them: Redis then stores the
 # names once per listpack node, not once per record).
-LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner", "worker", "attempt")
+# `session`: set on a conversation session's move only (shared.sessions; its from/to are session states), "" on a
+# request's transition.
+LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner", "worker", "attempt", "session")
 
 
 # Redis Cluster (issue 16): a multi-key command or script may only touch keys of one hash slot. Everything a
@@ -232,6 +234,12 @@ class Names:
     def index_of_session(session_key: str) -> str:
         """The index key of the owner a session key belongs to (a worker has the key only)."""
         return session_key[: session_key.rindex(":s:")] + ":index"
+
+    @staticmethod
+    def owner_of_session(session_key: str) -> str:
+        """The owner (API key id, "" without keys) a session key belongs to."""
+        owner = session_key[session_key.index("{sess:") + 6 : session_key.rindex("}:s:")]
+        return "" if owner == "-" else owner
 
     def _session_prefix(self, owner: str) -> str:
         return f"{self.ns}:{{sess:{owner or '-'}}}"

@@ -85,6 +85,7 @@ return {'ok', now}
         owner="owner",
         worker="''",
         attempt="''",
+        session="''",
     ),
 ).replace("@RECEIVED", State.RECEIVED.value)
 

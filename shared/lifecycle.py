@@ -179,6 +179,7 @@ return out
             owner="owner",
             worker="worker",
             attempt="ARGV[11]",
+            session="''",
         ),
     )
     .replace("@TERMINAL(cur)", lua_in("cur", TERMINAL))

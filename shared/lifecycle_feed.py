@@ -2,7 +2,10 @@
 
 The feed (`Names.lifecycle_feed`, capped at LIFECYCLE_FEED_MAXLEN) gets one flat record per transition, appended by
 the creating script (shared/context_store.py) and the transition script (shared/lifecycle.py) in the same atomic
-step as the change itself; nothing else writes it. This module only decodes what they wrote.
+step as the change itself. A conversation session's moves (shared.sessions) are recorded too, in the partition of
+the session's turn, right after the move applied: the session's record lives in its owner's slot, which no script
+of a Redis Cluster can write together with a request's partition (a process dying between the two loses the
+record, never the move). This module only decodes what they wrote.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class FeedRecord(msgspec.Struct, frozen=True):
     owner: str  # API key id of the request's owner ("" without keys)
     worker: str  # worker of the placement a SCHEDULED transition records ("" otherwise)
     attempt: int  # that placement's attempt (0 otherwise)
+    session: str = ""  # a conversation session's move (from/to are its states, rid its turn's request); "" otherwise
 
     def to_wire(self) -> dict:
         """The JSON the dashboard gets (the owner is left out: a browser has no use for key ids)."""
@@ -39,13 +43,15 @@ class FeedRecord(msgspec.Struct, frozen=True):
             "at": self.at,
             "worker": self.worker,
             "attempt": self.attempt,
+            "session": self.session,
         }
 
 
 def decode_record(entry_id, fields: dict) -> FeedRecord:
     """A feed entry (as redis-py returns it, bytes or str) as a FeedRecord; KeyError/ValueError if malformed."""
     f = {as_text(k): as_text(v) for k, v in fields.items()}
-    missing = [k for k in LIFECYCLE_FEED_FIELDS if k not in f]
+    # `session` is optional: records written before it existed stay readable.
+    missing = [k for k in LIFECYCLE_FEED_FIELDS if k not in f and k != "session"]
     if missing:
         raise KeyError(f"feed record {as_text(entry_id)} lacks {missing}")
     return FeedRecord(
@@ -59,4 +65,5 @@ def decode_record(entry_id, fields: dict) -> FeedRecord:
         owner=f["owner"],
         worker=f["worker"],
         attempt=int(f["attempt"] or 0),
+        session=f.get("session", ""),
     )

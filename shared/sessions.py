@@ -10,19 +10,24 @@ finished a turn pauses it (-> PAUSED, before the turn's completion is published,
 paused), and later swaps it or releases its KV (pressure, idle). Every move is one Lua script over the session's
 hash and its owner's index (one slot), checked against the table, with fences: a move for a turn carries that
 turn's request id, a worker's move carries the worker's id, so a late write of a turn or a worker the session has
-moved past changes nothing (a result, never an exception).
+moved past changes nothing (a result, never an exception). Each applied move is also one record of the lifecycle
+feed (shared.lifecycle_feed), in the partition of the session's turn, written right after the move.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 
-from shared.constants import Names
+from shared.constants import LIFECYCLE_FEED_MAXLEN, Names
 from shared.events import SessionReason, SessionState
 from shared.lifecycle import lua_in
+from shared.redis_client import TRANSIENT_ERRORS
 from shared.replies import as_text
+
+logger = logging.getLogger(__name__)
 
 S = SessionState
 
@@ -62,6 +67,7 @@ class MoveResult:
     current: str = ""  # the request id of its latest turn
     worker: str = ""  # the worker that kept its KV ("" = none)
     count: int = 0  # LIMIT: the owner's sessions now
+    at: float = 0.0  # APPLIED: the move's Redis time
 
     @property
     def applied(self) -> bool:
@@ -94,7 +100,7 @@ end
 local got = redis.call('HMGET', KEYS[1], 'current', 'worker')
 local current, worker = got[1] or '', got[2] or ''
 if ARGV[2] == '' then
-  if created then return {'ok', cur, current, worker} end
+  if created then return {'ok', cur, current, worker, '', tostring(now), ''} end
   return {'rejected', cur, current, worker}
 end
 local allowed = false
@@ -105,7 +111,7 @@ if ARGV[4] ~= '' and worker ~= ARGV[4] then return {'fenced', cur, current, work
 if ARGV[1] == '@CLOSED' then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], ARGV[7])
-  return {'ok', cur, current, worker}
+  return {'ok', cur, current, worker, '', tostring(now)}
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'state_since', now, 'reason', ARGV[8])
 if ARGV[1] == '@RUNNING' then
@@ -117,7 +123,7 @@ if @NO_KV then redis.call('HSET', KEYS[1], 'worker', '', 'kv_blocks', 0, 'tier',
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('ZADD', KEYS[2], now, ARGV[7])
 redis.call('EXPIRE', KEYS[2], ttl)
-return {'ok', cur, current, worker}
+return {'ok', cur, current, worker, '', tostring(now)}
 """.replace("@OPEN", S.OPEN.value)
     .replace("@CLOSED", S.CLOSED.value)
     .replace("@RUNNING", S.RUNNING.value)
@@ -138,6 +144,15 @@ class Move:
     only_from: tuple[SessionState, ...] | None = None  # narrower than the table's predecessors
     fields: tuple[tuple[str, str | int | float], ...] = ()
 
+    @property
+    def session_id(self) -> str:
+        return self.key[self.key.rindex(":s:") + 3 :]
+
+    @property
+    def request_id(self) -> str:
+        """The turn the move is about ("" when it names none: the result's `current` then)."""
+        return self.fence_current or dict(self.fields).get("current", "")
+
     def redis_keys(self) -> list[str]:
         return [self.key, Names.index_of_session(self.key)]
 
@@ -146,7 +161,7 @@ class Move:
         bad = [s for s in frm if self.to not in ALLOWED[s]]  # none: only_from=() creates, moving nowhere
         if bad:
             raise ValueError(f"the sessions table allows no move {bad} -> {self.to}")
-        sid = self.key[self.key.rindex(":s:") + 3 :]
+        sid = self.session_id
         limit = "" if self.create_limit is None else str(self.create_limit)
         head = [self.to.value, ",".join(s.value for s in frm), self.fence_current, self.fence_worker, ttl_s, limit]
         return head + [sid, self.reason.value] + [x for pair in self.fields for x in pair]
@@ -159,26 +174,68 @@ def _result(reply) -> MoveResult:
     current = parts[2] if len(parts) > 2 else ""
     worker = parts[3] if len(parts) > 3 else ""
     count = int(parts[4]) if status is Moved.LIMIT else 0
-    return MoveResult(status, state, current, worker, count)
+    at = float(parts[5]) if status is Moved.APPLIED and len(parts) > 5 else 0.0
+    # A session created by a move that goes nowhere (open_session) had no state before it.
+    if status is Moved.APPLIED and len(parts) > 6:
+        state = None
+    return MoveResult(status, state, current, worker, count, at)
 
 
 class SessionStore:
     """Sessions in Redis. Works with a sync client (the worker) and an async one (the gateway): move / amove."""
 
-    def __init__(self, client, names: Names, ttl_s: int):
+    def __init__(self, client, names: Names, ttl_s: int, service: str = "gateway"):
         self.r = client
         self.names = names
         self.ttl_s = int(ttl_s)
+        self.service = service  # who the feed records say made the moves
         self._script = client.register_script(_MOVE_LUA)
 
     def key(self, owner: str, session_id: str) -> str:
         return self.names.session(owner, session_id)
 
-    def move(self, m: Move, client=None) -> MoveResult:
-        return _result(self._script(keys=m.redis_keys(), args=m.args(self.ttl_s), client=client or self.r))
+    def move(self, m: Move) -> MoveResult:
+        res = _result(self._script(keys=m.redis_keys(), args=m.args(self.ttl_s)))
+        if res.applied:
+            self.record([(m, res)])
+        return res
 
     async def amove(self, m: Move) -> MoveResult:
-        return _result(await self._script(keys=m.redis_keys(), args=m.args(self.ttl_s)))
+        res = _result(await self._script(keys=m.redis_keys(), args=m.args(self.ttl_s)))
+        if res.applied:
+            try:
+                await self.r.xadd(*self._feed_entry(m, res), maxlen=LIFECYCLE_FEED_MAXLEN, approximate=True)
+            except TRANSIENT_ERRORS as e:
+                logger.warning("session move %s -> %s applied, its feed record lost: %r", m.key, m.to.value, e)
+        return res
+
+    def record(self, applied: list[tuple[Move, MoveResult]]) -> None:
+        """The feed records of applied moves (a sync client; one round trip). A failure loses records, not moves."""
+        if not applied:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for m, res in applied:
+                pipe.xadd(*self._feed_entry(m, res), maxlen=LIFECYCLE_FEED_MAXLEN, approximate=True)
+            pipe.execute()
+        except TRANSIENT_ERRORS as e:
+            logger.warning("%d session moves applied, their feed records lost: %r", len(applied), e)
+
+    def _feed_entry(self, m: Move, res: MoveResult) -> tuple[str, dict]:
+        rid = m.request_id or res.current
+        fields = {
+            "rid": rid,
+            "from": res.state.value if res.state else "",
+            "to": m.to.value,
+            "reason": m.reason.value,
+            "service": self.service,
+            "at": repr(res.at),
+            "owner": self.names.owner_of_session(m.key),
+            "worker": m.fence_worker or str(dict(m.fields).get("worker", "")),
+            "attempt": "0",
+            "session": m.session_id,
+        }
+        return self.names.lifecycle_feed(self.names.partition(rid or m.key)), fields
 
     def queue_move(self, pipe, m: Move) -> None:
         """The move queued on a pipeline / transaction (its reply: decode with result())."""

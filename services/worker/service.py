@@ -55,7 +55,7 @@ class WorkerService(BusService):
         super().__init__(settings)
         self.stream = self.names.worker_stream(self.id)
         self.engine = build_engine(settings, self.swap_dir(settings))
-        self.sessions = SessionRecorder(SessionStore(self.r, self.names, settings.session_ttl_s), self.id)
+        self.sessions = SessionRecorder(SessionStore(self.r, self.names, settings.session_ttl_s, "worker"), self.id)
         self.publisher = StepPublisher(self.r, self.names, self.id, self.lifecycle, self.store, settings.context_ttl_s)
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)

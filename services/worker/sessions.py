@@ -23,6 +23,7 @@ class SessionRecorder:
     def __init__(self, store: SessionStore, worker_id: str):
         self.store = store
         self.worker_id = worker_id
+        self._unrecorded: list = []  # pauses applied, their feed records written after the step's publish
 
     def paused(self, outputs, active: dict) -> list[str]:
         """Pause the sessions of the step's finished turns whose KV was kept. active: the worker's held requests.
@@ -35,6 +36,7 @@ class SessionRecorder:
         return [m.key for m in self._run(moves, "pause")]
 
     def moved(self, events: list[SessionEvent]) -> None:
+        """Record the engine's later moves, then the feed records of this step's moves (off the completions' path)."""
         moves = [
             swapped(e.session, e.request_id, self.worker_id)
             if e.what == "swapped"
@@ -42,9 +44,12 @@ class SessionRecorder:
             for e in events
         ]
         self._run(moves, "record")
+        applied, self._unrecorded = self._unrecorded, []
+        self.store.record(applied)
 
     def _run(self, moves, what: str) -> list:
-        """Run the moves -> those Redis answered and did not apply (not those it could not be asked: unknown)."""
+        """Run the moves -> those Redis answered and did not apply (not those it could not be asked: unknown).
+        The applied ones wait in _unrecorded for their feed records."""
         if not moves:
             return []
         try:
@@ -61,7 +66,9 @@ class SessionRecorder:
         for m, reply in zip(moves, replies):
             if isinstance(reply, Exception):
                 logger.warning("session move %s -> %s failed: %r", m.key, m.to.value, reply)
-            elif not (res := self.store.result(reply)).applied:
+            elif (res := self.store.result(reply)).applied:
+                self._unrecorded.append((m, res))
+            else:
                 # The ordinary race: the session's next turn began (or it was closed) before this worker's write.
                 logger.debug("session move %s -> %s: %s (state %s)", m.key, m.to.value, res.status.value, res.state)
                 refused.append(m)

@@ -143,3 +143,16 @@ def test_the_workers_line_counts_the_sessions_paused_on_them(page, cluster):
     )
     _shot(page, "4-sessions")
     httpx.delete(f"{cluster.url}/v1/sessions/dash-1", headers=_auth(KEY_A), timeout=10)
+
+
+def test_a_turns_row_shows_its_session_paused_then_closed_from_the_feed(page, cluster):
+    _log_in(page, cluster.url, KEY_A)
+    page.wait_for_selector(".worker", timeout=WAIT_MS)
+    page.select_option("#filter", "ended")  # the turn has ended: its row is under the ended filter
+    body = {"prompt": "Keep this conversation going " * 8, "max_tokens": 4, "session_id": "dash-2"}  # full blocks
+    assert httpx.post(f"{cluster.url}/generate", json=body, headers=_auth(KEY_A), timeout=60).status_code == 200
+    shows = "[...document.querySelectorAll('#rows .session')].some(s => s.textContent === 'dash-2 %s')"
+    page.wait_for_function(shows % "PAUSED", timeout=WAIT_MS)
+    _shot(page, "5-session-paused")
+    assert httpx.delete(f"{cluster.url}/v1/sessions/dash-2", headers=_auth(KEY_A), timeout=10).status_code == 200
+    page.wait_for_function(shows % "CLOSED", timeout=WAIT_MS)

@@ -131,3 +131,64 @@ def test_a_move_the_table_does_not_allow_is_refused_before_it_reaches_redis():
 
 def test_a_move_of_a_session_never_opened_finds_it_missing(store):
     assert store.move(pause(store.key("k1", "nope"), "r1", "w1", 3)).status is Moved.MISSING
+
+
+def _session_feed(client, names) -> list:
+    from shared.lifecycle_feed import decode_record
+
+    records = [decode_record(i, f) for p in names.all_partitions for i, f in client.xrange(names.lifecycle_feed(p))]
+    return sorted((r for r in records if r.session), key=lambda r: r.id)
+
+
+def test_every_applied_session_move_is_one_lifecycle_feed_record_in_its_turns_partition(redis_client):
+    from shared.constants import Names
+
+    names = Names("tfeed", partitions=4)
+    store = SessionStore(redis_client, names, ttl_s=60)
+    key = store.key("k1", "chat-1")
+    store.move(begin_turn(key, "r1", limit=10))
+    store.move(pause(key, "r1", "w1", blocks=3))
+    store.move(swapped(key, "r1", "w1"))
+    store.move(close(key))
+    feed = _session_feed(redis_client, names)
+    assert [(r.from_, r.to, r.reason) for r in feed] == [
+        ("OPEN", "RUNNING", "turn"),
+        ("RUNNING", "PAUSED", "turn"),
+        ("PAUSED", "SWAPPED", "pressure"),
+        ("SWAPPED", "CLOSED", "client_close"),
+    ]
+    assert {(r.rid, r.session, r.owner) for r in feed} == {("r1", "chat-1", "k1")}
+    assert [r.worker for r in feed] == ["", "w1", "w1", ""]
+    # In the feed partition of the turn's request: beside that request's own transitions, in order.
+    assert all(
+        redis_client.xlen(names.lifecycle_feed(p)) == 0 for p in names.all_partitions if p != names.partition("r1")
+    )
+    assert [r.at for r in feed] == sorted(r.at for r in feed) and feed[0].at > 0
+
+
+def test_a_session_move_refused_or_fenced_appends_no_feed_record(store, names):
+    key = store.key("k1", "chat-1")
+    store.move(begin_turn(key, "r1", limit=10))
+    store.move(begin_turn(key, "r2", limit=10))  # refused: r1 runs
+    store.move(pause(key, "r0", "w1", blocks=3))  # fenced: not its turn
+    assert [r.to for r in _session_feed(store.r, names)] == ["RUNNING"]
+
+
+def test_an_async_session_move_records_itself_in_the_feed_too(redis_server, redis_client, names):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    async def open_one():
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            store = SessionStore(client, names, ttl_s=60)
+            return await store.amove(open_session(store.key("", "s-9"), limit=10))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(open_one()).applied
+    feed = _session_feed(redis_client, names)
+    assert [(r.rid, r.from_, r.to, r.session, r.owner, r.service) for r in feed] == [
+        ("", "", "OPEN", "s-9", "", "gateway")
+    ]

@@ -46,7 +46,17 @@ function applySnapshot(snap) {
   S.dirty = true;
 }
 
+// A conversation session's move (rec.session set; from/to are the session's states): shown on its turn's row,
+// which keeps its own request state (the turn COMPLETED, its session PAUSED).
+function applySessionRecord(rec) {
+  const row = S.rows.get(rec.rid);
+  if (!row || rec.at < (row.sessionSince || 0)) return;  // a turn this page never showed, or an older move
+  Object.assign(row, { session: `${rec.session} ${rec.to}`, sessionSince: rec.at });
+  S.dirty = true;
+}
+
 function applyRecord(rec) {
+  if (rec.session) return applySessionRecord(rec);
   let row = S.rows.get(rec.rid);
   if (!row) {
     if (S.terminal.has(rec.to)) return;  // ended before this page knew it: nothing to show in the live table
@@ -89,7 +99,8 @@ function renderTable() {
     html.push(`<div class="row${r.endedAt ? " ended" : ""}${S.selected === r.rid ? " sel" : ""}" data-rid="${esc(r.rid)}">` +
       `<span>${esc(r.rid)}</span><span>${stateTag(r.state)}</span><span>${fmtS(t - r.since)}</span>` +
       `<span>${r.created ? fmtS(t - r.created) : ""}</span><span>${r.prompt ?? ""}</span><span>${r.output ?? ""}</span>` +
-      `<span>${r.cached ?? ""}</span><span>${esc(r.worker)}</span><span>${r.attempt || ""}</span></div>`);
+      `<span>${r.cached ?? ""}</span><span>${esc(r.worker)}</span><span>${r.attempt || ""}</span>` +
+      `<span class="session">${esc(r.session || "")}</span></div>`);
   }
   const rows = $("rows");
   rows.style.transform = `translateY(${first * ROW_H}px)`;
