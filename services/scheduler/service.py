@@ -64,6 +64,7 @@ class SchedulerService(BusService):
         self.replicas = ReplicaSync(self, writer)
         self.held = HeldUnknown(self, settings.placement_grace_s)
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
+        self.detached_checked: dict[str, bool] = {}  # orphans of dead gateways -> created detached (recovery.detached)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
