@@ -88,3 +88,20 @@ def test_a_background_response_whose_gateway_died_is_completed_by_another(start_
     assert rest[-1].type == f"response.{done.status}" and _deltas(seen) + _deltas(rest) == done.output_text
     r = redis.Redis.from_url(c.redis.url)
     assert r.hget(Names(c.ns).layer(rid.removeprefix("resp_"), "meta"), "state") == b"FINISHED"  # never cancelled
+
+
+def test_a_background_response_outlives_a_graceful_stop_of_its_gateway(start_cluster):
+    c = start_cluster(env={**FAST, **SIM, "CONVEYOR_SHUTDOWN_GRACE_S": "1"})  # a grace shorter than the response
+    other = f"http://127.0.0.1:{free_port()}"
+    c.start_service("gateway2", {"CONVEYOR_PORT": other.rsplit(":", 1)[1]})
+    wait_for(lambda: _ready(other), 120, what="the second gateway")
+    first, second = openai_client(c.url), openai_client(other)
+    resp = first.responses.create(model=MODEL, input="Count to a thousand", background=True, max_output_tokens=120)
+    wait_for(lambda: second.responses.retrieve(resp.id).status == "in_progress", 30, what="the response running")
+    c.procs["gateway"].send_signal(signal.SIGTERM)  # its drain leaves the background response to another gateway
+    assert c.procs["gateway"].wait(60) == 0
+    done = wait_for(lambda: _ended(second, resp.id), 60, what="the response taken over and ended")
+    assert done.status in ("completed", "incomplete") and done.output_text
+    rid = resp.id.removeprefix("resp_")
+    r = redis.Redis.from_url(c.redis.url)
+    assert r.hget(Names(c.ns).layer(rid, "meta"), "state") == b"FINISHED"  # never cancelled

@@ -121,7 +121,8 @@ def test_the_driving_index_names_each_gateway_and_its_responses(redis_server, na
             core.id = gateway
             await store.index_driving(core, "o", rid)
         core.id = "g2"
-        await store.index_driving(core, "o", "resp_c", previous="g3")  # taken over from g3
+        await store.index_driving(core, "o", "resp_c")  # taken over from g3
+        await store.unindex(core, "g3", "o", "resp_c")
         return await store.driving_gateways(core, 10), await store.driven_by(core, "g1", 10)
 
     gateways, of_g1 = _run(redis_server, names, work)

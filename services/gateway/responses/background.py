@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 _TASKS: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
 
 
+class TakenOver(Exception):
+    """Its log refused this driver's write: another gateway drives it now (or it was deleted). This one stops."""
+
+
 @dataclass
 class Job:
     core: GatewayCore
@@ -82,7 +86,7 @@ class Job:
             self.next_seq += 1
         first = events[0]["sequence_number"] == 0
         if not await store.append_events(self.core, self.owner, self.envelope.id, events, first, self.fence, self.fed):
-            logger.info("response %s: its log refused a write (taken over, or deleted)", self.envelope.id)
+            raise TakenOver(self.envelope.id)
 
     async def end(self, response: dict) -> None:
         """The last word: the record (if it still runs), the log's terminal event, its entry out of the index."""
@@ -99,6 +103,7 @@ async def start(job: Job) -> None:
 
 def spawn(job: Job) -> None:
     """Drive it to its end in a task of its own (a takeover's job starts here: its creation was logged before)."""
+    job.handle.detached = True  # a shutdown of this gateway leaves it running, for another to take over
     task = asyncio.get_running_loop().create_task(_run(job), name=f"background-{job.envelope.id}")
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
@@ -107,6 +112,10 @@ def spawn(job: Job) -> None:
 async def _run(job: Job) -> None:
     try:
         await _drive(job)
+    except TakenOver:  # its request runs on for the gateway that drives it now: released here, not cancelled
+        logger.warning(
+            "response %s: taken over by another gateway (or deleted); no longer driven here", job.envelope.id
+        )
     except Exception:  # nobody awaits this task: what went wrong is logged here or never seen
         logger.exception("background response %s: its record may stay as it was until its TTL", job.envelope.id)
         await store.unindex(job.core, job.core.id, job.owner, job.envelope.id)  # nobody will drive it on

@@ -190,12 +190,10 @@ def _member(gateway: str, owner: str, response_id: str) -> str:
     return f"{gateway}\0{owner}\0{response_id}"
 
 
-async def index_driving(core: GatewayCore, owner: str, response_id: str, previous: str = "") -> None:
-    """Note the response as driven by this gateway (previous: the driver it was taken from, whose entry goes)."""
+async def index_driving(core: GatewayCore, owner: str, response_id: str) -> None:
+    """Note the response as driven by this gateway."""
     key = core.names.responses_driving()
     pipe = core.r.pipeline(transaction=True)
-    if previous:
-        pipe.zrem(key, _member(previous, owner, response_id))
     pipe.zadd(key, {_member(core.id, owner, response_id): 0})
     pipe.expire(key, core.s.responses_ttl_s)  # refreshed by every new entry: an idle cluster's expires
     await pipe.execute()

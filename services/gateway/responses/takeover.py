@@ -65,11 +65,12 @@ async def adopted(core: GatewayCore, owner: str, stored: store.Stored) -> store.
 async def take_over(core: GatewayCore, owner: str, stored: store.Stored) -> store.Stored:
     """Claim it from its dead driver and drive it here; what the record is now."""
     rid = stored.response["id"]
+    await store.index_driving(core, owner, rid)  # before the claim: dying right after it leaves an entry to find
     fence = await store.claim(core, owner, stored)
-    if fence is None:  # it ended, or another gateway took it first
-        await store.unindex(core, stored.gateway, owner, rid)
+    await store.unindex(core, stored.gateway, owner, rid)  # the dead driver's entry goes, whoever won
+    if fence is None:  # it ended, or another gateway took it first (with an entry of its own)
+        await store.unindex(core, core.id, owner, rid)
         return await store.get(core, owner, rid)
-    await store.index_driving(core, owner, rid, previous=stored.gateway)
     claimed = replace(stored, gateway=core.id, fence=fence)
     snap = await core.store.aread(core.r, stored.request_id)
     if snap is None or snap.state is None or stored.body is None:
