@@ -183,7 +183,7 @@ def recover_lost(svc) -> None:
 
 def detached(svc, request_ids: list[str]) -> set[str]:
     """Those of request_ids created detached (a background response: another gateway takes it over), read once
-    each (one pipelined HGET of those not known yet) and kept while held; svc.detached is cut to request_ids."""
+    each (one pipelined HGET of those not known yet) and kept while held; svc.detached_checked is cut to request_ids."""
     unknown = [rid for rid in request_ids if rid not in svc.detached_checked]
     if unknown:
         pipe = svc.r.pipeline(transaction=False)

@@ -86,6 +86,7 @@ def test_a_background_response_whose_gateway_died_is_completed_by_another(start_
     rest = list(second.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number))
     assert [e.sequence_number for e in rest] == list(range(len(seen), len(seen) + len(rest)))
     assert rest[-1].type == f"response.{done.status}" and _deltas(seen) + _deltas(rest) == done.output_text
+    assert {e.item_id for e in seen + rest if hasattr(e, "item_id")} == {done.output[0].id}  # one message, one id
     r = redis.Redis.from_url(c.redis.url)
     assert r.hget(Names(c.ns).layer(rid.removeprefix("resp_"), "meta"), "state") == b"FINISHED"  # never cancelled
 

@@ -116,6 +116,7 @@ async def _run(job: Job) -> None:
         logger.warning(
             "response %s: taken over by another gateway (or deleted); no longer driven here", job.envelope.id
         )
+        await store.unindex(job.core, job.core.id, job.owner, job.envelope.id)  # a deleted one's entry goes too
     except Exception:  # nobody awaits this task: what went wrong is logged here or never seen
         logger.exception("background response %s: its record may stay as it was until its TTL", job.envelope.id)
         await store.unindex(job.core, job.core.id, job.owner, job.envelope.id)  # nobody will drive it on

@@ -23,7 +23,7 @@ from services.gateway.edge.sse import SseResponse
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import plan_chat, plan_weight
-from services.gateway.responses import background, store, takeover
+from services.gateway.responses import background, store
 from services.gateway.responses.chat_body import chat_request, renamed
 from services.gateway.responses.items import chat_turns, input_items
 from services.gateway.responses.output import ECHOED, Envelope, OutputBuilder
@@ -217,7 +217,7 @@ async def get_response(
     starting_after: int = Query(-1, ge=-1, description="with stream: the events after this sequence_number"),
 ):
     owner = caller(request)
-    stored = await takeover.adopted(core, owner, await store.get(core, owner, response_id))
+    stored = await store.get(core, owner, response_id)
     if not stream:
         return stored.response
     if not stored.response.get("background") or not await store.has_events(core, owner, response_id):

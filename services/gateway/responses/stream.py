@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from services.gateway.edge.errors import GatewayError, NotFound
 from services.gateway.edge.sse import SseResponse
-from services.gateway.responses import store, takeover
+from services.gateway.responses import store
 from services.gateway.session.drive import ChoiceRun, first_outcome, started_run
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ async def replay(core: GatewayCore, owner: str, response_id: str, after: int) ->
                     return
             if entries:
                 continue
-            stored = await takeover.adopted(core, owner, await store.get(core, owner, response_id))
+            stored = await store.get(core, owner, response_id)
             status = stored.response["status"]
             if status in store.RUNNING or await store.read_events(core, owner, response_id, last, None):
                 continue  # still running, or its end was logged meanwhile

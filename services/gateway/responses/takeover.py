@@ -2,10 +2,10 @@
 
 Its request is detached (meta `detached`, set at its creation): the scheduler does not cancel it with its dead
 gateway's other requests, so the worker goes on generating into its tokens list and context, whoever listens. A
-gateway finds the response running under a gateway that is not live, in one of two ways: a GET of it (or a replay
-of its events), or its sweep, which every heartbeat interval reads the driving index (store.driving_gateways: one
-range read per gateway, at most MAX_GATEWAYS; then at most MAX_PER_SWEEP entries per dead one), in a loop of its own
-off every request's path. Either way it claims it (store.claim: one Lua step, fenced, so exactly one gateway wins
+gateway's sweep finds the response running under a gateway that is not live: every heartbeat interval it reads the
+driving index (store.driving_gateways: one range read per gateway, at most MAX_GATEWAYS; then at most MAX_PER_SWEEP
+entries per dead one), in a loop of its own off every request's path (a GET, or a replay of the events, only reads
+the record: it sees the response go on once taken over). It claims it (store.claim: one Lua step, fenced, so exactly one gateway wins
 and the dead one's writes, should it come back, are refused) and then drives it as its own background job:
 
 - its output is planned again from the request's body kept in the record (the same tools, the same schema);
@@ -51,15 +51,6 @@ logger = logging.getLogger(__name__)
 MAX_GATEWAYS = 64  # gateways a sweep looks at, at most
 MAX_PER_SWEEP = 64  # responses of one dead gateway a sweep takes over, at most (the next sweep takes more)
 FOLLOW_POLL_S = 0.1  # how often a taken-over request's tokens and state are read
-
-
-async def adopted(core: GatewayCore, owner: str, stored: store.Stored) -> store.Stored:
-    """stored, taken over by this gateway if it still runs under a gateway that is no longer live."""
-    if stored.response["status"] not in store.RUNNING or stored.gateway in ("", core.id):
-        return stored
-    if stored.gateway in await aread_live(core.r, core.names, "gateway"):
-        return stored
-    return await take_over(core, owner, stored)
 
 
 async def take_over(core: GatewayCore, owner: str, stored: store.Stored) -> store.Stored:
