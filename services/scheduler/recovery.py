@@ -104,22 +104,6 @@ class QueueRecords:
         return self.r.hget(self.names.queue(self.names.partition(request_id)), request_id)
 
 
-class GatewayWatch:
-    """Tracks how long each gateway's liveness entry has been missing."""
-
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
-        self.missing_since: dict[str, float] = {}
-
-    def dead(self, live: set[str], referenced: set[str]) -> set[str]:
-        now = time.monotonic()
-        for gw in referenced - live:
-            self.missing_since.setdefault(gw, now)
-        for gw in live:
-            self.missing_since.pop(gw, None)
-        return {gw for gw in referenced - live if now - self.missing_since[gw] > self.ttl_s}
-
-
 def gateway_of(reply_to: str) -> str:
     """The gateway id of a reply stream (shared.constants.Names.reply_stream: its last part, in a hash tag)."""
     return reply_to.rsplit(":", 1)[-1].strip("{}")

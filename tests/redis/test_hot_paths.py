@@ -19,6 +19,7 @@ from services.scheduler.service import SchedulerService
 from shared.constants import LAYERS
 from shared.context_store import ContextJanitor
 from shared.lifecycle import Lifecycle, State
+from shared.liveness import GatewayWatch
 from shared.runtime import Liveness
 from shared.settings import SchedulerSettings
 from tests.support.inproc import TTL_S, calls, gateway_core, mark_live, small
@@ -97,7 +98,9 @@ def test_the_takeover_sweep_reads_a_range_per_gateway_without_scan(redis_server,
                     await store.index_driving(core, "o", f"resp_{gateway}{i}")
             core.id = "gw-2"
             live.config_resetstat()
-            taken = await takeover.sweep(core)
+            watch = GatewayWatch(TTL_S)
+            watch.missing_since["gone"] = time.monotonic() - 2 * TTL_S  # missing long enough to be judged dead
+            taken = await takeover.sweep(core, watch)
             read = {c: calls(live, c) for c in ("scan", "zrangebylex", "hgetall")}
             return taken, read, await store.driving_gateways(core, 10)
         finally:

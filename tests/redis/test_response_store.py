@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from services.gateway.edge.errors import NotFound
 from services.gateway.responses import store, takeover
 from shared.context_store import ContextStore
+from shared.liveness import GatewayWatch
 
 TTL_S = 600
 
@@ -140,3 +141,14 @@ def test_a_response_whose_gateway_and_request_are_gone_is_settled_failed(redis_s
     settled, gateways = _run(redis_server, names, work)
     assert settled.response["status"] == "failed" and settled.response["error"]["code"] == "gateway_lost"
     assert gateways == []  # out of the index: nobody drives it any more
+
+
+def test_the_sweep_leaves_a_response_whose_gateway_has_been_missing_less_than_a_ttl(redis_server, names):
+    async def work(core):
+        await store.put(core, "owner", _stored("in_progress", background=True))
+        await store.index_driving(SimpleNamespace(**{**vars(core), "id": "g1"}), "owner", "resp_abc")
+        watch = GatewayWatch(TTL_S)  # g1 not live: just missing, as after a Redis outage every entry is stale
+        return await takeover.sweep(core, watch), await store.get(core, "owner", "resp_abc")
+
+    taken, now = _run(redis_server, names, work)
+    assert taken == 0 and (now.gateway, now.fence, now.response["status"]) == ("g1", 0, "in_progress")

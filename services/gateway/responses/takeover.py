@@ -4,7 +4,7 @@ Its request is detached (meta `detached`, set at its creation): the scheduler do
 gateway's other requests, so the worker goes on generating into its tokens list and context, whoever listens. A
 gateway's sweep finds the response running under a gateway that is not live: every heartbeat interval it reads the
 driving index (store.driving_gateways: one range read per gateway, at most MAX_GATEWAYS; then at most MAX_PER_SWEEP
-entries per dead one), in a loop of its own off every request's path (a GET, or a replay of the events, only reads
+entries per dead one: missing from the liveness hash for a TTL, as the scheduler judges it), in a loop of its own off every request's path (a GET, or a replay of the events, only reads
 the record: it sees the response go on once taken over). It claims it (store.claim: one Lua step, fenced, so exactly one gateway wins
 and the dead one's writes, should it come back, are refused) and then drives it as its own background job:
 
@@ -40,7 +40,7 @@ from services.gateway.session.reconcile import catch_up
 from services.gateway.session.tracing import untraced
 from services.gateway.text.render import off_loop
 from services.gateway.text.stop_strings import TextStream
-from shared.liveness import aread_live
+from shared.liveness import GatewayWatch, aread_live
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
@@ -148,13 +148,13 @@ async def _follower(core: GatewayCore, handle: RequestHandle) -> None:
         await asyncio.sleep(FOLLOW_POLL_S)
 
 
-async def sweep(core: GatewayCore) -> int:
-    """Take over the running background responses of dead gateways (bounded, see the module's doc); how many."""
+async def sweep(core: GatewayCore, watch: GatewayWatch) -> int:
+    """Take over the running background responses of dead gateways (bounded, see the module's doc); how many. A
+    gateway is dead once its liveness entry has been missing for a TTL as this sweep sees it (watch)."""
     live = set(await aread_live(core.r, core.names, "gateway"))
+    gateways = await store.driving_gateways(core, MAX_GATEWAYS)
     taken = 0
-    for gateway in await store.driving_gateways(core, MAX_GATEWAYS):
-        if gateway in live:
-            continue
+    for gateway in watch.dead(live, set(gateways)):
         for owner, rid in await store.driven_by(core, gateway, MAX_PER_SWEEP):
             try:
                 stored = await store.get(core, owner, rid)
@@ -170,9 +170,10 @@ async def sweep(core: GatewayCore) -> int:
 
 async def sweep_loop(core: GatewayCore) -> None:
     """sweep every heartbeat interval, for ever: no error ends it."""
+    watch = GatewayWatch(core.s.liveness_ttl_s)
     while True:
         try:
-            await sweep(core)
+            await sweep(core, watch)
             core.loop_ok("responses-takeover")
         except redis.RedisError as e:
             logger.warning("takeover sweep failed: %r", e)
