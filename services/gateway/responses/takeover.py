@@ -72,6 +72,7 @@ async def take_over(core: GatewayCore, owner: str, stored: store.Stored) -> stor
     except Exception:  # claimed, and nobody else will try: it must not stay running until its TTL
         logger.exception("response %s: cannot be driven here", rid)
         return await _lost(core, owner, claimed, stored.gateway)
+    core.handles[job.handle.request_id] = job.handle  # registered once its job could be made: never left behind
     background.spawn(job)
     _follow(core, job.handle)
     return claimed
@@ -120,7 +121,7 @@ async def _job(core: GatewayCore, owner: str, claimed: store.Stored, snap: Snaps
 
 
 def _handle(core: GatewayCore, claimed: store.Stored, snap: Snapshot) -> RequestHandle:
-    """A handle on the request as its context holds it, registered here (its output reaches it by the follower)."""
+    """A handle on the request as its context holds it (its output reaches it by the follower)."""
     meta, inp = snap.layers.get("meta", {}), snap.layers.get("input", {})
     rid = claimed.request_id
     stops = list(inp.get("stop") or [])
@@ -129,7 +130,6 @@ def _handle(core: GatewayCore, claimed: store.Stored, snap: Snapshot) -> Request
     handle.trace = untraced(str(meta.get("traceparent") or ""), t0)
     handle.epoch = core.epoch.known
     handle.created()
-    core.handles[rid] = handle
     return handle
 
 
