@@ -253,6 +253,11 @@ class Names:
     def response_events(self, owner: str, response_id: str) -> str:  # stream: a background response's events
         return f"{self.response(owner, response_id)}:events"
 
+    def responses_driving(self) -> str:
+        """Sorted set, every score 0 (read by lex): `gateway\\0owner\\0response_id` of each background response
+        running, under the gateway that drives it: what a gateway's takeover sweep reads, a range per dead gateway."""
+        return f"{self.ns}:responses:driving"
+
     @property
     def epoch(self) -> str:  # random value set once per Redis dataset: a changed or missing one means data loss
         return f"{self.ns}:epoch"

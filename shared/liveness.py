@@ -130,3 +130,21 @@ async def aread_live(client, names: Names, service: str, now: float | None = Non
     if prune:
         await client.hdel(key, *prune)
     return live
+
+
+class GatewayWatch:
+    """Tracks how long each gateway's liveness entry has been missing, as seen by this reader: dead only once missing
+    for longer than ttl_s here too, so a reader back from a Redis outage (every entry stale) judges nobody at once
+    (the scheduler cancelling a gateway's requests, a gateway taking over another's background responses)."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self.missing_since: dict[str, float] = {}
+
+    def dead(self, live: set[str], referenced: set[str]) -> set[str]:
+        now = time.monotonic()
+        for gw in referenced - live:
+            self.missing_since.setdefault(gw, now)
+        for gw in live:
+            self.missing_since.pop(gw, None)
+        return {gw for gw in referenced - live if now - self.missing_since[gw] > self.ttl_s}

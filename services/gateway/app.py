@@ -25,6 +25,7 @@ from services.gateway.edge.openapi_doc import install as install_openapi
 from services.gateway.native.routes import router as native_router
 from services.gateway.native.tokenize import router as tokenize_router
 from services.gateway.openai.routes import router as openai_router
+from services.gateway.responses import takeover
 from services.gateway.responses.routes import router as responses_router
 from services.gateway.ops.dashboard import router as dashboard_router
 from services.gateway.ops.health import router as health_router
@@ -51,6 +52,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             info.max_len,
         )
         await core.start()
+        core.add_loop(takeover.sweep_loop(core), "responses-takeover")  # background responses of dead gateways
         # Everything loaded so far (the tokenizer, the app) lives as long as the process: keep it out of the cyclic
         # collector's full passes, which otherwise stop the event loop for 0.3 s and more (1 s on a busy machine)
         # to scan it again, every time enough new objects have survived.

@@ -9,7 +9,8 @@
   already generated (the worker's token list), to be resumed on another worker. A cancel with
   reason worker_lost is left on its stream, so a hung worker that wakes up drops them.
 - A gateway whose liveness entry is gone for longer than the TTL has lost its clients: their
-  requests are cancelled (client_disconnect) so their KV blocks are freed.
+  requests are cancelled (client_disconnect) so their KV blocks are freed -- all but the detached
+  ones (background responses, meta `detached`): another gateway takes those over, and they run on.
 """
 
 from __future__ import annotations
@@ -103,22 +104,6 @@ class QueueRecords:
         return self.r.hget(self.names.queue(self.names.partition(request_id)), request_id)
 
 
-class GatewayWatch:
-    """Tracks how long each gateway's liveness entry has been missing."""
-
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
-        self.missing_since: dict[str, float] = {}
-
-    def dead(self, live: set[str], referenced: set[str]) -> set[str]:
-        now = time.monotonic()
-        for gw in referenced - live:
-            self.missing_since.setdefault(gw, now)
-        for gw in live:
-            self.missing_since.pop(gw, None)
-        return {gw for gw in referenced - live if now - self.missing_since[gw] > self.ttl_s}
-
-
 def gateway_of(reply_to: str) -> str:
     """The gateway id of a reply stream (shared.constants.Names.reply_stream: its last part, in a hash tag)."""
     return reply_to.rsplit(":", 1)[-1].strip("{}")
@@ -173,9 +158,25 @@ def recover_lost(svc) -> None:
         (a.scheduled.request_id, a.scheduled.reply_to) for a in svc.assignments.by_request.values()
     ]
     dead = svc.gateways.dead(live, {gateway_of(reply) for _, reply in held})
-    for rid, reply in held:
-        if gateway_of(reply) in dead:
+    orphans = [(rid, reply) for rid, reply in held if gateway_of(reply) in dead]
+    kept = detached(svc, [rid for rid, _ in orphans])
+    for rid, reply in orphans:
+        if rid not in kept:
             cancel_orphan(svc, rid, reply)
+
+
+def detached(svc, request_ids: list[str]) -> set[str]:
+    """Those of request_ids created detached (a background response: another gateway takes it over), read once
+    each (one pipelined HGET of those not known yet) and kept while held; svc.detached_checked is cut to request_ids."""
+    unknown = [rid for rid in request_ids if rid not in svc.detached_checked]
+    if unknown:
+        pipe = svc.r.pipeline(transaction=False)
+        for rid in unknown:
+            pipe.hget(svc.names.layer(rid, "meta"), "detached")
+        for rid, flag in zip(unknown, pipe.execute()):
+            svc.detached_checked[rid] = flag == b"true"
+    svc.detached_checked = {rid: svc.detached_checked[rid] for rid in request_ids}  # held ones only: bounded
+    return {rid for rid, flag in svc.detached_checked.items() if flag}
 
 
 def cancel_orphan(svc, request_id: str, reply_to: str) -> None:

@@ -18,7 +18,6 @@ import msgspec
 
 from services.scheduler.assignments import Assignments
 from services.scheduler.recovery import (
-    GatewayWatch,
     QueueRecords,
     decode_queued,
     encode_queued,
@@ -31,6 +30,7 @@ from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from services.scheduler.sync import ReplicaSync
+from shared.liveness import GatewayWatch
 from shared.service import BusService
 from shared import telemetry
 from shared.block_hash import block_hashes
@@ -64,6 +64,7 @@ class SchedulerService(BusService):
         self.replicas = ReplicaSync(self, writer)
         self.held = HeldUnknown(self, settings.placement_grace_s)
         self.gateways = GatewayWatch(settings.liveness_ttl_s)
+        self.detached_checked: dict[str, bool] = {}  # orphans of dead gateways -> created detached (recovery.detached)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
         self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)

@@ -1,5 +1,6 @@
 """Hot paths read only what they need: liveness is one hash per service kind (readers never SCAN the keyspace),
-and listing one API key's requests reads only that key's contexts (issue 10, item 7)."""
+listing one API key's requests reads only that key's contexts (issue 10, item 7), and the takeover sweep of
+background responses reads one range per gateway, not the records of live gateways' responses."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pytest
 from fastapi import FastAPI
 
 from services.gateway.edge.auth import ApiKeyAuth, key_id
+from services.gateway.responses import store, takeover
 from services.gateway.ops.introspection import router as introspection_router
 from services.gateway.session.metrics import cluster_figures
 from services.scheduler.service import SchedulerService
 from shared.constants import LAYERS
 from shared.context_store import ContextJanitor
 from shared.lifecycle import Lifecycle, State
+from shared.liveness import GatewayWatch
 from shared.runtime import Liveness
 from shared.settings import SchedulerSettings
 from tests.support.inproc import TTL_S, calls, gateway_core, mark_live, small
@@ -83,6 +86,30 @@ def test_scheduler_gateway_liveness_check_runs_without_scan(redis_server, names,
     svc.recover_lost()
     assert seen == [{"gw-1"}]
     assert calls(live, "scan") == 0
+
+
+def test_the_takeover_sweep_reads_a_range_per_gateway_without_scan(redis_server, names, live):
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        try:
+            for gateway, n in (("gw-1", 50), ("gone", 1)):  # a live gateway's 50 responses, a dead one's record gone
+                core.id = gateway
+                for i in range(n):
+                    await store.index_driving(core, "o", f"resp_{gateway}{i}")
+            core.id = "gw-2"
+            live.config_resetstat()
+            watch = GatewayWatch(TTL_S)
+            watch.missing_since["gone"] = time.monotonic() - 2 * TTL_S  # missing long enough to be judged dead
+            taken = await takeover.sweep(core, watch)
+            read = {c: calls(live, c) for c in ("scan", "zrangebylex", "hgetall")}
+            return taken, read, await store.driving_gateways(core, 10)
+        finally:
+            await core.r.aclose()
+
+    taken, read, left = asyncio.run(run())
+    assert taken == 0 and left == ["gw-1"]  # the dead one's stale entry dropped, the live one's untouched
+    # 3 steps over 2 gateways and the dead one's range; the gateways' liveness and the dead one's record (gone)
+    assert read == {"scan": 0, "zrangebylex": 4, "hgetall": 2}
 
 
 def _keyed_app(core) -> ApiKeyAuth:

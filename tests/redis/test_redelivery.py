@@ -124,6 +124,22 @@ def test_request_of_a_dead_gateway_is_cancelled_and_its_reply_stream_told(redis_
     assert [(type(e).__name__, e.request_id) for e in told] == [("Cancelled", ev.request_id)]
 
 
+def test_a_detached_request_of_a_dead_gateway_runs_on(redis_server, redis_client, names):
+    s = scheduler(redis_server, names, liveness_ttl_s=0.2)
+    s.on_heartbeat(heartbeat(draining=True))  # no room: the requests stay queued
+    gone = names.reply_stream("gone")
+    detached = preprocessed_request(redis_server, names, reply_to=gone, meta={"detached": True})
+    attached = preprocessed_request(redis_server, names, reply_to=gone)
+    for ev in (detached, attached):
+        deliver(s, names.preprocessed_stream(0), ev)
+    wait_for(
+        lambda: (s.recover_lost(), state(redis_client, names, attached.request_id) == "CANCELLED")[1],
+        10,
+        what="the attached orphan is cancelled",
+    )
+    assert state(redis_client, names, detached.request_id) == "QUEUED" and len(s.queue) == 1
+
+
 def test_cancel_reaching_a_replica_with_a_stale_copy_still_stops_the_worker(redis_server, redis_client, names):
     a, b = scheduler(redis_server, names), scheduler(redis_server, names)
     a.on_heartbeat(heartbeat())

@@ -57,8 +57,10 @@ def preprocessed_request(
     timeout_s: float = 60,
     sampling: Sampling | None = None,
     prompt_token_ids: tuple[int, ...] = (1, 2, 3),
+    meta: dict | None = None,
 ) -> Preprocessed:
-    """A request created by the gateway's script and moved to PREPROCESSED as the tokenizer does."""
+    """A request created by the gateway's script (meta: more of its meta layer) and moved to PREPROCESSED as the
+    tokenizer does."""
     reply_to = reply_to or names.reply_stream("gw1")
     now = time.time()
     ev = Preprocessed(
@@ -74,7 +76,7 @@ def preprocessed_request(
 
     async def create():
         client = aioredis.Redis.from_url(redis_server.url)
-        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to}, {}, ev)
+        await ContextStore(client, names, 60).acreate(ev.request_id, {"reply_to": reply_to, **(meta or {})}, {}, ev)
         await client.aclose()
 
     asyncio.run(create())

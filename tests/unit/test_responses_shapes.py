@@ -4,6 +4,9 @@ answer."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from services.gateway.edge.errors import InvalidRequest
@@ -98,3 +101,29 @@ def test_an_empty_answer_is_an_empty_message():
     status, _reason, events = out.finish("stop")
     assert status == "completed" and out.output[0]["content"][0]["text"] == ""
     assert [e["type"] for e in events][:2] == ["response.output_item.added", "response.content_part.added"]
+
+
+def _new_ids_named(events: list[dict], known: set[str]) -> str:
+    """The events as JSON, each id not in known named by its order of appearance (new items' ids are random)."""
+    text, seen = json.dumps(events), {}
+    for found in re.findall(r'"((?:fc|call|msg)_[0-9a-f]+)"', text):
+        if found not in known:
+            seen.setdefault(found, f"new-{len(seen)}")
+    for old, new in seen.items():
+        text = text.replace(old, new)
+    return text
+
+
+def test_a_builder_fed_the_logged_text_at_once_continues_the_calls_another_builder_announced():
+    calls = '[{"name": "weather", "arguments": {"city": "Paris"}}, {"name": "weather", "arguments": {"city": "Rome"}}]'
+    pieces = [calls[i : i + 5] for i in range(0, len(calls), 5)]
+    first, second = OutputBuilder(OutputPlan(tool_mode="forced")), OutputBuilder(OutputPlan(tool_mode="forced"))
+    logged = [e for p in pieces[:9] for e in first.feed(p)]  # the dead gateway's builder, up to its last log
+    second.feed("".join(pieces[:9]))  # the takeover's: the same text in one piece, its events dropped
+    announced = [(e["item"]["id"], e["item"]["call_id"]) for e in logged if "item" in e]
+    second.adopt_ids(announced)
+    known = {i for pair in announced for i in pair}
+    rest = pieces[9:]
+    went_on = [e for p in rest for e in second.feed(p)] + second.finish("stop")[2]
+    would_have = [e for p in rest for e in first.feed(p)] + first.finish("stop")[2]
+    assert known and _new_ids_named(went_on, known) == _new_ids_named(would_have, known)

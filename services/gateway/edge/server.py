@@ -3,6 +3,8 @@
 On the first SIGTERM/SIGINT the gateway stops accepting (503 on /ready and on new requests),
 lets requests in flight finish for up to `shutdown_grace_s`, then cancels the rest with
 reason `shutdown` so every client still gets a final answer, and only then lets uvicorn exit.
+A background response's request (a detached handle) has no client here: it is neither waited for nor
+cancelled, and once this gateway's liveness entry is gone another gateway takes it over (responses.takeover).
 A second signal exits at once. A watchdog bounds the whole shutdown: if the process is still
 alive well after the drain should have ended, it writes every thread's and task's stack to the
 log and exits hard, so a stuck shutdown is never silent and never hangs a deployment.
@@ -55,15 +57,15 @@ class GracefulServer(uvicorn.Server):
     async def _drain(self, core) -> None:
         try:
             deadline = time.monotonic() + self.grace_s
-            while core.handles and time.monotonic() < deadline:
+            while _attached(core) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            left = list(core.handles.values())
+            left = _attached(core)
             if left:
                 logger.info("grace over: cancelling %d requests with reason shutdown", len(left))
             for handle in left:
                 await self._cancel(core, handle)
             settle = time.monotonic() + SETTLE_S
-            while core.handles and time.monotonic() < settle:
+            while _attached(core) and time.monotonic() < settle:
                 await asyncio.sleep(0.05)
             logger.info("drain done (%d requests still open); stopping the server", len(core.handles))
         finally:  # whatever failed above, the server stops now, not when the watchdog kills it
@@ -94,6 +96,11 @@ class GracefulServer(uvicorn.Server):
         timer = threading.Timer(after_s, expire)
         timer.daemon = True  # never keeps a finished process alive
         timer.start()
+
+
+def _attached(core) -> list:
+    """The handles of requests with a client here (a detached one's is another gateway's to take over)."""
+    return [h for h in core.handles.values() if not h.detached]
 
 
 def serve(app, settings: GatewaySettings) -> None:

@@ -6,10 +6,10 @@ Created with stream=true, its events are also appended to its event log in Redis
 any gateway streams them, from the start or after a sequence_number (responses.stream.replay).
 
 The task holds the request's handle as a client's handler would, and releases it at the end. A gateway that dies
-takes its tasks with it, and the scheduler cancels their requests as orphaned: a GET through any other gateway then
-finds the record running under a gateway that is not live, and settles it failed (`gateway_lost`: send it again)
-rather than leave it in_progress until its TTL (store.orphan_settled). Not yet (issue 27): another gateway taking
-the work over.
+takes its tasks with it, not their requests: a background request is detached (its meta says so), so the scheduler
+does not cancel it as orphaned, and it runs on. Another gateway takes the response over (responses.takeover: a
+fenced claim, then a Job of its own on the request's context, resumed here with the log's next sequence_number and
+the text its builder has already been fed); the stale driver's writes are refused by the fence.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Callable
 
 from services.gateway.edge.errors import GatewayError, InvalidRequest, RequestCancelled
 from services.gateway.responses import store
@@ -35,38 +35,75 @@ logger = logging.getLogger(__name__)
 _TASKS: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
 
 
+class TakenOver(Exception):
+    """Its log refused this driver's write: another gateway drives it now (or it was deleted). This one stops."""
+
+
 @dataclass
 class Job:
     core: GatewayCore
-    request: Request
+    request: Request | None  # None for a takeover's (no client: drive does not watch one)
     handle: RequestHandle
     envelope: Envelope
     out: OutputBuilder
-    save: Callable[[dict], Awaitable[bool]]  # write a Response object while the stored one still runs
+    record: Callable[[dict], store.Stored]  # the stored record of a Response object
     owner: str
     streamed: bool  # created with stream=true: its events go to its log
     renamed: Callable[[InvalidRequest], InvalidRequest]  # a refused prompt's error, naming the Responses field
-    _next: int = field(default=0)  # the next event's sequence_number
+    fence: int = 0  # what its writes carry: a takeover raises the record's, and these are then refused
+    started: bool = False  # response.in_progress is out (a takeover of a response that had started)
+    skip: int = 0  # characters of text the previous driver fed its builder: fed to this one, their events not logged
+    ids: list[tuple[str, str | None]] = field(default_factory=list)  # its items' (id, call_id) as logged before
+    fed: int = 0  # characters of text fed to the builder so far
+    next_seq: int = 0  # the next event's sequence_number
+
+    def feed(self, text: str) -> list[dict]:
+        """The events of the next text; those of what the previous driver had logged already are dropped."""
+        if self.skip:
+            head, text = text[: self.skip], text[self.skip :]
+            self.out.feed(head)
+            self.skip, self.fed = self.skip - len(head), self.fed + len(head)
+            if not self.skip:
+                self.caught_up()
+        self.fed += len(text)
+        return self.out.feed(text) if text else []
+
+    def caught_up(self) -> None:
+        """The builder has been fed what the previous driver had logged (or all there is, should the text fall short
+        of it): its items are given the ids the stream announced."""
+        self.skip = 0
+        self.out.adopt_ids(self.ids)
+
+    async def save(self, response: dict) -> bool:
+        """Write a Response object while the stored one still runs, and is still this driver's."""
+        return await store.update_running(self.core, self.owner, self.record(response), self.fence)
 
     async def log(self, events: list[dict]) -> None:
         if not self.streamed or not events:
             return
         for event in events:
-            event["sequence_number"] = self._next
-            self._next += 1
-        await store.append_events(
-            self.core, self.owner, self.envelope.id, events, first=events[0]["sequence_number"] == 0
-        )
+            event["sequence_number"] = self.next_seq
+            self.next_seq += 1
+        first = events[0]["sequence_number"] == 0
+        if not await store.append_events(self.core, self.owner, self.envelope.id, events, first, self.fence, self.fed):
+            raise TakenOver(self.envelope.id)
 
     async def end(self, response: dict) -> None:
-        """The last word: the record (if it still runs), then the log's terminal event."""
+        """The last word: the record (if it still runs), the log's terminal event, its entry out of the index."""
         await self.save(response)
         await self.log([{"type": store.terminal_event(response["status"]), "response": response}])
+        await store.unindex(self.core, self.core.id, self.owner, self.envelope.id)
 
 
 async def start(job: Job) -> None:
     """Log its creation (a stream of it may be asked for from now on), then drive it in a task of its own."""
     await job.log([{"type": "response.created", "response": job.envelope.response("queued", [])}])
+    spawn(job)
+
+
+def spawn(job: Job) -> None:
+    """Drive it to its end in a task of its own (a takeover's job starts here: its creation was logged before)."""
+    job.handle.detached = True  # a shutdown of this gateway leaves it running, for another to take over
     task = asyncio.get_running_loop().create_task(_run(job), name=f"background-{job.envelope.id}")
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
@@ -75,8 +112,14 @@ async def start(job: Job) -> None:
 async def _run(job: Job) -> None:
     try:
         await _drive(job)
+    except TakenOver:  # its request runs on for the gateway that drives it now: released here, not cancelled
+        logger.warning(
+            "response %s: taken over by another gateway (or deleted); no longer driven here", job.envelope.id
+        )
+        await store.unindex(job.core, job.core.id, job.owner, job.envelope.id)  # a deleted one's entry goes too
     except Exception:  # nobody awaits this task: what went wrong is logged here or never seen
         logger.exception("background response %s: its record may stay as it was until its TTL", job.envelope.id)
+        await store.unindex(job.core, job.core.id, job.owner, job.envelope.id)  # nobody will drive it on
     finally:
         job.core.release(job.handle)
 
@@ -84,16 +127,17 @@ async def _run(job: Job) -> None:
 async def _drive(job: Job) -> None:
     envelope, out = job.envelope, job.out
     try:
-        started = False
         async for chunk in drive(job.core, job.handle, job.request, watch=False):  # no client: it has its answer
-            if not started:
-                started = True
+            if not job.started:
+                job.started = True
                 running = envelope.response("in_progress", [])
                 await job.save(running)
                 await job.log([{"type": "response.in_progress", "response": running}])
             if chunk.text:
-                await job.log(out.feed(chunk.text))
+                await job.log(job.feed(chunk.text))
         body = await final_body(job.core, job.handle, with_logprobs=False)
+        if job.skip:
+            job.caught_up()
         status, reason, closing = out.finish(body["finish_reason"])
         await job.log(closing)
         await job.end(envelope.response(status, out.output, body["usage"], reason))

@@ -115,6 +115,14 @@ class OutputBuilder:
             events.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
         return ("incomplete", "max_output_tokens", events) if cut else ("completed", None, events)
 
+    def adopt_ids(self, ids: list[tuple[str, str | None]]) -> None:
+        """Give the first items these (id, call_id): a takeover's builder, fed the text another gateway's had been,
+        continues the items that gateway's stream announced (responses.takeover)."""
+        for item, (item_id, call_id) in zip(self.output, ids):
+            item["id"] = item_id
+            if call_id is not None:
+                item["call_id"] = call_id
+
     def _added(self, item: dict) -> dict:
         self.output.append(item)
         return {"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": _copy(item)}

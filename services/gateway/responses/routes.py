@@ -111,11 +111,8 @@ class Accepted:
             reply_to=self.choices.primary.reply_to,
             session_id=self.session_id,
             gateway=self.core.id,
+            body=self.body.model_dump(mode="json", exclude_none=True) if self.body.background else None,
         )
-
-    async def stored_while_running(self, response: dict) -> bool:
-        """A background response's step, written unless it was cancelled, deleted or has ended."""
-        return await store.update_running(self.core, self.owner, self.stored(response))
 
     async def finished(self, response: dict) -> None:
         """Store the final response (store=true) before the client hears of it."""
@@ -149,6 +146,8 @@ async def _accept(core: GatewayCore, request: Request, body: ResponsesRequest) -
         plan = await off_loop(lambda: plan_chat(chat), plan_weight(chat))  # its schemas compiled off the loop
         native = native_request(chat, body.max_output_tokens, None, messages=chat_messages(chat))
         meta = {"api": "openai.responses", "user": body.user}
+        if body.background:  # its request outlives its gateway: another takes the response over (responses.takeover)
+            meta["detached"] = True
         choices = await accept_choices(
             core, request, native, 1, None, meta, constraint=plan.constraint, tools=plan.tools_json
         )
@@ -163,15 +162,15 @@ async def _in_background(core: GatewayCore, request: Request, job: Accepted):
     primary, envelope = job.choices.primary, job.envelope
     queued = envelope.response("queued", [])
     try:
+        await store.index_driving(core, job.owner, envelope.id)  # first: an entry without its record is dropped
         await store.put(core, job.owner, job.stored(queued))
     except BaseException:
         core.abandon(primary, "store_failed")  # nobody would ever see it: do not run it
         raise
     out = OutputBuilder(job.plan)
-    save = job.stored_while_running
     try:
         await background.start(
-            background.Job(core, request, primary, envelope, out, save, job.owner, bool(job.body.stream), renamed)
+            background.Job(core, request, primary, envelope, out, job.stored, job.owner, bool(job.body.stream), renamed)
         )
     except BaseException:
         core.abandon(primary, "store_failed")
@@ -218,7 +217,7 @@ async def get_response(
     starting_after: int = Query(-1, ge=-1, description="with stream: the events after this sequence_number"),
 ):
     owner = caller(request)
-    stored = await store.orphan_settled(core, owner, await store.get(core, owner, response_id))
+    stored = await store.get(core, owner, response_id)
     if not stream:
         return stored.response
     if not stored.response.get("background") or not await store.has_events(core, owner, response_id):

@@ -96,8 +96,9 @@ async def _events(
 
 async def replay(core: GatewayCore, owner: str, response_id: str, after: int) -> AsyncIterator[bytes]:
     """A background response's events from its log, those after sequence_number `after`, until its terminal event;
-    followed as they come, from any gateway. A response ended with no terminal event in its log (cancelled before
-    its task heard of it, settled failed because its gateway died) ends the replay with one made from its record."""
+    followed as they come, from any gateway (one whose driver died is taken over meanwhile, and its log goes on). A
+    response ended with no terminal event in its log (cancelled before its task heard of it, settled failed because
+    its request was gone) ends the replay with one made from its record."""
     last, seq = "0-0", -1
     try:
         while True:
@@ -110,7 +111,7 @@ async def replay(core: GatewayCore, owner: str, response_id: str, after: int) ->
                     return
             if entries:
                 continue
-            stored = await store.orphan_settled(core, owner, await store.get(core, owner, response_id))
+            stored = await store.get(core, owner, response_id)
             status = stored.response["status"]
             if status in store.RUNNING or await store.read_events(core, owner, response_id, last, None):
                 continue  # still running, or its end was logged meanwhile

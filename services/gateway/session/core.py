@@ -293,6 +293,16 @@ class GatewayCore(ReplyReader):
         self._background.add(task)
         task.add_done_callback(self._background_done)
 
+    run_in_background = _in_background  # for the APIs' packages (responses.takeover's followers)
+
+    def add_loop(self, work, name: str) -> None:
+        """A background loop of an API's package (responses.takeover's sweep): stopped with the core; /ready is 503
+        while it has not completed a round lately (it calls loop_ok after each)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(work, name=name))
+
+    def loop_ok(self, name: str) -> None:
+        self._loop_ok[name] = time.monotonic()
+
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:

@@ -64,6 +64,7 @@ class RequestHandle:
     last_event_at: float = field(default_factory=time.time)
     exists: bool = False
     session: str = ""  # its conversation session's key ("" = none): its turn is ended when it ends (conversation/)
+    detached: bool = False  # a background response's: a gateway shutting down leaves it to another (no cancel)
 
     def created(self) -> None:
         """The request was created in Redis: from now on its silence means something."""

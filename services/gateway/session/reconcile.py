@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 SILENT_S = 5.0  # a request without any event this long is checked against the context store
 ENDING_GRACE_S = 1.0  # an ending is published right after its settlement: later than this, it is not coming
 MAX_PER_PASS = 256  # requests checked a heartbeat at most (the longest silent first)
+STATE_LOST = "the request's state is gone from Redis (lost in a failover, or expired); send it again"
 FILL_TRIES = 10  # reads of a gap's tokens while Redis fails, before going on without them (~10 s)
 
 
@@ -97,7 +98,7 @@ async def repair_silent(core) -> None:
                     request_id=h.request_id,
                     reason="state_lost",
                     service="gateway",
-                    message="the request's state is gone from Redis (lost in a failover, or expired); send it again",
+                    message=STATE_LOST,
                 )
             )
         elif ended:
@@ -108,6 +109,26 @@ async def repair_silent(core) -> None:
                     state.decode(),
                 )
                 h.deliver(end)
+
+
+async def catch_up(core, h) -> bool:
+    """Deliver to h what its request's context has and h has not: tokens from its list, and its ending once its
+    state is terminal (a request whose reply stream nobody reads: a taken-over background response). True once the
+    ending has been delivered (or the request is gone: a failure delivered)."""
+    pipe = core.r.pipeline(transaction=False)
+    pipe.hget(core.names.layer(h.request_id, "meta"), "state")
+    pipe.llen(core.names.tokens(h.request_id))
+    state, length = await pipe.execute()  # the state first: tokens listed before a terminal state are all there
+    if length > h.expected:
+        raw = await _read_tokens(core, h.request_id, h.expected, length)
+        h.deliver(TokenDelta(h.request_id, h.expected, tuple(int(t) for t in raw)))
+    if state is None:
+        h.deliver(Failed(request_id=h.request_id, reason="state_lost", service="gateway", message=STATE_LOST))
+        return True
+    if State(state.decode()) in TERMINAL and (end := await _ending(core, h.request_id)) is not None:
+        h.deliver(end)
+        return True
+    return False
 
 
 async def _ending(core, rid: str):

@@ -71,6 +71,13 @@ def start_trace(rid: str, req, sampling, model: str, route: str, client_tp: str,
     return RequestTrace(root, telemetry.traceparent_of(root), pub, telemetry.traceparent_of(pub), t0_ns, t0_perf)
 
 
+def untraced(traceparent: str, t0_perf: float) -> RequestTrace:
+    """The trace of a request another gateway created (a taken-over background response): its traceparent only,
+    no span of this gateway's."""
+    tp = traceparent or telemetry.new_traceparent()
+    return RequestTrace(INVALID_SPAN, tp, INVALID_SPAN, tp, time.time_ns(), t0_perf)
+
+
 def published(rt: RequestTrace, request_id: str, stream: str) -> None:
     """request_received is on the bus (and the request RECEIVED)."""
     rt.sent_ns = time.time_ns()
