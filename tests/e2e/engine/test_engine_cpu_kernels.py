@@ -131,3 +131,9 @@ def test_sample_rows_draws_the_token_whose_cdf_interval_holds_the_uniform(kernel
     got = kernels.sample_rows(x, inv_temp, u)
     assert got.tolist() == expected.tolist()
     assert not torch.isinf(x.gather(1, got[:, None])).any()
+
+
+def test_load_makes_the_requested_variant_the_engines(kernels, request, kernels_dir):
+    isa = request.node.callspec.params["kernels"]
+    assert cpu_ops.load(kernels_dir, isa)
+    assert cpu_ops.active_isa() == isa and cpu_ops.ops() is kernels
