@@ -22,6 +22,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
+# The engine's C++ CPU kernel variants, best first (services/worker/engine/cpu_ops.py builds and picks one).
+CPU_ISAS = ("avx512", "avx2", "portable")
+CpuIsa = Literal["auto", "avx512", "avx2", "portable"]
+
+
 def _default_cache_dir() -> Path:
     return Path.home() / ".cache" / "conveyor"
 
@@ -286,6 +291,11 @@ class WorkerSettings(CommonSettings):
         True,
         description="CPU: build (once, kept in the cache dir) and use the "
         "engine's C++ paged decode attention; off or unbuildable = gather K/V in torch",
+    )
+    cpu_isa: CpuIsa = Field(
+        "auto",
+        description="CPU: which build of the C++ kernels runs: auto (the best this CPU has: avx512, "
+        "else avx2, else portable) or one forced (one the CPU lacks falls back to auto, with a warning)",
     )
     fused_model: bool = Field(
         True,

@@ -301,9 +301,13 @@ def hf_greedy(model_dir: Path):
 @pytest.fixture
 def make_engine(engine_model):
     from services.worker.engine import EngineConfig, LLMEngine
+    from shared.settings import WorkerSettings
+
+    # CONVEYOR_CPU_ISA=avx2 (say) runs the engine tests on that build of the CPU kernels
+    isa = WorkerSettings().cpu_isa
 
     def build(**overrides) -> LLMEngine:
-        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64} | overrides
+        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa} | overrides
         return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
 
     return build

@@ -25,6 +25,7 @@ def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
         dtype=s.dtype,
         gemm_tuning=s.gemm_tuning,
         cpu_kernels=s.cpu_kernels,
+        cpu_isa=s.cpu_isa,
         fused_model=s.fused_model,
         tuning_cache_dir=str(s.cache_dir),
         session_max_blocks=s.session_max_blocks,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from services.worker.engine import cpu_ops
 from services.worker.engine.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
@@ -99,7 +100,7 @@ def _decode_kernel(
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     key, value = cache.layer_slots(layer)
-    torch.ops.conveyor.paged_decode(
+    cpu_ops.ops().paged_decode(
         out, qf, key, value, group.block_tables, group.context_lens, cache.block_size, scaling, window or 0
     )
     return out.to(q.dtype)

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from services.worker.engine.errors import EngineLoadError
+from shared.settings import CPU_ISAS
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None  # caps the context window below the model's own
     gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (gemm.py)
     cpu_kernels: bool = True  # CPU: the engine's C++ paged decode attention (cpu_ops.py) over gather + SDPA
+    cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
     # Conversation sessions (session_kv.py): the most blocks a paused session keeps in the pool (0: none kept),
@@ -53,6 +55,8 @@ class EngineConfig:
             problems.append(f"device must be one of {_DEVICES} (cuda:N allowed), got {self.device!r}")
         if self.dtype not in _DTYPES:
             problems.append(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.cpu_isa not in ("auto", *CPU_ISAS):
+            problems.append(f"cpu_isa must be one of {('auto', *CPU_ISAS)}, got {self.cpu_isa!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -1,14 +1,26 @@
-"""The engine's own CPU kernels (csrc/*.cpp), compiled once per machine and loaded as torch ops.
+"""The engine's own CPU kernels (csrc/*.cpp), compiled once per machine and ISA and loaded as torch ops.
 
 Why C++: the paged decode attention (paged_decode.cpp) reads each sequence's K/V where it lies in the
 pool; in torch ops the same product needs a gather copy of every sequence's K/V per layer first (a third
 of a batch-32 decode step on the 2-core VM of docs/benchmarks.md). layer_ops.cpp fuses the small per-layer
 ops of the fused forward (fused_llama.py): residual add + RMSNorm, rotary, SiLU * up; sampling.cpp the
-sampler's inverse-CDF draw (sampler.py). The build
-(torch.utils.cpp_extension, ninja, the system C++ compiler, -march=native) takes ~10 s on the 2-core VM; its output is kept under the cache directory,
-keyed by the source, the torch build and the CPU, so a restarted worker only loads it (< 1 s).
-Anything that stops the build (no compiler, no ninja, an error) is logged once and the engine keeps
-its torch path: same results, slower.
+sampler's inverse-CDF draw (sampler.py).
+
+Which ISA: the sources are built as one extension per variant (ISAS: avx512, avx2, portable), each with
+explicit flags rather than -march=native, so that what runs is named, and every variant this CPU can run
+is testable on it (tests/e2e/engine/test_engine_cpu_kernels.py compares each with torch). Each registers
+its ops under its own namespace, torch.ops.conveyor_<isa>, so that several can be loaded in one process;
+the engine uses the one load() picked: the best the CPU's flags allow, or the one forced by
+CONVEYOR_CPU_ISA (a forced one the CPU lacks would die on its first instruction: auto's pick instead, with
+a warning). Why not one build with runtime dispatch inside: the vector code is written once over vec.h's
+vocabulary and compiled per width; separate builds keep each variant's flags (and the compiler's own
+vectorisation of the plain loops) confined to it.
+
+The build (torch.utils.cpp_extension, ninja, the system C++ compiler) takes ~10 s a variant on the 2-core
+VM; its output is kept under the cache directory, in a folder named by the variant, a digest of the CPU's
+ISA flags and of the sources, the torch build and the CPU (cpu_info.py), so a restarted worker only loads
+it (< 1 s) and a cache copied from another CPU is never reused. Anything that stops the build (no
+compiler, no ninja, an error) is logged once and the engine keeps its torch path: same results, slower.
 """
 
 from __future__ import annotations
@@ -16,44 +28,109 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from shared.settings import this_pythons_bin_on_path
+from services.worker.engine.cpu_info import CpuInfo, this_cpu
+from shared.settings import CPU_ISAS, this_pythons_bin_on_path
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_decode.cpp", CSRC / "layer_ops.cpp", CSRC / "sampling.cpp")
 HEADERS = (CSRC / "vec.h",)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
+ISA_CFLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "portable": (),
+}
+# /proc/cpuinfo flags each variant's instructions need (its -m flags, by the kernel's names)
+ISA_NEEDS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "portable": frozenset(),
+}
+OPS = ("paged_decode", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
 
 
-def _build_name() -> str:
-    from services.worker.engine.gemm import cpu_name
+def missing(isa: str, cpu: CpuInfo | None = None) -> frozenset[str]:
+    """The CPU flags variant `isa` needs that this CPU (or `cpu`) lacks; empty = it runs here."""
+    return ISA_NEEDS[isa] - (cpu or this_cpu()).flags
 
+
+def available(cpu: CpuInfo | None = None) -> tuple[str, ...]:
+    """The variants this CPU runs, best first (portable always)."""
+    return tuple(isa for isa in CPU_ISAS if not missing(isa, cpu))
+
+
+def choose(requested: str, cpu: CpuInfo | None = None) -> str:
+    """The variant to load for the setting `requested` (auto or one of CPU_ISAS)."""
+    best = available(cpu)[0]
+    if requested == "auto":
+        return best
+    lacking = missing(requested, cpu)
+    if lacking:
+        logger.warning(
+            "cpu_isa=%s needs CPU flags %s this CPU lacks: the CPU kernels use %s",
+            requested,
+            ",".join(sorted(lacking)),
+            best,
+        )
+        return best
+    return requested
+
+
+def namespace(isa: str) -> str:
+    return f"conveyor_{isa}"
+
+
+def build_name(isa: str, cpu: CpuInfo | None = None) -> str:
+    """The build folder and library name: the variant and the CPU's ISA flags in clear, the rest digested."""
+    cpu = cpu or this_cpu()
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, cpu_name(), *CFLAGS)).encode())
-    return "conveyor_cpu_" + h.hexdigest()[:16]
+    h.update(" ".join((torch.__version__, cpu.identity(), *CFLAGS, *ISA_CFLAGS[isa])).encode())
+    return f"conveyor_{isa}_{cpu.flags_digest()}_{h.hexdigest()[:12]}"
 
 
-_state: dict[str, bool] = {}  # "loaded": the outcome, once per process (a library registers its ops only once)
+_built: dict[str, Any] = {}  # isa -> its torch.ops namespace, or None if it failed (a library loads only once)
+_active: dict[str, str] = {}  # "isa": the variant load() picked for the engine
 
 
-def load(cache_dir: str | None) -> bool:
-    """Build (or find built) and load the kernels; True when torch.ops.conveyor.* are usable."""
-    if "loaded" not in _state:
-        _state["loaded"] = _build_and_load(cache_dir)
-    return _state["loaded"]
+def build(isa: str, cache_dir: str | None) -> Any:
+    """Build (or find built) and load variant `isa`; its torch.ops namespace, None if unavailable. Callers
+    check missing(isa) first: loading is safe on any CPU, running a variant the CPU lacks is not."""
+    if isa not in _built:
+        _built[isa] = _build_and_load(isa, cache_dir)
+    return _built[isa]
 
 
-def _build_and_load(cache_dir: str | None) -> bool:
+def load(cache_dir: str | None, isa: str = "auto") -> bool:
+    """Build and load the variant for the setting `isa` for the engine; True when ops() is usable."""
+    chosen = choose(isa)
+    if build(chosen, cache_dir) is None:
+        return False
+    _active["isa"] = chosen
+    return True
+
+
+def active_isa() -> str | None:
+    return _active.get("isa")
+
+
+def ops() -> Any:
+    """The engine's kernels: torch.ops.conveyor_<isa> of the variant load() picked last."""
+    return getattr(torch.ops, namespace(_active["isa"]))
+
+
+def _build_and_load(isa: str, cache_dir: str | None) -> Any:
+    name = build_name(isa)
     try:
         from torch.utils import cpp_extension
 
-        name = _build_name()
         root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "conveyor"
         build_dir = root / "kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -62,22 +139,23 @@ def _build_and_load(cache_dir: str | None) -> bool:
             cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=[*CFLAGS, *ISA_CFLAGS[isa], f"-DCONVEYOR_NS={namespace(isa)}"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=False,
             )
-        ok = all(
-            hasattr(torch.ops.conveyor, op)
-            for op in ("paged_decode", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
-        )
+        found = getattr(torch.ops, namespace(isa))
+        if not all(hasattr(found, op) for op in OPS):
+            logger.warning("CPU kernels %s lack some of %s; paged attention gathers K/V in torch instead", name, OPS)
+            return None
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
         logger.warning(
-            "CPU kernels unavailable (%s: %s); paged attention gathers K/V in torch instead",
+            "CPU kernels %s unavailable (%s: %s); paged attention gathers K/V in torch instead",
+            isa,
             type(e).__name__,
             str(e).splitlines()[0] if str(e) else "",
         )
-        return False
-    logger.info("CPU kernels loaded (%s)", name)
-    return ok
+        return None
+    logger.info("CPU kernels loaded: %s (ISA %s, CPU %s)", name, isa, this_cpu().identity())
+    return found

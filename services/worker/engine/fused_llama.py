@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine import cpu_ops
 from services.worker.engine.attention import PagedAttentionMetadata, paged_attention
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class FusedLlama:
     ) -> torch.Tensor:
         """The layers through csrc/layer_ops.cpp: h is the residual stream (updated in place); each residual add
         is fused with the RMSNorm after it (the next layer's input norm included); cos/sin [T, D]."""
-        ops = torch.ops.conveyor
+        ops = cpu_ops.ops()
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         normed = torch.empty_like(h)

@@ -9,10 +9,16 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
            CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
 `onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
-measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU) and per
-power-of-two bucket of M, at engine start, over passes through the model's layers in order (see
-measure); then kept in memory and in a JSON file under the cache directory, so a restarted worker
-does not measure again.
+measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU model and ISA flags:
+cpu_info.py) and per power-of-two bucket of M, at engine start, over passes through the model's layers in
+order (see measure); then kept in memory and in a JSON file under the cache directory, so a restarted
+worker does not measure again.
+
+A plan measured while other processes kept the machine busy (cpu_info.others_busy over the measurement,
+>= LOADED_SHARE of the cores) is kept but provisional: their load skews the timings (a kernel that
+streams memory suffers more than one that computes), so a later start that finds the machine quiet
+measures it again, up to MAX_TRIES measurements in all; after that the last one is kept, load or not
+(a machine that is never quiet still gets a plan, and starts stay bounded).
 
 How it is applied: each nn.Linear keeps its type, weights and ties (the LM head still shares the
 embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses
@@ -24,11 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 import types
@@ -40,12 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
+
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v3.json"
+PLAN_FILE = "gemm-plan-v4.json"  # v4: entries carry the load they were measured under
 _REPS = 2  # timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time)
 _MARGIN = 0.9  # another kernel must be >= 10 % faster than `linear` to be chosen (the safe default)
-_memory: dict[str, tuple[str, ...]] = {}  # this process's plans, by key()
+LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
+MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
 
 
 _PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
@@ -87,20 +94,36 @@ class Plan:
         return self.kernels[min(i, len(self.kernels) - 1)]
 
 
-@functools.cache
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError as e:
-        logger.debug("no /proc/cpuinfo (%s)", e)
-    return platform.processor() or platform.machine()
+@dataclass(frozen=True)
+class PlanEntry:
+    """A measured plan and how: others_busy, the share of the cores other processes used meanwhile (None:
+    unknown, taken as quiet); tries, how many times this key has been measured."""
+
+    kernels: tuple[str, ...]
+    others_busy: float | None = None
+    tries: int = 1
+
+    @property
+    def provisional(self) -> bool:
+        """Measured under load, with tries left: to measure again once the machine is quiet."""
+        return self.others_busy is not None and self.others_busy >= LOADED_SHARE and self.tries < MAX_TRIES
+
+
+def needs_measuring(entry: PlanEntry | None, others_now: float | None) -> bool:
+    """Measure (again) at this start? Yes without a plan; yes for a provisional one when the machine is quiet
+    now (others_now: the share of the cores others use now; None, unknown: not quiet, keep the plan)."""
+    if entry is None:
+        return True
+    return entry.provisional and others_now is not None and others_now < LOADED_SHARE
+
+
+_memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int) -> str:
+    cpu = this_cpu().identity()  # the model name and a digest of its ISA flags: another CPU measures its own
     return "|".join(
-        map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets))
+        map(str, (cpu, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets))
     )
 
 
@@ -181,18 +204,14 @@ class PlanStore:
 
     def __init__(self, cache_dir: Path | str | None):
         self.path = Path(cache_dir) / PLAN_FILE if cache_dir else None
-        self._disk: dict[str, list[str]] = {}
+        self._disk: dict[str, PlanEntry] = {}
         self._load()
 
     def _load(self) -> None:
         if self.path is None or not self.path.exists():
             return
         try:
-            self._disk = {
-                k: v
-                for k, v in json.loads(self.path.read_text()).items()
-                if isinstance(v, list) and v and all(n in KERNELS for n in v)
-            }
+            self._disk = {k: e for k, v in json.loads(self.path.read_text()).items() if (e := _entry(v)) is not None}
         except (OSError, ValueError, TypeError, AttributeError) as e:
             logger.warning("ignoring unreadable GEMM plan file %s: %s", self.path, e)
 
@@ -214,17 +233,15 @@ class PlanStore:
             self._load()
             yield
 
-    def get(self, k: str) -> tuple[str, ...] | None:
-        if k in _memory:
-            return _memory[k]
+    def get(self, k: str) -> PlanEntry | None:
+        """The disk's entry wins over this process's memory: another process may have re-measured it."""
         if k in self._disk:
-            _memory[k] = tuple(self._disk[k])
-            return _memory[k]
-        return None
+            _memory[k] = self._disk[k]
+        return _memory.get(k)
 
-    def put(self, k: str, plan: tuple[str, ...]) -> None:
-        _memory[k] = plan
-        self._disk[k] = list(plan)
+    def put(self, k: str, entry: PlanEntry) -> None:
+        _memory[k] = entry
+        self._disk[k] = entry
 
     def save(self) -> None:
         if self.path is None:
@@ -233,10 +250,26 @@ class PlanStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gemm-", suffix=".json")
             with os.fdopen(fd, "w") as f:
-                json.dump(self._disk, f, indent=0)
+                json.dump({k: _entry_json(e) for k, e in self._disk.items()}, f, indent=0)
             os.replace(tmp, self.path)  # atomic: concurrent workers never read half a file
         except OSError as e:
             logger.warning("cannot save the GEMM plan to %s (it will be measured again next start): %s", self.path, e)
+
+
+def _entry(v: object) -> PlanEntry | None:
+    """A file entry read back; None for anything malformed (that key is measured again)."""
+    if not isinstance(v, dict):
+        return None
+    kernels, busy, tries = v.get("kernels"), v.get("others_busy"), v.get("tries")
+    if not (isinstance(kernels, list) and kernels and all(n in KERNELS for n in kernels)):
+        return None
+    if not (busy is None or isinstance(busy, (int, float))) or not (isinstance(tries, int) and tries >= 1):
+        return None
+    return PlanEntry(tuple(kernels), busy, tries)
+
+
+def _entry_json(e: PlanEntry) -> dict:
+    return {"kernels": list(e.kernels), "others_busy": e.others_busy, "tries": e.tries}
 
 
 def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -263,11 +296,10 @@ def tune_linears(
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
         targets.append((module, key(module.out_features, module.in_features, module.weight.dtype, buckets), buckets))
     store = PlanStore(cache_dir)
-    if any(store.get(k) is None for _, k, _ in targets):
-        _measure_missing(store, targets)
+    _measure_needed(store, targets)
     mixed, packed_bytes = 0, 0
     for module, k, _ in targets:
-        plan = store.get(k)
+        plan = store.get(k).kernels
         module.conveyor_gemm_plan = Plan(plan)
         module.conveyor_packed = pack(module.weight.detach()) if "packed" in plan else None
         packed_bytes += module.weight.nbytes if "packed" in plan else 0
@@ -287,15 +319,32 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]
 
 
-def _measure_missing(store: PlanStore, targets: list[tuple[nn.Linear, str, int]]) -> None:
-    """Measure the plans not known yet, one process at a time: workers starting together would
-    otherwise time their kernels against each other and keep skewed plans."""
-    t0, measured = time.perf_counter(), 0
+def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]]) -> None:
+    """Measure the plans not known yet, and the provisional ones if the machine is quiet now; one process at
+    a time: workers starting together would otherwise time their kernels against each other."""
+    seen = {k: store.get(k) for _, k, _ in targets}
+    others_now = others_busy_now() if any(e is not None and e.provisional for e in seen.values()) else None
+    todo = {k for k, e in seen.items() if needs_measuring(e, others_now)}
+    if not todo:
+        return
+    t0, measured, provisional, busy = time.perf_counter(), 0, 0, None
     with store.exclusive():
-        if any(store.get(k) is None for _, k, _ in targets):  # another process may have measured them meanwhile
-            for k, plan in measure(targets).items():
-                if store.get(k) is None:
-                    store.put(k, plan)
-                    measured += 1
+        todo = {k for k in todo if store.get(k) == seen[k]}  # what another process measured meanwhile is kept
+        if todo:
+            before = sample_cpu()
+            plans = measure([t for t in targets if t[1] in todo])
+            busy = others_busy(before, sample_cpu())
+            for k, plan in plans.items():
+                entry = PlanEntry(plan, busy, seen[k].tries + 1 if seen[k] else 1)
+                store.put(k, entry)
+                measured += 1
+                provisional += entry.provisional
             store.save()
-    logger.info("GEMM kernels measured for %d weight shapes in %.1f s", measured, time.perf_counter() - t0)
+    logger.info(
+        "GEMM kernels measured for %d weight shapes in %.1f s (other processes busy on %s of the cores; "
+        "%d plans provisional: measured again at a quiet start)",
+        measured,
+        time.perf_counter() - t0,
+        "?" if busy is None else f"{busy:.0%}",
+        provisional,
+    )

@@ -72,7 +72,7 @@ class ModelRunner:
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
             tune_linears(layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
         kernel = config.cpu_kernels and device.type == "cpu"
-        kernel = kernel and cpu_ops.load(config.tuning_cache_dir)
+        kernel = kernel and cpu_ops.load(config.tuning_cache_dir, config.cpu_isa)
         native = bool(kernel and fused and fused.use_native_ops())
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
@@ -83,7 +83,7 @@ class ModelRunner:
             model.dtype,
             num_blocks,
             ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
-            "CPU kernel" if kernel else "gather + SDPA",
+            f"CPU kernel ({cpu_ops.active_isa()})" if kernel else "gather + SDPA",
         )
         return cls(model, kv_cache, device, fused, kernel)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.engine import cpu_ops
 from services.worker.engine.outputs import TokenLogprobs
 from services.worker.engine.request import Sequence
 
@@ -107,7 +108,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], native: bool = False) -> l
     u = torch.cat([torch.rand(1, generator=seq.generator, device=logits.device) for seq in seqs])
     if native:
         inv_temp = torch.ones_like(temps) if filtered else 1.0 / temps
-        return torch.ops.conveyor.sample_rows(x.contiguous(), inv_temp, u).tolist()
+        return cpu_ops.ops().sample_rows(x.contiguous(), inv_temp, u).tolist()
     probs = torch.softmax(x, dim=-1)
     # side="right" lands on a token whose interval has width, i.e. p > 0; the last lines guard the one
     # float edge (u * total rounding up to total).

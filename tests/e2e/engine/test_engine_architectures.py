@@ -14,6 +14,7 @@ from tests.support.engine import run_to_completion
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from shared.settings import WorkerSettings
 
 COMMON = dict(
     vocab_size=256,
@@ -38,7 +39,11 @@ def tiny(config):
     return model, ref
 
 
-PATHS = {"fused-kernel": {}, "transformers-gather": {"fused_model": False, "cpu_kernels": False}}
+# CONVEYOR_CPU_ISA=avx2 (say) runs the kernel path on that build of the CPU kernels (head dim 16: avx2's vector path)
+PATHS = {
+    "fused-kernel": {"cpu_isa": WorkerSettings().cpu_isa},
+    "transformers-gather": {"fused_model": False, "cpu_kernels": False},
+}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))

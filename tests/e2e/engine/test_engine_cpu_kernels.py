@@ -1,4 +1,6 @@
-"""The engine's C++ paged decode attention equals gather + SDPA (GQA, ragged lengths, sliding window)."""
+"""The engine's C++ kernels equal their torch references (paged decode attention = gather + SDPA with GQA, ragged
+lengths, sliding window; the layer ops; the sampler's draw), for every ISA variant this CPU runs (cpu_ops.ISAS;
+one the CPU lacks is skipped, naming the flags)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,23 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine import cpu_ops
+from services.worker.engine.cpu_info import this_cpu
+from shared.settings import CPU_ISAS
 
 
-@pytest.fixture(scope="module")
-def kernels(kernels_dir):
+@pytest.fixture(scope="module", params=CPU_ISAS)
+def kernels(request, kernels_dir):
+    """torch.ops.conveyor_<isa> of one variant."""
+    isa = request.param
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine (apt-get install g++): the engine uses gather + SDPA")
-    if not cpu_ops.load(kernels_dir):
-        pytest.fail("a C++ compiler is present but the CPU kernels did not build (see the warning above)")
+    lacking = cpu_ops.missing(isa)
+    if lacking:
+        pytest.skip(f"this CPU ({this_cpu().name}) lacks {','.join(sorted(lacking))}: the {isa} build cannot run here")
+    ops = cpu_ops.build(isa, kernels_dir)
+    if ops is None:
+        pytest.fail(f"a C++ compiler is present but the {isa} CPU kernels did not build (see the warning above)")
+    return ops
 
 
 def reference(q, key, value, tables, lens, block_size, window):
@@ -36,9 +47,10 @@ def reference(q, key, value, tables, lens, block_size, window):
     return out.reshape(s, heads, d)
 
 
-SHAPES = {  # (heads, kv_heads, dim, block_size, lens): vector path (dim % 16 == 0) and portable path (dim 24)
+SHAPES = {  # (heads, kv_heads, dim, block_size, lens): vector paths (dim 32, 64, 128) and the portable one (dim 24)
     "small-blocks": (6, 2, 32, 4, [1, 4, 5, 17, 30]),  # a single key, a full block, one past it, ragged
-    "smollm2": (9, 3, 64, 16, [1, 15, 16, 33, 200]),  # 16-token tiles with and without a tail
+    "smollm2": (9, 3, 64, 16, [1, 15, 16, 33, 200]),  # 8- and 16-token tiles with and without a tail
+    "dim128": (8, 2, 128, 16, [7, 40]),  # the most accumulators a tile holds (spilled on avx2)
     "portable": (4, 1, 24, 8, [3, 9, 40]),
 }
 
@@ -58,7 +70,7 @@ def test_paged_decode_kernel_equals_gather_and_sdpa(kernels, shape, window, dtyp
     lens = torch.tensor(lens)
     q = torch.randn(len(lens), heads, dim)
     out = torch.empty_like(q)
-    torch.ops.conveyor.paged_decode(out, q, key, value, tables, lens, block_size, dim**-0.5, window)
+    kernels.paged_decode(out, q, key, value, tables, lens, block_size, dim**-0.5, window)
     expected = reference(q, key.float(), value.float(), tables, lens, block_size, window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -71,10 +83,10 @@ def test_add_rms_norm_equals_residual_add_then_transformers_rmsnorm(kernels):
     expected_h = h + x
     expected = rms_norm(expected_h, (w, 1e-5))
     out = torch.empty_like(h)
-    torch.ops.conveyor.add_rms_norm(out, h, x, w, 1e-5)
+    kernels.add_rms_norm(out, h, x, w, 1e-5)
     torch.testing.assert_close(h, expected_h, rtol=0, atol=0)  # the residual stream, updated in place
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.ops.conveyor.add_rms_norm(out, h, None, w, 1e-5)  # no add: the norm alone
+    kernels.add_rms_norm(out, h, None, w, 1e-5)  # no add: the norm alone
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -87,7 +99,7 @@ def test_rotary_in_place_equals_transformers_rotate_half_on_a_strided_view(kerne
     x1, x2 = qk[..., : d // 2], qk[..., d // 2 :]
     expected = qk * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
     v_before = packed[:, heads * d :].clone()
-    torch.ops.conveyor.rotary(qk, cos, sin)
+    kernels.rotary(qk, cos, sin)
     torch.testing.assert_close(qk, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, heads * d :], v_before, rtol=0, atol=0)  # v untouched
 
@@ -97,6 +109,31 @@ def test_silu_mul_equals_torch(kernels, width):
     torch.manual_seed(0)
     gate_up = torch.randn(9, 2 * width) * 6
     out = torch.empty(9, width)
-    torch.ops.conveyor.silu_mul(out, gate_up)
+    kernels.silu_mul(out, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1000, 37])  # whole 16-token chunks plus a tail; a vocabulary under 3 chunks
+def test_sample_rows_draws_the_token_whose_cdf_interval_holds_the_uniform(kernels, vocab):
+    """Given the uniforms, the draw is deterministic: the token whose interval of softmax(x / temperature)'s CDF
+    holds u (float64 reference; uniforms within 1e-4 of an interval's edge are moved off it). -inf never drawn."""
+    torch.manual_seed(0)
+    x = torch.randn(6, vocab) * 3
+    x[:, ::5] = float("-inf")
+    inv_temp = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 3.0])
+    cdf = torch.softmax(x.double() * inv_temp.double()[:, None], dim=-1).cumsum(-1)
+    u = torch.rand(6)
+    for r in range(6):  # off the edges: the kernel's float32 sums may put an edge value either side
+        while (cdf[r] - u[r].double()).abs().min() < 1e-4:
+            u[r] = torch.rand(1)
+    expected = torch.searchsorted(cdf, u.double()[:, None], side="right").squeeze(1)
+    got = kernels.sample_rows(x, inv_temp, u)
+    assert got.tolist() == expected.tolist()
+    assert not torch.isinf(x.gather(1, got[:, None])).any()
+
+
+def test_load_makes_the_requested_variant_the_engines(kernels, request, kernels_dir):
+    isa = request.node.callspec.params["kernels"]
+    assert cpu_ops.load(kernels_dir, isa)
+    assert cpu_ops.active_isa() == isa and cpu_ops.ops() is kernels

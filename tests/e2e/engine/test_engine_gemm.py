@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def test_a_kernel_that_fails_here_is_never_planned(monkeypatch):
 
 
 def test_measured_plan_is_saved_and_a_restart_reuses_it_without_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.0)  # measured on a quiet machine: final
     first = tiny_model()
     tune(first, 64, tmp_path)
     assert (tmp_path / PLAN_FILE).exists()
@@ -108,6 +110,7 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
         "from torch import nn\n"
         "from services.worker.engine import gemm\n"
         "logging.basicConfig(level=logging.INFO)\n"
+        "gemm.others_busy = lambda before, after: 0.0  # each other's start is not load to re-measure for\n"
         "real = gemm.measure\n"
         "gemm.measure = lambda t: time.sleep(1.0) or real(t)  # a window wide enough to overlap\n"
         "gemm.tune_linears([nn.Linear(32, 48), nn.Linear(48, 16)], None, 16, 16, sys.argv[1])\n"
@@ -120,3 +123,51 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), logs
     counts = [int(m) for log in logs for m in re.findall(r"measured for (\d+) weight shapes", log)]
     assert sum(counts) == 2, logs  # two shapes, each measured by exactly one process
+
+
+def measured_counts(monkeypatch) -> list[int]:
+    """Counts gemm.measure's calls (it still measures)."""
+    calls, real = [], gemm.measure
+    monkeypatch.setattr(gemm, "measure", lambda targets: calls.append(len(targets)) or real(targets))
+    return calls
+
+
+def saved_entries(cache_dir) -> list[dict]:
+    return list(json.loads((cache_dir / PLAN_FILE).read_text()).values())
+
+
+def test_a_plan_measured_under_load_is_measured_again_at_the_next_quiet_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.9)  # others kept 90 % of the cores busy
+    tune(tiny_model(), 16, tmp_path)
+    assert all(e["others_busy"] == 0.9 and e["tries"] == 1 for e in saved_entries(tmp_path))
+    monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a quiet machine
+    monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.0)
+    monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.02)
+    calls = measured_counts(monkeypatch)
+    tune(tiny_model(), 16, tmp_path)
+    assert calls == [2]  # both layers' shapes
+    assert all(e["others_busy"] == 0.02 and e["tries"] == 2 for e in saved_entries(tmp_path))
+    monkeypatch.setattr(gemm, "_memory", {})  # measured quiet: the next start only reads it
+    tune(tiny_model(), 16, tmp_path)
+    assert calls == [2]
+
+
+def test_a_plan_measured_under_load_is_kept_while_starts_find_the_machine_loaded(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.9)
+    tune(tiny_model(), 16, tmp_path)
+    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.7)
+    calls = measured_counts(monkeypatch)
+    tune(tiny_model(), 16, tmp_path)
+    assert calls == []
+
+
+def test_a_plan_measured_under_load_every_time_is_kept_after_the_last_try(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.9)  # loaded whenever it measures
+    monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.0)  # yet quiet at every start
+    calls = measured_counts(monkeypatch)
+    for _ in range(gemm.MAX_TRIES + 2):
+        monkeypatch.setattr(gemm, "_memory", {})
+        tune(tiny_model(), 16, tmp_path)
+    assert calls == [2] * gemm.MAX_TRIES
+    assert all(e["tries"] == gemm.MAX_TRIES for e in saved_entries(tmp_path))

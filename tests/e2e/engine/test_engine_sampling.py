@@ -7,6 +7,7 @@ import torch
 from tests.support.engine import QUESTIONS, run_to_completion
 
 from services.worker.engine import EngineRequest, SamplingOptions
+from shared.settings import WorkerSettings
 
 SEEDED = SamplingOptions(
     temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=1234, max_tokens=16
@@ -98,7 +99,7 @@ def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, ke
     from services.worker.engine import cpu_ops
     from services.worker.engine.sampler import _draw
 
-    if native and not cpu_ops.load(kernels_dir):
+    if native and not cpu_ops.load(kernels_dir, WorkerSettings().cpu_isa):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
 
     class Row:
@@ -124,7 +125,7 @@ def test_native_draw_at_a_temperature_follows_softmax_across_chunks(kernels_dir)
     from services.worker.engine import cpu_ops
     from services.worker.engine.sampler import _draw
 
-    if not cpu_ops.load(kernels_dir):
+    if not cpu_ops.load(kernels_dir, WorkerSettings().cpu_isa):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
 
     class Row:

@@ -1,6 +1,8 @@
 // The small per-layer operations of a Llama-family decoder, fused: the residual add with the RMSNorm that
-// follows it, rotary embedding in place, SiLU(gate) * up. Registered as torch.ops.conveyor.* (built and
-// loaded by cpu_ops.py with paged_decode.cpp).
+// follows it, rotary embedding in place, SiLU(gate) * up. Registered as torch.ops.conveyor_<isa>.* (built per
+// ISA and loaded by cpu_ops.py with paged_decode.cpp). SiLU has an explicit vector path (vec.h's exp); the
+// norm and the rotary are `omp simd` loops of adds and multiplies, which the compiler vectorises to each
+// variant's ISA flags by itself (and to SSE2 for the portable one).
 //
 // Why: at a serving batch (tens of rows of 576 values) each of these is several torch ops of a few
 // microseconds, mostly dispatch and a pass over memory each: ~20 ops a layer. The formulas are
@@ -101,12 +103,12 @@ void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
       const float* u = g + I;
       float* o = o_p + t * os;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= I; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        const __m512 e = conveyor_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+#if defined(CONVEYOR_VEC)
+      using namespace conveyor_vec;
+      const vf one = vset1(1.f);
+      for (; i + W <= I; i += W) {
+        const vf x = vload(g + i);
+        vstore(o + i, vmul(vdiv(x, vadd(one, vexp(vsub(vzero(), x)))), vload(u + i)));
       }
 #endif
       for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -116,7 +118,7 @@ void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? x, Tensor weight, float eps) -> ()");
   m.def("rotary(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");

@@ -1,6 +1,6 @@
 // Paged decode attention for CPU: one query token per sequence attends over that sequence's cached
 // K/V read in place from the paged pool, so no per-layer gather copy of K/V is made.
-// Registered as torch.ops.conveyor.paged_decode (built and loaded by cpu_ops.py).
+// Registered as torch.ops.conveyor_<isa>.paged_decode (built per ISA and loaded by cpu_ops.py; vec.h).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -96,153 +96,128 @@ void paged_decode_generic(const Operands<T>& a) {
   });
 }
 
-#if defined(__AVX512F__)
-// The vector path (D a multiple of 16). Why not the portable loop: there, each score is a 64-wide dot
-// product ending in a horizontal reduction, and each exp a libm call; that made it instruction-bound at
-// ~15 GFLOPS (a third of a batch-32 decode step on the 2-core VM). Here 16 tokens' partial sums are
-// reduced together (one transpose-add tree for 16 scores), exp is a vector polynomial, and the output
-// accumulates in registers. K/V stay where the pool has them (no layout change for the other paths).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 -> float32: the 16 bits become the high half
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+#if defined(CONVEYOR_VEC)
+// The vector path (D a multiple of W, the ISA's lanes: 16 avx512, 8 avx2; see vec.h). Why not the portable
+// loop: there, each score is a 64-wide dot product ending in a horizontal reduction, and each exp a libm call;
+// that made it instruction-bound at ~15 GFLOPS (a third of a batch-32 decode step on the 2-core VM). Here W
+// tokens' partial sums are reduced together (one transpose-add tree for W scores), exp is a vector
+// polynomial, and the output accumulates in registers. K/V stay where the pool has them (no layout change
+// for the other paths).
+using namespace conveyor_vec;
 
-// r[i] = sum of v[i]'s 16 lanes, for i < 16.
-inline __m512 reduce16(const __m512* v) {
-  __m512 z[4];
-  for (int g = 0; g < 4; ++g) {
-    const __m512* a = v + 4 * g;
-    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of the pair (a, b)
-    const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    // per lane: [A, B, C, D], each the lane's partial sum of a[0..3]
-    const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
-    z[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)), _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));
-  }
-  // sum each z's four lanes; z[g]'s sums land in lane g
-  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x88), _mm512_shuffle_f32x4(z[2], z[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(p, r, 0x88), _mm512_shuffle_f32x4(p, r, 0xDD));
-}
+// Accumulator registers a V pass may hold: 24 of avx512's 32 vector registers, 12 of avx2's 16 (the rest for
+// the V row, the broadcast weight and addresses); more would spill to the stack inside the inner loop.
+constexpr int kAccRegs = W == 16 ? 24 : 12;
 
-// scores[t] = scale * q . k_t for the m <= 16 rows starting at rows[0] (offset: the KV head's columns);
-// D = 16 * NC, a compile-time count so that every accumulator lives in a register.
+// scores[t] = scale * q . k_t for the m <= W rows starting at rows[0] (offset: the KV head's columns);
+// D = W * NC, a compile-time count so that every accumulator lives in a register.
 template <typename T, int NC>
-inline void scores16(float* scores, const float* q, const T* const* rows, int64_t off, int m, float sc) {
-  __m512 acc[16];
-  __m512 qc[NC];
+inline void scores_tile(float* scores, const float* q, const T* const* rows, int64_t off, int m, float sc) {
+  vf acc[W];
+  vf qc[NC];
 #pragma GCC unroll 16
-  for (int c = 0; c < NC; ++c) qc[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int c = 0; c < NC; ++c) qc[c] = vload(q + W * c);
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < W; ++i) {
+    acc[i] = vzero();
     if (i < m) {
       const T* k = rows[i] + off;
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) acc[i] = _mm512_fmadd_ps(qc[c], load16(k + 16 * c), acc[i]);
+      for (int c = 0; c < NC; ++c) acc[i] = vfmadd(qc[c], vload(k + W * c), acc[i]);
     }
   }
-  const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(sc));
-  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << m) - 1), r);
+  vstore_first(scores, vfirst(m), vmul(vreduce_rows(acc), vset1(sc)));
 }
 
 // In place: p = exp(s - max s); returns 1 / sum p.
 inline float softmax_unnormalized(float* s, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, k, s + t));
+  vf mx = vset1(-INFINITY);
+  for (int64_t t = 0; t < n; t += W) mx = vmax(mx, vload_first(s + t, vfirst(n - t), -INFINITY));
+  const vf m = vset1(vreduce_max(mx));
+  vf sum = vzero();
+  for (int64_t t = 0; t < n; t += W) {
+    const vmask k = vfirst(n - t);
+    const vf e = vkeep(vexp(vsub(vload_first(s + t, k), m)), k);
+    sum = vadd(sum, e);
+    vstore_first(s + t, k, e);
   }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 e = conveyor_vec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    _mm512_mask_storeu_ps(s + t, k, e);
-  }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return 1.f / vreduce_add(sum);
 }
 
 // Start loading the m rows at rows[0] (row_bytes each) into L1: the next tile's, while this one is computed.
-// Why: a tile is one 16-slot block of the pool, blocks lie anywhere, and the hardware prefetcher stops
-// at each page boundary.
+// Why: a tile's rows lie in one pool block, blocks lie anywhere, and the hardware prefetcher stops at each
+// page boundary.
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int m, int64_t row_bytes) {
   for (int i = 0; i < m; ++i) {
     const char* r = reinterpret_cast<const char*>(rows[i]);
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < row_bytes; b += 64) prefetch(r + b);
   }
 }
 
-// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = 16 * NC columns at off), for gc
+// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for gc
 // query heads of one KV head: each V row is loaded once for all of them. GMAX (compile time, with gc <= GMAX
 // guarded) keeps the GMAX * NC accumulators in registers.
-template <typename T, int NC, int GMAX = 24 / NC>
+template <typename T, int NC, int GMAX = (kAccRegs / NC > 0 ? kAccRegs / NC : 1)>
 inline void accumulate_tile(float* o, const float* p, int64_t n, const T* const* rows, int64_t off, int m, int gc) {
-  __m512 acc[GMAX * NC];
+  vf acc[GMAX * NC];
 #pragma GCC unroll 24
   for (int h = 0; h < GMAX; ++h)
     if (h < gc)
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) acc[h * NC + c] = _mm512_loadu_ps(o + h * 16 * NC + 16 * c);
+      for (int c = 0; c < NC; ++c) acc[h * NC + c] = vload(o + h * W * NC + W * c);
   for (int i = 0; i < m; ++i) {
     const T* v = rows[i] + off;
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
-      const __m512 x = load16(v + 16 * c);
+      const vf x = vload(v + W * c);
 #pragma GCC unroll 24
       for (int h = 0; h < GMAX; ++h)
-        if (h < gc) acc[h * NC + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + i]), x, acc[h * NC + c]);
+        if (h < gc) acc[h * NC + c] = vfmadd(vset1(p[h * n + i]), x, acc[h * NC + c]);
     }
   }
 #pragma GCC unroll 24
   for (int h = 0; h < GMAX; ++h)
     if (h < gc)
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + h * 16 * NC + 16 * c, acc[h * NC + c]);
+      for (int c = 0; c < NC; ++c) vstore(o + h * W * NC + W * c, acc[h * NC + c]);
 }
 
 // One sequence: os [H, D] = attention of qs [H, D] over the n K/V rows krows/vrows (KVH * D values each).
-// K, then V, in 16-token tiles, every head of a tile before the next: a tile (one pool block of 16 rows)
-// is read from memory once, in order, and stays in L1 while the heads reuse it.
+// K, then V, in W-token tiles, every head of a tile before the next: a tile (part of one pool block) is
+// read from memory once, in order, and stays in L1 while the heads reuse it.
 template <typename T, int NC>
 void attend_sequence(float* os, const float* qs, const T* const* krows, const T* const* vrows, int64_t n, int64_t H,
                      int64_t KVH, float sc, std::vector<float>& scores) {
-  constexpr int64_t D = 16 * NC;
-  constexpr int kHeads = 24 / NC;  // query heads per pass over a tile's V rows (their accumulators in registers)
+  constexpr int64_t D = W * NC;
+  constexpr int kHeads = kAccRegs / NC > 0 ? kAccRegs / NC : 1;  // query heads per pass over a tile's V rows
   const int64_t G = H / KVH, row_bytes = KVH * D * static_cast<int64_t>(sizeof(T));
-  auto tile = [n](int64_t t) { return static_cast<int>(std::min<int64_t>(16, n - t)); };
+  auto tile = [n](int64_t t) { return static_cast<int>(std::min<int64_t>(W, n - t)); };
   scores.resize(H * n);  // [H, n]
-  for (int64_t t = 0; t < n; t += 16) {
-    if (t + 16 < n) prefetch_rows(krows + t + 16, tile(t + 16), row_bytes);
+  for (int64_t t = 0; t < n; t += W) {
+    if (t + W < n) prefetch_rows(krows + t + W, tile(t + W), row_bytes);
     for (int64_t hq = 0; hq < H; ++hq)
-      scores16<T, NC>(scores.data() + hq * n + t, qs + hq * D, krows + t, (hq / G) * D, tile(t), sc);
+      scores_tile<T, NC>(scores.data() + hq * n + t, qs + hq * D, krows + t, (hq / G) * D, tile(t), sc);
   }
   float inv[256];
   for (int64_t hq = 0; hq < H; ++hq) inv[hq] = softmax_unnormalized(scores.data() + hq * n, n);
   std::fill(os, os + H * D, 0.f);
   prefetch_rows(vrows, tile(0), row_bytes);
-  for (int64_t t = 0; t < n; t += 16) {
-    if (t + 16 < n) prefetch_rows(vrows + t + 16, tile(t + 16), row_bytes);
+  for (int64_t t = 0; t < n; t += W) {
+    if (t + W < n) prefetch_rows(vrows + t + W, tile(t + W), row_bytes);
     for (int64_t g = 0; g < KVH; ++g)
       for (int64_t h = 0; h < G; h += kHeads)
         accumulate_tile<T, NC>(os + (g * G + h) * D, scores.data() + (g * G + h) * n + t, n, vrows + t, g * D,
                                tile(t), static_cast<int>(std::min<int64_t>(kHeads, G - h)));
   }
   for (int64_t hq = 0; hq < H; ++hq) {
-    const __m512 w = _mm512_set1_ps(inv[hq]);
-    for (int64_t c = 0; c < D; c += 16)
-      _mm512_storeu_ps(os + hq * D + c, _mm512_mul_ps(_mm512_loadu_ps(os + hq * D + c), w));
+    const vf w = vset1(inv[hq]);
+    for (int64_t c = 0; c < D; c += W) vstore(os + hq * D + c, vmul(vload(os + hq * D + c), w));
   }
 }
 
 template <typename T, int NC>
-void paged_decode_avx512(const Operands<T>& a) {
+void paged_decode_vec(const Operands<T>& a) {
   const auto [S, H, D, KVH, MB, block_size, window, sc, q_p, k_p, v_p, o_p, bt_p, len_p] = a;
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -263,6 +238,22 @@ void paged_decode_avx512(const Operands<T>& a) {
     }
   });
 }
+
+// The head dims with a vector path: D = W * NC for these NC (avx512: 32..256, avx2: 16..128;
+// Llama-family models use 64 or 128); true when run.
+template <typename T>
+bool paged_decode_vec_dispatch(const Operands<T>& ops) {
+  if (ops.H > 256 || ops.D % W != 0) return false;  // (attend_sequence keeps H normalizers on its stack)
+  switch (ops.D / W) {
+    case 2: return paged_decode_vec<T, 2>(ops), true;
+    case 4: return paged_decode_vec<T, 4>(ops), true;
+    case 6: return paged_decode_vec<T, 6>(ops), true;
+    case 8: return paged_decode_vec<T, 8>(ops), true;
+    case 12: return paged_decode_vec<T, 12>(ops), true;
+    case 16: return paged_decode_vec<T, 16>(ops), true;
+    default: return false;
+  }
+}
 #endif
 
 template <typename T>
@@ -274,14 +265,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const Operands<T> ops{q.size(0), q.size(1), q.size(2), key.size(1), bt.size(1), block_size, window,
                         static_cast<float>(scale), q.data_ptr<float>(), key.data_ptr<T>(), value.data_ptr<T>(),
                         out.data_ptr<float>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
-#if defined(__AVX512F__)
+#if defined(CONVEYOR_VEC)
   if constexpr (!std::is_same_v<T, double>) {  // a float64 pool (never the engine's) takes the portable path
-    if (ops.H <= 256) {  // (attend_sequence keeps H normalizers on its stack); other head dims: portable path
-      if (ops.D == 64) return paged_decode_avx512<T, 4>(ops);
-      if (ops.D == 128) return paged_decode_avx512<T, 8>(ops);
-      if (ops.D == 32) return paged_decode_avx512<T, 2>(ops);
-      if (ops.D == 96) return paged_decode_avx512<T, 6>(ops);
-    }
+    if (paged_decode_vec_dispatch<T>(ops)) return;
   }
 #endif
   paged_decode_generic<T>(ops);
@@ -302,7 +288,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key, co
 
 }  // namespace
 
-TORCH_LIBRARY(conveyor, m) {
+CONVEYOR_LIBRARY(CONVEYOR_NS, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor key, Tensor value, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, int window) -> ()");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));

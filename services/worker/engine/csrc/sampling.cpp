@@ -1,5 +1,5 @@
 // Inverse-CDF sampling of one token per row from softmax(x * inv_temp), given one uniform per row.
-// Registered as torch.ops.conveyor.sample_rows (built and loaded by cpu_ops.py).
+// Registered as torch.ops.conveyor_<isa>.sample_rows (built per ISA and loaded by cpu_ops.py; vec.h).
 //
 // Why: in torch the same draw is a division, a softmax, a cumsum and a searchsorted, each a pass over the
 // [rows, vocabulary] logits with its own output (~6 ms for 32 rows of 49,152 on the 2-core VM, 5 % of a
@@ -36,15 +36,17 @@ inline bool is_neg_inf(float v) {
 
 // e[i] = exp((x[i] - mx) * it) for one chunk of n <= 16 values, exactly 0 where x is -inf; returns their sum.
 inline float chunk_exp(const float* x, int64_t n, float mx, float it, float* e) {
-#if defined(__AVX512F__)
-  const __mmask16 k = n >= kChunk ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  const __m512 v = _mm512_maskz_loadu_ps(k, x);
-  const __mmask16 ok =
-      _mm512_mask_cmpneq_epi32_mask(k, _mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(kNegInfBits)));
-  const __m512 r = _mm512_maskz_mov_ps(
-      ok, conveyor_vec::exp16(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(mx)), _mm512_set1_ps(it))));
-  _mm512_storeu_ps(e, r);
-  return _mm512_reduce_add_ps(r);
+#if defined(CONVEYOR_VEC)
+  using namespace conveyor_vec;
+  vf sum = vzero();
+  for (int64_t j = 0; j < kChunk; j += W) {  // one avx512 vector, two avx2 ones
+    const vmask k = vfirst(n - j);
+    const vf v = vload_first(x + j, k);
+    const vf r = vkeep(vexp(vmul(vsub(v, vset1(mx)), vset1(it))), vnot_neg_inf(v, k));
+    vstore(e + j, r);
+    sum = vadd(sum, r);
+  }
+  return vreduce_add(sum);
 #else
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) {
@@ -106,7 +108,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def("sample_rows(Tensor x, Tensor inv_temp, Tensor u) -> Tensor");
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
 }

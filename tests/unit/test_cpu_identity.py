@@ -1,0 +1,101 @@
+"""What is built or measured once per CPU is keyed by its model and ISA flags, and the ISA variant picked follows
+the flags (cpu_info.py, cpu_ops.py, gemm.py's plan key). No compiler runs here: names and choices only."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.engine import cpu_ops, gemm
+from services.worker.engine.cpu_info import CpuInfo, CpuSample, others_busy, parse_cpuinfo
+
+ZEN3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 fma f16c avx avx2 bmi1 bmi2 hypervisor"
+ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512dq avx512cd"
+
+
+def cpuinfo(name: str, flags: str) -> str:
+    return f"processor\t: 0\nmodel name\t: {name}\nflags\t\t: {flags}\n\nprocessor\t: 1\nmodel name\t: {name}\n"
+
+
+def test_cpuinfo_gives_the_first_processors_model_name_and_flags():
+    cpu = parse_cpuinfo(cpuinfo("AMD EPYC 7B13", ZEN3))
+    assert cpu.name == "AMD EPYC 7B13"
+    assert {"avx2", "fma", "hypervisor"} <= cpu.flags
+
+
+def test_identity_differs_between_cpus_of_one_name_with_other_isa_flags():
+    a = parse_cpuinfo(cpuinfo("AMD EPYC", ZEN3))
+    b = parse_cpuinfo(cpuinfo("AMD EPYC", ZEN4))
+    assert a.identity() != b.identity()
+
+
+def test_identity_ignores_flags_that_change_no_code():
+    a = parse_cpuinfo(cpuinfo("AMD EPYC", ZEN3))
+    b = parse_cpuinfo(cpuinfo("AMD EPYC", ZEN3.replace(" hypervisor", "") + " tsc_known_freq"))
+    assert a.identity() == b.identity()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [(ZEN4, ("avx512", "avx2", "portable")), (ZEN3, ("avx2", "portable")), ("fpu sse sse2", ("portable",))],
+)
+def test_available_variants_follow_the_cpu_flags(flags, expected):
+    assert cpu_ops.available(CpuInfo("x", frozenset(flags.split()))) == expected
+
+
+def test_auto_picks_the_best_variant_and_a_forced_one_is_kept_where_the_cpu_runs_it():
+    zen4 = CpuInfo("x", frozenset(ZEN4.split()))
+    assert cpu_ops.choose("auto", zen4) == "avx512"
+    assert cpu_ops.choose("avx2", zen4) == "avx2"
+    assert cpu_ops.choose("portable", zen4) == "portable"
+
+
+def test_a_forced_variant_the_cpu_lacks_falls_back_to_the_best_it_has(caplog):
+    zen3 = CpuInfo("x", frozenset(ZEN3.split()))
+    assert cpu_ops.choose("avx512", zen3) == "avx2"
+    assert "avx512bw" in caplog.text and "lacks" in caplog.text
+
+
+def test_kernel_build_name_names_the_variant_and_differs_for_other_isa_flags():
+    zen3, zen4 = CpuInfo("AMD EPYC", frozenset(ZEN3.split())), CpuInfo("AMD EPYC", frozenset(ZEN4.split()))
+    assert cpu_ops.build_name("avx2", zen3).startswith(f"conveyor_avx2_{zen3.flags_digest()}_")
+    assert cpu_ops.build_name("avx2", zen3) != cpu_ops.build_name("avx2", zen4)
+    assert cpu_ops.build_name("avx2", zen4) != cpu_ops.build_name("portable", zen4)
+
+
+def test_a_gemm_plan_saved_on_a_cpu_with_other_flags_is_not_reused(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN4.split())))
+    store = gemm.PlanStore(tmp_path)
+    store.put(gemm.key(48, 32, torch.float32, 4), gemm.PlanEntry(("packed",) * 4))
+    store.save()
+    monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a CPU of the same name without AVX-512
+    monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN3.split())))
+    assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4)) is None
+
+
+def test_others_busy_is_the_machines_busy_time_less_this_processs_over_all_cores():
+    before = CpuSample(machine_busy_s=100.0, own_s=10.0, wall_s=50.0)
+    after = CpuSample(machine_busy_s=104.0, own_s=12.0, wall_s=52.0)  # 2 s wall, 4 cores: 8 core-seconds
+    assert others_busy(before, after, cores=4) == pytest.approx(2.0 / 8)
+    assert others_busy(None, after, cores=4) is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "others_now", "expected"),
+    [
+        (None, None, True),  # no plan yet: measured whatever the load
+        (gemm.PlanEntry(("linear",), others_busy=0.05), 0.0, False),  # measured quiet: final
+        (gemm.PlanEntry(("linear",), others_busy=None), 0.0, False),  # load unknown: kept
+        (gemm.PlanEntry(("linear",), others_busy=0.6), 0.1, True),  # measured loaded, quiet now: again
+        (gemm.PlanEntry(("linear",), others_busy=0.6), 0.5, False),  # still loaded now: wait for a quiet start
+        (gemm.PlanEntry(("linear",), others_busy=0.6), None, False),  # load now unknown: not judged quiet
+        (gemm.PlanEntry(("linear",), others_busy=0.6, tries=gemm.MAX_TRIES), 0.0, False),  # tries spent: kept
+    ],
+    ids=["missing", "quiet", "unknown", "loaded-now-quiet", "loaded-still-loaded", "loaded-now-unknown", "spent"],
+)
+def test_a_plan_is_measured_again_only_if_measured_under_load_with_tries_left_and_quiet_now(
+    entry, others_now, expected
+):
+    assert gemm.needs_measuring(entry, others_now) is expected
