@@ -158,13 +158,22 @@ def names():
 
 
 @pytest.fixture(scope="session")
-def hf_reference(model_dir):
+def hf_model(model_dir):
+    """The served model as transformers runs it, float32, one instance for every reference of the session (each is
+    540 MB): read only, never given to an engine (the engine switches its model's attention: `engine_model`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir, hf_model):
     """transformers' own greedy generation, one prompt at a time, for token-for-token comparisons."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     cache: dict = {}
 
     def prompt_ids(prompt: str | None = None, messages: list | None = None) -> list[int]:
@@ -177,7 +186,7 @@ def hf_reference(model_dir):
         key = (tuple(ids), max_new_tokens)
         if key not in cache:
             with torch.inference_mode():
-                out = model.generate(
+                out = hf_model.generate(
                     torch.tensor([ids]),
                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                     max_new_tokens=max_new_tokens,
@@ -188,7 +197,7 @@ def hf_reference(model_dir):
 
     generate.prompt_ids = prompt_ids
     generate.tokenizer = tok
-    generate.model = model  # float32, for tests that need its logits
+    generate.model = hf_model  # float32, for tests that need its logits
     return generate
 
 
@@ -291,11 +300,12 @@ def engine_model(model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(model_dir: Path):
-    """HF greedy continuations on a model of their own, cached on disk next to the converted model."""
+def hf_greedy(model_dir: Path, request):
+    """HF greedy continuations on `hf_model`, cached on disk next to the converted model (the model is loaded only
+    for a continuation the file does not hold)."""
     from tests.support.engine import ReferenceOutputs
 
-    return ReferenceOutputs(model_dir)
+    return ReferenceOutputs(model_dir, lambda: request.getfixturevalue("hf_model"))
 
 
 @pytest.fixture
