@@ -53,6 +53,30 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker of `--dist loadgroup`
+        config.pluginmanager.register(GroupIds(), "conveyor-xdist-group-ids")
+
+
+class GroupIds:
+    """--dist loadgroup sends the tests of one xdist_group to one process by the `@group` suffix of their node ids,
+    which pytest-xdist 3.8 appends by assigning `item._nodeid`: pytest 9.2 keeps node ids in `item._id`, so nothing
+    was appended, every test was scheduled alone and each process started the clusters and loaded the models of
+    every group (and ran out of memory). The suffix is appended here, after xdist's hook, where it is missing."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            suffix = "@" + "_".join(groups)
+            if groups and not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
