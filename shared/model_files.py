@@ -60,6 +60,11 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     return _converted_gguf(path, Path(cache_dir))
 
 
+def converted_by_conveyor(model_dir: Path) -> bool:
+    """Whether model_dir is a folder this module converted from GGUF (complete), not one a user gave."""
+    return (Path(model_dir) / _DONE_MARKER).exists()
+
+
 def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]

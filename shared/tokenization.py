@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ModelLoadError
+from shared.model_files import converted_by_conveyor
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,27 @@ def model_info(model_dir: Path) -> ModelInfo:
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
+    """The model's tokenizer, of the class transformers' AutoTokenizer picks. A folder Conveyor converted from GGUF
+    (shared/model_files.py) names in tokenizer_config.json the class AutoTokenizer picked when it was written; when
+    that is the plain `TokenizersBackend` it is loaded by that name, without AutoTokenizer, whose imports load torch:
+    3 s of CPU and 250 MB more in each tokenizer and gateway process, which never run the model."""
     try:
+        if _converted_with_tokenizers_backend(model_dir):
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(model_dir))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {e}") from e
+
+
+def _converted_with_tokenizers_backend(model_dir: Path) -> bool:
+    if not converted_by_conveyor(model_dir):
+        return False
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False  # AutoTokenizer says what is wrong with the folder
+    return cfg.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in cfg

@@ -11,6 +11,7 @@ The suite is in tiers, one folder each, marked from here (`-m unit`, `-m "unit o
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -52,6 +53,30 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker of `--dist loadgroup`
+        config.pluginmanager.register(GroupIds(), "conveyor-xdist-group-ids")
+
+
+class GroupIds:
+    """--dist loadgroup sends the tests of one xdist_group to one process by the `@group` suffix of their node ids,
+    which pytest-xdist 3.8 appends by assigning `item._nodeid`: pytest 9.2 keeps node ids in `item._id`, so nothing
+    was appended, every test was scheduled alone and each process started the clusters and loaded the models of
+    every group (and ran out of memory). The suffix is appended here, after xdist's hook, where it is missing."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            suffix = "@" + "_".join(groups)
+            if groups and not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
@@ -158,13 +183,22 @@ def names():
 
 
 @pytest.fixture(scope="session")
-def hf_reference(model_dir):
+def hf_model(model_dir):
+    """The served model as transformers runs it, float32, one instance for every reference of the session (each is
+    540 MB): read only, never given to an engine (the engine switches its model's attention: `engine_model`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir, hf_model):
     """transformers' own greedy generation, one prompt at a time, for token-for-token comparisons."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     cache: dict = {}
 
     def prompt_ids(prompt: str | None = None, messages: list | None = None) -> list[int]:
@@ -177,7 +211,7 @@ def hf_reference(model_dir):
         key = (tuple(ids), max_new_tokens)
         if key not in cache:
             with torch.inference_mode():
-                out = model.generate(
+                out = hf_model.generate(
                     torch.tensor([ids]),
                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                     max_new_tokens=max_new_tokens,
@@ -188,7 +222,7 @@ def hf_reference(model_dir):
 
     generate.prompt_ids = prompt_ids
     generate.tokenizer = tok
-    generate.model = model  # float32, for tests that need its logits
+    generate.model = hf_model  # float32, for tests that need its logits
     return generate
 
 
@@ -291,11 +325,12 @@ def engine_model(model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(model_dir: Path):
-    """HF greedy continuations on a model of their own, cached on disk next to the converted model."""
+def hf_greedy(model_dir: Path, request):
+    """HF greedy continuations on `hf_model`, cached on disk next to the converted model (the model is loaded only
+    for a continuation the file does not hold)."""
     from tests.support.engine import ReferenceOutputs
 
-    return ReferenceOutputs(model_dir)
+    return ReferenceOutputs(model_dir, lambda: request.getfixturevalue("hf_model"))
 
 
 @pytest.fixture
@@ -310,4 +345,12 @@ def make_engine(engine_model):
         cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa} | overrides
         return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
 
-    return build
+    # An engine is freed by the cyclic garbage collector only (its parts refer to one another), which counts objects,
+    # not bytes: each engine's KV pool and fused weights (300 MB) piled up until the engine tests' process held 9 GB.
+    # They are collected before each engine is built and after each test.
+    def fresh(**overrides) -> LLMEngine:
+        gc.collect()
+        return build(**overrides)
+
+    yield fresh
+    gc.collect()

@@ -1,6 +1,6 @@
 """Shared data and helpers of the engine tests (imported by the test modules), and the engine's greedy reference:
-transformers' `generate(do_sample=False)` run one prompt at a time without padding, on a model instance of its own
-(the engine switches its model's attention to the paged implementation), cached in a JSON file next to the
+transformers' `generate(do_sample=False)` run one prompt at a time without padding, on transformers' model (not the
+engine's: the engine switches its model's attention to the paged implementation), cached in a JSON file next to the
 converted model."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from services.worker.engine import LLMEngine
 
@@ -88,12 +89,12 @@ def run_to_completion(engine: LLMEngine, runs: dict[str, Run] | None = None, max
 
 
 class ReferenceOutputs:
-    """HF greedy continuations, computed lazily on a model of their own and cached on disk."""
+    """HF greedy continuations, computed lazily on transformers' model (load_model() gives it) and cached on disk."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, load_model: Callable[[], Any]):
         self.model_dir = model_dir
         self.path = model_dir.parent / f"{model_dir.name}.engine-test-refs.json"
-        self._model = None
+        self._load_model = load_model
         self._lock = threading.Lock()
         self._cache: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
 
@@ -111,13 +112,10 @@ class ReferenceOutputs:
 
     def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        if self._model is None:
-            self._model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32).eval()
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            out = self._model.generate(
+            out = self._load_model().generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
             )
         return out[0, len(prompt) :].tolist()

@@ -1,7 +1,7 @@
 """Log probabilities and OpenAI's presence/frequency penalties, against transformers in float32.
 
-The reference recomputes each position's next-token logits with transformers' own model (a separate float32
-instance, the whole prompt + output at once), applies the penalties by their definitions, and takes the
+The reference recomputes each position's next-token logits with transformers' own model (the session's float32
+`hf_model`, the whole prompt + output at once), applies the penalties by their definitions, and takes the
 log-softmax the sampler documents: after the penalties, divided by the temperature (greedy: as they are),
 before top-k/top-p/min-p.
 """
@@ -13,16 +13,10 @@ from collections import Counter
 import pytest
 import torch
 from tests.support.engine import QUESTIONS, run_to_completion
-from transformers import AutoModelForCausalLM
 
 from services.worker.engine import EngineRequest, InvalidRequestError, SamplingOptions
 
 TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
 def reference_logprobs(model, prompt: list[int], outputs: list[int], opts: SamplingOptions) -> torch.Tensor:
