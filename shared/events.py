@@ -99,8 +99,8 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class Constraint(msgspec.Struct, frozen=True):
     """What the output must be, enforced token by token (shared/grammar.py compiles it)."""
 
-    kind: str  # json_schema: one JSON value valid against `spec`
-    spec: str  # the JSON Schema, as JSON text
+    kind: str  # shared.grammar.KINDS: json_schema (one JSON value valid against `spec`), lark, regex
+    spec: str  # the JSON Schema as JSON text, the Lark grammar, the regular expression
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,7 +18,8 @@ from services.gateway.native.stream import stream
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
 from services.gateway.session.request import GenerateRequest
-from services.gateway.text.render import json_response
+from services.gateway.openai.structured_output import native_constraint
+from services.gateway.text.render import HEAVY, json_response, off_loop
 
 if TYPE_CHECKING:
     from services.gateway.session.handle import Choices
@@ -28,7 +29,9 @@ router = APIRouter()
 
 @router.post("/generate", responses={**sse_or_json(None, "the output (JSON, or SSE with stream)"), **GENERATION_ERRORS})
 async def generate(body: GenerateRequest, request: Request, core: Core):
-    choices = await accept_choices(core, request, body, body.n)
+    weight = HEAVY if body.grammar is not None else 0
+    constraint = await off_loop(lambda: native_constraint(body), weight)  # its grammar compiled off the loop
+    choices = await accept_choices(core, request, body, body.n, constraint=constraint)
     primary = choices.primary
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if body.stream:

@@ -19,6 +19,7 @@ from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.schemas import (
+    GUIDED,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -29,7 +30,7 @@ from services.gateway.openai.schemas import (
 )
 from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.native_request import chat_messages, native_request
-from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
+from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_completion, plan_weight
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
 from services.gateway.session.request import GenerateRequest
@@ -58,6 +59,7 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
     rules: list[tuple[str, bool, str]] = [
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
     ]
+    rules += [(old, old in body.model_fields_set, f"removed in vLLM 0.12; use {new}") for old, new in GUIDED.items()]
     for param, broken, message in rules:
         if broken:
             raise _unsupported(param, message)
@@ -138,8 +140,11 @@ async def _serve(
 async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     prompt = _check_completion(body)
+    plan = await off_loop(lambda: plan_completion(body), plan_weight(body))  # its grammar compiled off the loop
     native = native_request(body, body.max_tokens, body.logprobs, prompt=prompt)
-    return await _serve(core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return await _serve(
+        core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, plan=plan
+    )
 
 
 @router.post(

@@ -32,6 +32,47 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(None, description="send one last chunk with the usage (and no choices)")
 
 
+MAX_PATTERN = 65_536  # characters of a structured_outputs regex
+MAX_GRAMMAR = 262_144  # characters of a structured_outputs grammar
+MAX_CHOICE = 1024  # characters of one structured_outputs choice
+MAX_CHOICES_LISTED = 256  # strings of a structured_outputs choice
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (its StructuredOutputsParams): one constraint the output keeps to
+    (openai.structured_output.structured_constraint)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_schema: Annotated[dict[str, Any], Shallow] | bool | str | None = Field(
+        None, alias="json", description="a JSON Schema (an object, or its JSON text) the output is valid against"
+    )
+    regex: str | None = Field(None, min_length=1, max_length=MAX_PATTERN, description="the output matches it whole")
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES_LISTED, description="the output is exactly one of these"
+    )
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR, description="a Lark (llguidance) or GBNF (root ::= ...) grammar"
+    )
+    json_object: bool | None = Field(None, description="true: the output is one JSON object")
+    # vLLM's options of its JSON backends: Conveyor's JSON is always compact and there is no fallback backend
+    disable_any_whitespace: bool | None = Field(None, description="accepted: the JSON never has free whitespace")
+    disable_fallback: bool | None = Field(None, description="accepted: there is no other backend to fall back to")
+    disable_additional_properties: bool | None = Field(None, description="not supported: true is a 400")
+    whitespace_pattern: str | None = Field(None, max_length=256, description="not supported: a 400")
+    structural_tag: str | None = Field(None, max_length=MAX_GRAMMAR, description="not supported: a 400")
+
+
+# vLLM's guided_* fields, removed in its 0.12: a 400 that names the structured_outputs field replacing each
+GUIDED = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "nothing (remove it)",
+}
+
+
 class OpenAIRequest(BaseModel):
     """Fields both endpoints share."""
 
@@ -69,8 +110,16 @@ class OpenAIRequest(BaseModel):
     session_id: str | None = Field(
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: regex, choice, grammar, json")
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+    # vLLM's removed guided_* fields (GUIDED): known, so that openai.routes refuses each naming its replacement
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
 
 
 class CompletionRequest(OpenAIRequest):

@@ -59,6 +59,16 @@ class Message(BaseModel):
     content: str = Field(max_length=1_000_000)
 
 
+class Grammar(BaseModel):
+    """TGI's grammar: the output keeps to a regular expression or a JSON Schema (openai.structured_output)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["regex", "json"] = Field(..., description="regex: value is a pattern; json: a JSON Schema")
+    value: str | Annotated[dict[str, Any], AfterValidator(shallow)] = Field(
+        ..., description="the pattern (at most 65536 characters), or the schema (an object or its JSON text)"
+    )
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -103,3 +113,4 @@ class GenerateRequest(BaseModel):
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")
+    grammar: Grammar | None = Field(None, description="TGI's: the output matches a regex or a JSON Schema")
