@@ -141,6 +141,10 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
     group_size: int = 1  # how many requests share group_id (n)
     tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
+    # messages: how the chat template writes them (shared.chat_template.render)
+    add_generation_prompt: bool = True  # end with the assistant turn's opening
+    continue_final_message: bool = False  # end inside the last message: the output continues it
+    chat_template_kwargs: str = ""  # the template's variables, a JSON object ("" = none)
     session: str = ""  # the conversation session's key (shared.sessions) this turn belongs to ("" = none)
     session_worker: str = ""  # the worker that kept the session's KV after its last turn ("" = none known)
 

@@ -45,16 +45,23 @@ class Preprocessor:
         self.tok = tokenizer
         self.max_len = max_len
 
-    def _template(self, chat: list[dict], tools: list[dict] | None) -> str:
+    def _template(self, chat: list[dict], ev: RequestReceived) -> str:
         try:
-            return render(self.tok, chat, tools)
+            return render(
+                self.tok,
+                chat,
+                json.loads(ev.tools) if ev.tools else None,
+                ev.add_generation_prompt,
+                ev.continue_final_message,
+                json.loads(ev.chat_template_kwargs) if ev.chat_template_kwargs else None,
+            )
         except TemplateRefused as e:  # the client's to fix, as the template says
             raise PromptError(Reason.INVALID, "messages", f"messages: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in ev.messages]
-            text = self._template(chat, json.loads(ev.tools) if ev.tools else None)
+            text = self._template(chat, ev)
             ids = self.tok.encode(text, add_special_tokens=False)
             field = "messages"
         else:

@@ -93,6 +93,17 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+def _chat_echo(body: ChatCompletionRequest, plan: OutputPlan, messages: list) -> str:
+    """What a chat answer's content starts with under echo, as vLLM: the last message's text when it is the turn
+    being answered (an assistant's, or any one's with add_generation_prompt false)."""
+    if not body.echo:
+        return ""
+    if plan.tool_mode != "none":
+        raise _unsupported("echo", "cannot be combined with tools unless tool_choice is 'none'")
+    last = messages[-1]
+    return last.content if last.role == "assistant" or body.add_generation_prompt is False else ""
+
+
 async def _serve(
     core: GatewayCore,
     request: Request,
@@ -101,6 +112,7 @@ async def _serve(
     chat: bool,
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
+    echo: str = "",
 ):
     meta = {
         "api": "openai.chat" if chat else "openai.completions",
@@ -123,6 +135,7 @@ async def _serve(
             include_usage,
             core.token_strings if native.logprobs is not None else None,
             plan,
+            echo,
         )
         for _ in range(n)
     ]
@@ -154,10 +167,11 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
 async def chat_completions(body: ChatCompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     plan = await off_loop(lambda: plan_chat(body), plan_weight(body))  # its schemas compiled off the loop
+    messages = chat_messages(body)
     native = native_request(
-        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=chat_messages(body)
+        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=messages
     )
-    return await _serve(core, request, body, native, chat=True, plan=plan)
+    return await _serve(core, request, body, native, chat=True, plan=plan, echo=_chat_echo(body, plan, messages))
 
 
 def _card(core: GatewayCore) -> dict:

@@ -192,6 +192,17 @@ class ChatCompletionRequest(OpenAIRequest):
         None, description="none | auto | required | a named function"
     )
     parallel_tool_calls: bool | None = None
+    # vLLM's: how the chat template writes the messages (shared.chat_template.render)
+    add_generation_prompt: bool | None = Field(None, description="end with the assistant turn's opening (default)")
+    continue_final_message: bool | None = Field(
+        None, description="the answer continues the last (assistant) message, no new turn; add_generation_prompt false"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any], Shallow] | None = Field(
+        None, max_length=64, description="variables passed to the chat template (at most 64 KiB as JSON)"
+    )
+    echo: bool | None = Field(
+        None, description="vLLM's: the answer's content starts with the last message's (if it is the assistant's)"
+    )
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = Field(None, max_length=64)

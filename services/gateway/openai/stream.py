@@ -55,6 +55,7 @@ class Shape:
     include_usage: bool = False  # stream_options.include_usage
     token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
     plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
+    echo: str = ""  # chat's echo: the last message's text, which the answer's content starts with
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
@@ -85,7 +86,7 @@ class Shape:
         elif self.chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": native["text"]},
+                "message": {"role": "assistant", "content": self.echo + native["text"]},
                 "logprobs": lp,
                 "finish_reason": native["finish_reason"],
             }
@@ -173,6 +174,8 @@ async def _events(
         if shape.chat:
             for i in range(n):
                 yield sse(at_index(shape.chunk(role=True), i))
+                if shape.echo:
+                    yield sse(at_index(shape.chunk(text=shape.echo), i))
         index, chunk = first
         while True:
             if data := await sse_events(

@@ -8,6 +8,7 @@ is this process, which holds the client connections they are for.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -230,6 +231,9 @@ class GatewayCore(ReplyReader):
             group_id=group_id,
             group_size=group_size,
             tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
             session=session,
             session_worker=session_worker,
         )

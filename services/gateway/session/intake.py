@@ -15,6 +15,7 @@ from services.gateway.edge.errors import InvalidRequest
 from services.gateway.session.groups import choice_body
 from services.gateway.session.handle import Choices
 from services.gateway.session.outcome import SIBLING_FAILED
+from shared.chat_template import kwargs_problem
 from shared.sessions import end_turn
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import RequestHandle
+    from services.gateway.native.tokenize import TokenizeRequest
     from services.gateway.session.request import GenerateRequest
     from shared.events import Constraint
 
@@ -74,6 +76,26 @@ async def accept_choices(
     return Choices(handles)
 
 
+def check_chat_options(body: GenerateRequest | TokenizeRequest) -> None:
+    """How the chat template is to write the messages: vLLM's rules (raises a 400 naming the field); /tokenize's
+    body has the same fields."""
+    options = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} & body.model_fields_set
+    if body.messages is None and options:
+        field = sorted(options)[0]
+        raise InvalidRequest(f"{field}: only with messages (a chat)", field, "invalid_value")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message: cannot be true with add_generation_prompt true (as vLLM); "
+            "set add_generation_prompt to false to continue the last message",
+            "continue_final_message",
+            "invalid_value",
+        )
+    problem = kwargs_problem(body.chat_template_kwargs) if body.chat_template_kwargs else None
+    if problem is not None:
+        param = "chat_template_kwargs" + (f".{problem[0]}" if problem[0] else "")
+        raise InvalidRequest(f"{param}: {problem[1]}", param, "invalid_value")
+
+
 async def accept(
     core: GatewayCore,
     request: Request,
@@ -90,6 +112,7 @@ async def accept(
     if (body.prompt is None) == (body.messages is None):
         which = "both were given" if body.prompt is not None else "neither was given"
         raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
+    check_chat_options(body)
     vocab = len(core.tokenizer)  # the worker would refuse an id beyond it, as its own error (a 500)
     if any(t >= vocab for t in body.stop_token_ids):
         raise InvalidRequest(

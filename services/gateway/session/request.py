@@ -114,3 +114,11 @@ class GenerateRequest(BaseModel):
     )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")
     grammar: Grammar | None = Field(None, description="TGI's: the output matches a regex or a JSON Schema")
+    # messages: how the chat template writes them (vLLM's fields; shared.chat_template.render)
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="messages: the output continues the last message (no new turn); add_generation_prompt false"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(shallow)] | None = Field(
+        None, max_length=64, description="messages: variables passed to the chat template (at most 64 KiB as JSON)"
+    )
