@@ -133,6 +133,7 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     reply_to: str  # reply stream of the gateway holding the client
     prompt: str | None = None  # raw prompt (exactly one of prompt/messages)
     messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the tokenizer
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt given as token ids (checked by the gateway), not encoded
     sampling: Sampling  # generation parameters
     priority: int = 0  # lower value = served first
     deadline: float  # epoch seconds after which the request times out

@@ -59,7 +59,10 @@ class Preprocessor:
             raise PromptError(Reason.INVALID, "messages", f"messages: {e}") from e
 
     def token_ids(self, ev: RequestReceived) -> list[int]:
-        if ev.messages is not None:
+        if ev.prompt_token_ids:
+            ids = list(ev.prompt_token_ids)
+            field = "prompt"
+        elif ev.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in ev.messages]
             text = self._template(chat, ev)
             ids = self.tok.encode(text, add_special_tokens=False)

@@ -46,5 +46,5 @@ def _body(choices: Choices, bodies: list[dict]) -> dict:
     return {
         "request_id": choices.primary.request_id,
         "choices": [{"index": i, **b} for i, b in enumerate(bodies)],
-        "usage": merged_usage(bodies),
+        "usage": merged_usage(bodies, choices.per_prompt),
     }

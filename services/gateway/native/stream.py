@@ -69,7 +69,12 @@ async def stream(core: GatewayCore, choices: Choices, request: Request) -> Async
                 break
             finals[index] = final
         if n > 1 and len(finals) == n:
-            yield sse({"request_id": choices.primary.request_id, "usage": merged_usage([finals[i] for i in range(n)])})
+            yield sse(
+                {
+                    "request_id": choices.primary.request_id,
+                    "usage": merged_usage([finals[i] for i in range(n)], choices.per_prompt),
+                }
+            )
         yield sse("[DONE]")
     finally:
         run.close(failed)  # before any await: a cancelled handler's next await raises at once

@@ -33,7 +33,7 @@ from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_completion, plan_weight
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
-from services.gateway.session.request import GenerateRequest
+from services.gateway.session.request import MAX_BATCH, GenerateRequest
 from services.gateway.text.render import json_response, off_loop
 
 if TYPE_CHECKING:
@@ -65,8 +65,9 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
             raise _unsupported(param, message)
 
 
-def _check_completion(body: CompletionRequest) -> str:
-    """The single prompt, once the completion-only fields are known to be supported."""
+def _check_completion(body: CompletionRequest) -> list[dict]:
+    """The prompts (each the native fields it sets: prompt or prompt_token_ids), once the completion-only fields
+    are known to be supported."""
     for param, broken, message in [
         ("echo", bool(body.echo), "not supported (the prompt is not returned, nor its tokens' log probabilities)"),
         ("suffix", body.suffix is not None, "not supported"),
@@ -74,16 +75,24 @@ def _check_completion(body: CompletionRequest) -> str:
     ]:
         if broken:
             raise _unsupported(param, message)
-    if isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
-            raise InvalidRequest(
-                f"prompt: a list must hold exactly one string (got {len(body.prompt)}); "
-                "batched prompts are not supported",
-                "prompt",
-                "unsupported_parameter",
-            )
-        return body.prompt[0]
-    return body.prompt
+    p = body.prompt
+    if isinstance(p, str):
+        return [{"prompt": p}]
+    if not p:
+        raise InvalidRequest("prompt: an empty list (give at least one prompt)", "prompt", "invalid_value")
+    if isinstance(p[0], int):
+        return [{"prompt_token_ids": p}]
+    for i, one in enumerate(p):
+        if not one:  # a list of prompts: each is checked here (the native request's rules do not see them)
+            raise InvalidRequest(f"prompt.{i}: an empty prompt", f"prompt.{i}", "invalid_value")
+    prompts = [{"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one} for one in p]
+    if len(prompts) * (body.n or 1) > MAX_BATCH:
+        raise InvalidRequest(
+            f"prompt: {len(prompts)} prompts x n={body.n or 1} is more than {MAX_BATCH} choices in all",
+            "prompt",
+            "too_many_choices",
+        )
+    return prompts
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -113,6 +122,7 @@ async def _serve(
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
     echo: str = "",
+    prompts: list[dict] | None = None,
 ):
     meta = {
         "api": "openai.chat" if chat else "openai.completions",
@@ -122,7 +132,7 @@ async def _serve(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n or 1
     choices = await accept_choices(
-        core, request, native, n, default_max_tokens, meta, constraint=plan.constraint, tools=plan.tools_json
+        core, request, native, n, default_max_tokens, meta, prompts, constraint=plan.constraint, tools=plan.tools_json
     )
     primary = choices.primary
     # One Shape per choice: a completion's log probabilities carry a text offset that runs on within its choice.
@@ -137,7 +147,7 @@ async def _serve(
             plan,
             echo,
         )
-        for _ in range(n)
+        for _ in choices.handles
     ]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
@@ -152,12 +162,11 @@ async def _serve(
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
 async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
-    prompt = _check_completion(body)
+    prompts = _check_completion(body)
     plan = await off_loop(lambda: plan_completion(body), plan_weight(body))  # its grammar compiled off the loop
-    native = native_request(body, body.max_tokens, body.logprobs, prompt=prompt)
-    return await _serve(
-        core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, plan=plan
-    )
+    native = native_request(body, body.max_tokens, body.logprobs, **prompts[0])
+    batch = prompts if len(prompts) > 1 else None
+    return await _serve(core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, prompts=batch)
 
 
 @router.post(
@@ -204,5 +213,5 @@ def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> d
     outs = [at_index(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
     out = outs[0]
     out["choices"] = [o["choices"][0] for o in outs]
-    out["usage"] = openai_usage(merged_usage(bodies))
+    out["usage"] = openai_usage(merged_usage(bodies, choices.per_prompt))
     return out

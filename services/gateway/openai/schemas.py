@@ -18,9 +18,13 @@ from services.gateway.session.request import (
     INT64_MAX,
     INT64_MIN,
     MAX_CHOICES,
+    MAX_BATCH,
     MAX_LOGPROBS,
     Shallow,
     Stop,
+    MAX_PROMPT_IDS,
+    TokenId,
+    TokenIds,
     shallow,
 )
 
@@ -123,7 +127,17 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_BATCH)]
+        | TokenIds
+        # an empty one is refused by name (openai.routes), not as the union's first branch
+        | Annotated[list[Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]], Field(max_length=MAX_BATCH)]
+    ) = Field(
+        ...,
+        description="the prompt: a string, a list of strings, a list of token ids, or a list of token-id lists "
+        f"(one answer per prompt and n; at most {MAX_BATCH} in all)",
+    )
     logprobs: int | None = Field(
         None,
         ge=0,

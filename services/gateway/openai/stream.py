@@ -195,7 +195,9 @@ async def _events(
                     yield sse(at_index(out, index))
                 if len(bodies) == n:
                     if shape.include_usage:
-                        yield sse(shape.usage_chunk(merged_usage([bodies[i] for i in range(n)])))
+                        yield sse(
+                            shape.usage_chunk(merged_usage([bodies[i] for i in range(n)], run.choices.per_prompt))
+                        )
                     break
             index, chunk = await run.next()
         yield sse("[DONE]")

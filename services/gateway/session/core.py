@@ -222,6 +222,7 @@ class GatewayCore(ReplyReader):
             reply_to=self.reply_to,
             prompt=req.prompt,
             messages=messages,
+            prompt_token_ids=tuple(req.prompt_token_ids or ()),
             sampling=sampling,
             priority=req.priority,
             deadline=now + timeout,
@@ -259,6 +260,7 @@ class GatewayCore(ReplyReader):
         }
         input_ = {
             "prompt": req.prompt,
+            "prompt_token_ids": req.prompt_token_ids,
             "messages": [m.model_dump() for m in req.messages] if req.messages else None,
             "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__},
             "stop": stops,

@@ -53,6 +53,12 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
 
 
+MAX_PROMPT_IDS = 1_000_000  # token ids of one prompt (the context window bounds it further)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+MAX_BATCH = 64  # choices of a request of a prompt list: prompts x n (each a request of its own)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
@@ -74,6 +80,9 @@ class GenerateRequest(BaseModel):
 
     prompt: str | None = Field(None, min_length=1, description="raw prompt; exactly one of prompt/messages")
     messages: list[Message] | None = Field(None, min_length=1, description="chat turns, templated by the model")
+    prompt_token_ids: TokenIds | None = Field(
+        None, description="the prompt as token ids (each below the vocabulary size), instead of prompt or messages"
+    )
     max_tokens: int | None = Field(None, ge=1, description="most new tokens (1..4096, within the context window)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
