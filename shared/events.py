@@ -134,6 +134,7 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     prompt: str | None = None  # raw prompt (exactly one of prompt/messages)
     messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the tokenizer
     prompt_token_ids: tuple[int, ...] = ()  # a prompt given as token ids (checked by the gateway), not encoded
+    truncate_prompt_tokens: int = 0  # keep only the prompt's last k tokens (0 = all; -1 = what max_tokens leaves)
     sampling: Sampling  # generation parameters
     priority: int = 0  # lower value = served first
     deadline: float  # epoch seconds after which the request times out

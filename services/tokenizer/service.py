@@ -58,6 +58,14 @@ class Preprocessor:
         except TemplateRefused as e:  # the client's to fix, as the template says
             raise PromptError(Reason.INVALID, "messages", f"messages: {e}") from e
 
+    def _truncated(self, ids: list[int], ev: RequestReceived) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the window leaves after
+        max_tokens)."""
+        keep = ev.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.max_len - ev.sampling.max_tokens)
+        return ids[-keep:] if 0 < keep < len(ids) else ids
+
     def token_ids(self, ev: RequestReceived) -> list[int]:
         if ev.prompt_token_ids:
             ids = list(ev.prompt_token_ids)
@@ -72,6 +80,7 @@ class Preprocessor:
             field = "prompt"
         if not ids:
             raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
+        ids = self._truncated(ids, ev)
         if len(ids) >= self.max_len:
             raise PromptError(
                 Reason.TOO_LONG,

@@ -19,6 +19,7 @@ from services.gateway.session.drive import collect_choices, handle_weight, merge
 from services.gateway.session.intake import accept_choices
 from services.gateway.session.request import GenerateRequest
 from services.gateway.openai.structured_output import native_constraint
+from services.gateway.session.timing import queue_time_headers
 from services.gateway.text.render import HEAVY, json_response, off_loop
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ async def generate(body: GenerateRequest, request: Request, core: Core):
     if body.stream:
         return SseResponse(stream(core, choices, request), core.s.sse_write_timeout_s, headers=headers)
     bodies = await collect_choices(core, choices, request)
+    headers.update(queue_time_headers((primary.metrics or {}).get("queue_wait")))
     return await json_response(lambda: _body(choices, bodies), sum(handle_weight(h) for h in choices.handles), headers)
 
 

@@ -34,6 +34,7 @@ from services.gateway.openai.structured_output import OutputPlan, plan_chat, pla
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
 from services.gateway.session.request import MAX_BATCH, GenerateRequest
+from services.gateway.session.timing import queue_time_headers
 from services.gateway.text.render import json_response, off_loop
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ async def _serve(
         return await start_stream(request, core, choices, shapes, headers)
     # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
     bodies = await collect_choices(core, choices, request, with_logprobs=False)
+    headers.update(queue_time_headers((primary.metrics or {}).get("queue_wait")))
     return await json_response(
         lambda: choices_body(shapes, choices, bodies), sum(handle_weight(h) for h in choices.handles), headers
     )

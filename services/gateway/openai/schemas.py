@@ -115,6 +115,9 @@ class OpenAIRequest(BaseModel):
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: regex, choice, grammar, json")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="keep the prompt's last k tokens (-1: what max_tokens leaves)"
+    )
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
     # vLLM's removed guided_* fields (GUIDED): known, so that openai.routes refuses each naming its replacement

@@ -21,6 +21,7 @@ from services.gateway.openai.tools import ToolShaper, message
 from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage, started_run
 from services.gateway.text import logprobs as lp_shapes
 from services.gateway.text.logprobs import CompletionLogprobs
+from services.gateway.session.timing import queue_time_comment, queue_time_headers, queue_wait
 from services.gateway.text.render import sse_events
 
 if TYPE_CHECKING:
@@ -160,17 +161,21 @@ async def start_stream(
 ) -> SseResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
     run, first = await started_run(core, choices, request)
-    return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
+    wait = await queue_wait(core, choices.primary.request_id)
+    headers = {**headers, **queue_time_headers(wait)}
+    return SseResponse(_events(core, run, shapes, first, wait), core.s.sse_write_timeout_s, headers=headers)
 
 
 async def _events(
-    core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk]
+    core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk], wait: float | None
 ) -> AsyncIterator[bytes]:
     n, shape = len(run.choices.handles), shapes[0]
     tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
     failed = False
     try:
+        if comment := queue_time_comment(wait):
+            yield comment
         if shape.chat:
             for i in range(n):
                 yield sse(at_index(shape.chunk(role=True), i))

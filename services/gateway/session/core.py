@@ -223,6 +223,7 @@ class GatewayCore(ReplyReader):
             prompt=req.prompt,
             messages=messages,
             prompt_token_ids=tuple(req.prompt_token_ids or ()),
+            truncate_prompt_tokens=req.truncate_prompt_tokens or 0,
             sampling=sampling,
             priority=req.priority,
             deadline=now + timeout,

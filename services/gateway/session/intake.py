@@ -85,8 +85,9 @@ async def accept_choices(
     return Choices(handles, per_prompt=n)
 
 
-def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int) -> None:
-    """A prompt of token ids: every id in the vocabulary, and room for one output token in the context window."""
+def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int, truncate: int | None = None) -> None:
+    """A prompt of token ids: every id in the vocabulary, and room for one output token in the context window
+    (unless truncate_prompt_tokens cuts it: the tokenizer checks what is kept)."""
     if ids is None:
         return
     if (bad := next((t for t in ids if t >= vocab), None)) is not None:
@@ -95,7 +96,7 @@ def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int) -> None:
             "prompt",
             "token_id_out_of_range",
         )
-    if max_len and len(ids) >= max_len:
+    if max_len and len(ids) >= max_len and not truncate:
         raise InvalidRequest(
             f"prompt is {len(ids)} tokens; the context window is {max_len} tokens and at least 1 must be left for "
             "output",
@@ -145,7 +146,11 @@ async def accept(
         )
     check_chat_options(body)
     vocab = len(core.tokenizer)  # the worker would refuse an id beyond it, as its own error (a 500)
-    check_token_prompt(body.prompt_token_ids, vocab, core.max_len)
+    if body.truncate_prompt_tokens == 0:
+        raise InvalidRequest(
+            "truncate_prompt_tokens: must be -1 or at least 1 (got 0)", "truncate_prompt_tokens", "invalid_value"
+        )
+    check_token_prompt(body.prompt_token_ids, vocab, core.max_len, body.truncate_prompt_tokens)
     if any(t >= vocab for t in body.stop_token_ids):
         raise InvalidRequest(
             f"stop_token_ids: every id must be below the vocabulary size {vocab}",

@@ -123,6 +123,9 @@ class GenerateRequest(BaseModel):
     )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")
     grammar: Grammar | None = Field(None, description="TGI's: the output matches a regex or a JSON Schema")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="vLLM's: keep the prompt's last k tokens (-1: what max_tokens leaves)"
+    )
     # messages: how the chat template writes them (vLLM's fields; shared.chat_template.render)
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
     continue_final_message: bool = Field(

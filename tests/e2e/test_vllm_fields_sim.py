@@ -1,0 +1,84 @@
+"""vLLM's smaller fields over HTTP against the session's simulated cluster: the queue wait (x-queue-time header; a
+stream's first line, an SSE comment), truncate_prompt_tokens, and usage's cached_tokens always present."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.support.openai_fixtures import MODEL
+
+PATHS = ["/v1/completions", "/v1/chat/completions", "/generate"]
+
+
+def _body(path: str, prompt: str = "Once upon a time", **kw) -> dict:
+    if path == "/generate":
+        return {"prompt": prompt, **kw}
+    if path == "/v1/completions":
+        return {"model": MODEL, "prompt": prompt, **kw}
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], **kw}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_answer_carries_its_queue_wait_in_x_queue_time(sim_cluster, path):
+    r = httpx.post(f"{sim_cluster.url}{path}", json=_body(path, max_tokens=2), timeout=60)
+    assert r.status_code == 200, r.text
+    assert float(r.headers["x-queue-time"]) >= 0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_stream_opens_with_its_queue_wait_as_an_sse_comment(sim_cluster, path):
+    body = _body(path, max_tokens=2, stream=True)
+    with httpx.stream("POST", f"{sim_cluster.url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[0].startswith(": queue_time="), lines[:2]
+    assert float(lines[0].removeprefix(": queue_time=")) >= 0.0
+    if path != "/generate":  # an OpenAI stream answers once the first output came: the wait is known by then
+        assert r.headers["x-queue-time"] == lines[0].removeprefix(": queue_time=")
+    assert all(ln.startswith("data: ") for ln in lines[1:])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(sim_cluster, path):
+    body = _body(path, prompt="one two three " * 40, max_tokens=2, truncate_prompt_tokens=7)
+    r = httpx.post(f"{sim_cluster.url}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 7
+
+
+def test_truncate_minus_one_leaves_a_prompt_that_fits_whole(sim_cluster):
+    whole = httpx.post(f"{sim_cluster.url}/v1/completions", json=_body("/v1/completions", max_tokens=2), timeout=60)
+    body = _body("/v1/completions", max_tokens=2, truncate_prompt_tokens=-1)
+    r = httpx.post(f"{sim_cluster.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
+
+
+def test_truncating_a_token_id_prompt_beyond_the_window_serves_it(sim_cluster):
+    window = httpx.get(f"{sim_cluster.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = {"model": MODEL, "prompt": [42] * (window + 10), "max_tokens": 2, "truncate_prompt_tokens": 16}
+    r = httpx.post(f"{sim_cluster.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 16
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_truncate_prompt_tokens_below_its_range_is_a_400_naming_it(sim_cluster, value):
+    body = _body("/v1/completions", max_tokens=2, truncate_prompt_tokens=value)
+    r = httpx.post(f"{sim_cluster.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_usage_has_cached_tokens_zero_included(sim_cluster):
+    body = _body("/v1/completions", prompt=f"{uuid.uuid4().hex} is a fresh prompt", max_tokens=2)
+    r = httpx.post(f"{sim_cluster.url}/v1/completions", json=body, timeout=60)
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_chat_usage_has_cached_tokens_too(sim_cluster):
+    r = httpx.post(f"{sim_cluster.url}/v1/chat/completions", json=_body("chat", max_tokens=2), timeout=60)
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert isinstance(cached, int) and 0 <= cached <= r.json()["usage"]["prompt_tokens"]
