@@ -3,6 +3,7 @@ stream's first line, an SSE comment), truncate_prompt_tokens, and usage's cached
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -82,3 +83,65 @@ def test_chat_usage_has_cached_tokens_too(sim_cluster):
     r = httpx.post(f"{sim_cluster.url}/v1/chat/completions", json=_body("chat", max_tokens=2), timeout=60)
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert isinstance(cached, int) and 0 <= cached <= r.json()["usage"]["prompt_tokens"]
+
+
+def _chunks(cluster, path: str, **body) -> list[dict]:
+    with httpx.stream("POST", f"{cluster.url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(sim_cluster, path):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _chunks(sim_cluster, path, **_body(path, max_tokens=6, n=2, stream=True, stream_options=options))
+    final = chunks[-1]["usage"]
+    assert not chunks[-1]["choices"] and final["completion_tokens"] > 0
+    seen: dict[int, int] = {}
+    for c in chunks[:-1]:
+        u, index = c["usage"], c["choices"][0]["index"]
+        assert (
+            u["prompt_tokens"] == final["prompt_tokens"]
+            and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        )
+        assert u["completion_tokens"] >= seen.get(index, 0)  # never backwards within a choice
+        seen[index] = u["completion_tokens"]
+    assert sum(seen.values()) == final["completion_tokens"]
+
+
+def test_continuous_usage_stats_without_include_usage_is_a_400_naming_it(sim_cluster):
+    body = _body("/v1/completions", max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True})
+    r = httpx.post(f"{sim_cluster.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_return_token_ids_gives_the_output_and_prompt_ids(sim_cluster, path):
+    body = _body(path, max_tokens=5, return_token_ids=True, temperature=0)
+    out = httpx.post(f"{sim_cluster.url}{path}", json=body, timeout=60).json()
+    native = httpx.post(f"{sim_cluster.url}/generate", json={**_native(path), "max_tokens": 5, "temperature": 0})
+    choice = out["choices"][0]
+    assert choice["token_ids"] == native.json()["token_ids"]
+    prompt = choice["prompt_token_ids"] if path == "/v1/completions" else out["prompt_token_ids"]
+    assert len(prompt) == out["usage"]["prompt_tokens"]
+    assert prompt == httpx.post(f"{sim_cluster.url}/tokenize", json=_native(path), timeout=30).json()["tokens"]
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_a_streams_token_ids_add_up_to_the_whole_answers(sim_cluster, path):
+    body = _body(path, max_tokens=5, return_token_ids=True, temperature=0)
+    whole = httpx.post(f"{sim_cluster.url}{path}", json=body, timeout=60).json()
+    chunks = _chunks(sim_cluster, path, **body, stream=True)
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
+    assert ids == whole["choices"][0]["token_ids"]
+    prompts = [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] + [
+        c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]
+    ]
+    assert prompts == [whole["choices"][0].get("prompt_token_ids") or whole["prompt_token_ids"]]
+
+
+def _native(path: str) -> dict:
+    """The native body of _body(path)'s prompt (what /generate and /tokenize take)."""
+    if path == "/v1/completions":
+        return {"prompt": "Once upon a time"}
+    return {"messages": [{"role": "user", "content": "Once upon a time"}]}

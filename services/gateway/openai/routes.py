@@ -28,6 +28,7 @@ from services.gateway.openai.schemas import (
     ModelList,
     OpenAIRequest,
 )
+from services.gateway.openai.prompt_facts import prompt_ids
 from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_completion, plan_weight
@@ -59,6 +60,12 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
         )
     rules: list[tuple[str, bool, str]] = [
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
+        (
+            "stream_options.continuous_usage_stats",
+            bool(body.stream_options and body.stream_options.continuous_usage_stats)
+            and not body.stream_options.include_usage,
+            "only with include_usage true (as vLLM)",
+        ),
     ]
     rules += [(old, old in body.model_fields_set, f"removed in vLLM 0.12; use {new}") for old, new in GUIDED.items()]
     for param, broken, message in rules:
@@ -144,6 +151,8 @@ async def _serve(
             int(time.time()),
             core.model_name,
             include_usage,
+            bool(include_usage and body.stream_options.continuous_usage_stats),
+            bool(body.return_token_ids),
             core.token_strings if native.logprobs is not None else None,
             plan,
             echo,
@@ -156,8 +165,11 @@ async def _serve(
     # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
     bodies = await collect_choices(core, choices, request, with_logprobs=False)
     headers.update(queue_time_headers((primary.metrics or {}).get("queue_wait")))
+    prompts_ids = await prompt_ids(core, choices) if body.return_token_ids else None
     return await json_response(
-        lambda: choices_body(shapes, choices, bodies), sum(handle_weight(h) for h in choices.handles), headers
+        lambda: choices_body(shapes, choices, bodies, prompts_ids),
+        sum(handle_weight(h) for h in choices.handles),
+        headers,
     )
 
 
@@ -210,10 +222,19 @@ async def get_model(model_id: str, core: Core) -> dict:
     return card
 
 
-def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> dict:
-    """The non-stream answer from the choices' native bodies (and their handles' log probabilities)."""
+def choices_body(
+    shapes: list[Shape], choices: Choices, bodies: list[dict], prompts_ids: list[list[int]] | None = None
+) -> dict:
+    """The non-stream answer from the choices' native bodies (and their handles' log probabilities); prompts_ids:
+    return_token_ids' prompt ids of each choice (vLLM's places: a completion's choice, a chat's response)."""
     outs = [at_index(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
     out = outs[0]
     out["choices"] = [o["choices"][0] for o in outs]
+    if prompts_ids is not None:
+        if shapes[0].chat:
+            out["prompt_token_ids"] = prompts_ids[0]
+        else:
+            for choice, ids in zip(out["choices"], prompts_ids):
+                choice["prompt_token_ids"] = ids
     out["usage"] = openai_usage(merged_usage(bodies, choices.per_prompt))
     return out

@@ -34,6 +34,9 @@ STRICT = ConfigDict(strict=True, extra="forbid")
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = Field(None, description="send one last chunk with the usage (and no choices)")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, every chunk carries the usage so far"
+    )
 
 
 MAX_PATTERN = 65_536  # characters of a structured_outputs regex
@@ -115,6 +118,10 @@ class OpenAIRequest(BaseModel):
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: regex, choice, grammar, json")
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM's: each choice's token_ids, and the prompt_token_ids (a completion's choice, a chat's answer)",
+    )
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX, description="keep the prompt's last k tokens (-1: what max_tokens leaves)"
     )
@@ -254,6 +261,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids: its prompt's token ids")
 
 
 class CompletionResponse(BaseModel):
@@ -291,6 +300,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -300,6 +310,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids: the prompt's token ids")
 
 
 class ModelCard(BaseModel):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.sse import SseResponse, sse
+from services.gateway.openai.prompt_facts import PromptFacts
 from services.gateway.openai.tools import ToolShaper, message
 from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage, started_run
 from services.gateway.text import logprobs as lp_shapes
@@ -54,6 +55,8 @@ class Shape:
     created: int
     model: str
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries the usage so far
+    return_token_ids: bool = False  # vLLM's: each choice's token ids (and its prompt's) with its text
     token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
     plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
     echo: str = ""  # chat's echo: the last message's text, which the answer's content starts with
@@ -93,6 +96,8 @@ class Shape:
             }
         else:
             choice = {"index": 0, "text": native["text"], "logprobs": lp, "finish_reason": native["finish_reason"]}
+        if self.return_token_ids:
+            choice["token_ids"] = list(native["token_ids"])
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
@@ -116,6 +121,8 @@ class Shape:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
+        if self.return_token_ids and not role:
+            choice["token_ids"] = list(token_ids)
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
         return out
@@ -129,14 +136,19 @@ def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[di
     """The stream chunks of one piece of output: its text (or, answering with tools, the tool-call deltas it
     completes) with the log probabilities of its tokens (whose text may still be held back)."""
     if tools is None:
-        if not (chunk.text or chunk.logprobs):
+        if not (chunk.text or chunk.logprobs or (shape.return_token_ids and chunk.token_ids)):
             return []
         return [shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
     out = [shape.chunk(delta=delta) for delta in tools.feed(chunk.text)] if chunk.text else []
-    if chunk.logprobs:  # on the first of them, or on an empty delta of their own
-        lp = shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)["choices"][0]["logprobs"]
+    if chunk.logprobs or (shape.return_token_ids and chunk.token_ids):  # on the first of them, or on an empty
+        # delta of their own
+        own = shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)["choices"][0]
         if out:
-            out[0]["choices"][0]["logprobs"] = lp
+            out[0]["choices"][0]["logprobs"] = own["logprobs"]
+            if shape.return_token_ids:
+                out[0]["choices"][0]["token_ids"] = own["token_ids"]
+                for later in out[1:]:
+                    later["choices"][0]["token_ids"] = []
         else:
             out = [shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
     return out
@@ -173,20 +185,34 @@ async def _events(
     tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
     failed = False
+    running = PromptFacts(core, run.choices) if shape.continuous_usage or shape.return_token_ids else None
     try:
         if comment := queue_time_comment(wait):
             yield comment
+        index, chunk = first
+        if running is not None:
+            await running.learn(index)
         if shape.chat:
             for i in range(n):
-                yield sse(at_index(shape.chunk(role=True), i))
+                opening = [at_index(shape.chunk(role=True), i)]
                 if shape.echo:
-                    yield sse(at_index(shape.chunk(text=shape.echo), i))
-        index, chunk = first
+                    opening.append(at_index(shape.chunk(text=shape.echo), i))
+                if running is not None:
+                    running.stamp(opening, i, 0, shape, first=True)
+                for out in opening:
+                    yield sse(out)
         while True:
-            if data := await sse_events(
-                lambda: [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)],
-                chunk_weight(chunk),
-            ):
+            if running is not None:
+                await running.learn(index)
+            upto = chunk.index + len(chunk.token_ids)
+
+            def pieces(index=index, chunk=chunk, upto=upto) -> list[dict]:
+                outs = [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)]
+                if running is not None:
+                    running.stamp(outs, index, upto, shapes[index])
+                return outs
+
+            if data := await sse_events(pieces, chunk_weight(chunk)):
                 yield data
             try:
                 body = await first_outcome(core, run, index, chunk, with_logprobs=False)
@@ -196,8 +222,11 @@ async def _events(
                 break
             if body is not None:
                 bodies[index] = body
-                for out in end_chunks(shapes[index], tools[index], body["finish_reason"]):
-                    yield sse(at_index(out, index))
+                ends = [at_index(out, index) for out in end_chunks(shapes[index], tools[index], body["finish_reason"])]
+                if running is not None:
+                    running.stamp(ends, index, body["usage"]["completion_tokens"], shapes[index])
+                for out in ends:
+                    yield sse(out)
                 if len(bodies) == n:
                     if shape.include_usage:
                         yield sse(
