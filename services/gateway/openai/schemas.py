@@ -136,6 +136,16 @@ class OpenAIRequest(BaseModel):
     guided_decoding_backend: Any = None
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
+
+    @model_validator(mode="after")
+    def _shallow(self):
+        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
+        return self
+
+
 class CompletionRequest(OpenAIRequest):
     prompt: (
         str
@@ -158,6 +168,7 @@ class CompletionRequest(OpenAIRequest):
     echo: bool | None = Field(None, description="not supported: false")
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
+    response_format: ResponseFormat | None = Field(None, description="vLLM's: as chat's (json_object, json_schema)")
 
 
 class TextPart(BaseModel):
@@ -189,16 +200,6 @@ class ChatMessageIn(BaseModel):
             if data.get("tool_calls"):
                 return {**data, "content": None}
         return data
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
-
-    @model_validator(mode="after")
-    def _shallow(self):
-        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
-        return self
 
 
 class ChatCompletionRequest(OpenAIRequest):
