@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 class PromptFacts:
-    def __init__(self, core: GatewayCore, choices: Choices):
-        self.core, self.handles = core, choices.handles
+    def __init__(self, core: GatewayCore, choices: Choices, wanted: bool = True):
+        """wanted: the request asked for continuous usage or token ids (else learn and stamp do nothing)."""
+        self.core, self.handles, self.wanted = core, choices.handles, wanted
         self.per = choices.per_prompt or len(self.handles)  # choices per prompt: choice i is prompt i // per's
         self.prompts: dict[int, list[int]] = {}
         self.sent: set[int] = set()  # the choices whose prompt ids went out (a stream's)
@@ -28,7 +29,7 @@ class PromptFacts:
     async def learn(self, index: int) -> None:
         """Read choice index's prompt ids, unless its prompt's are known (call once it has output)."""
         group = index // self.per
-        if group in self.prompts:
+        if not self.wanted or group in self.prompts:
             return
         rid = self.handles[index].request_id
         try:
@@ -44,6 +45,8 @@ class PromptFacts:
     def stamp(self, outs: list[dict], index: int, completion: int, shape: Shape, first: bool = False) -> None:
         """Put on a choice's stream chunks what the request asked for: the usage so far, and its prompt's ids on
         its first chunk (chat: the response's, on its role chunk)."""
+        if not self.wanted:
+            return
         prompt = len(self.ids(index))
         for out in outs:
             if shape.continuous_usage:

@@ -178,6 +178,18 @@ async def start_stream(
     return SseResponse(_events(core, run, shapes, first, wait), core.s.sse_write_timeout_s, headers=headers)
 
 
+def _opening(shape: Shape, n: int, facts: PromptFacts) -> list[dict]:
+    """A chat stream's first chunks: each choice's role chunk (and its echo)."""
+    outs = []
+    for i in range(n):
+        opening = [at_index(shape.chunk(role=True), i)]
+        if shape.echo:
+            opening.append(at_index(shape.chunk(text=shape.echo), i))
+        facts.stamp(opening, i, 0, shape, first=True)
+        outs += opening
+    return outs
+
+
 async def _events(
     core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk], wait: float | None
 ) -> AsyncIterator[bytes]:
@@ -185,31 +197,20 @@ async def _events(
     tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
     failed = False
-    running = PromptFacts(core, run.choices) if shape.continuous_usage or shape.return_token_ids else None
+    facts = PromptFacts(core, run.choices, shape.continuous_usage or shape.return_token_ids)
     try:
         if comment := queue_time_comment(wait):
             yield comment
         index, chunk = first
-        if running is not None:
-            await running.learn(index)
-        if shape.chat:
-            for i in range(n):
-                opening = [at_index(shape.chunk(role=True), i)]
-                if shape.echo:
-                    opening.append(at_index(shape.chunk(text=shape.echo), i))
-                if running is not None:
-                    running.stamp(opening, i, 0, shape, first=True)
-                for out in opening:
-                    yield sse(out)
+        await facts.learn(index)
+        for out in _opening(shape, n, facts) if shape.chat else ():
+            yield sse(out)
         while True:
-            if running is not None:
-                await running.learn(index)
-            upto = chunk.index + len(chunk.token_ids)
+            await facts.learn(index)
 
-            def pieces(index=index, chunk=chunk, upto=upto) -> list[dict]:
+            def pieces(index=index, chunk=chunk) -> list[dict]:
                 outs = [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)]
-                if running is not None:
-                    running.stamp(outs, index, upto, shapes[index])
+                facts.stamp(outs, index, chunk.index + len(chunk.token_ids), shapes[index])
                 return outs
 
             if data := await sse_events(pieces, chunk_weight(chunk)):
@@ -223,8 +224,7 @@ async def _events(
             if body is not None:
                 bodies[index] = body
                 ends = [at_index(out, index) for out in end_chunks(shapes[index], tools[index], body["finish_reason"])]
-                if running is not None:
-                    running.stamp(ends, index, body["usage"]["completion_tokens"], shapes[index])
+                facts.stamp(ends, index, body["usage"]["completion_tokens"], shapes[index])
                 for out in ends:
                     yield sse(out)
                 if len(bodies) == n:

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import RequestHandle
-    from services.gateway.native.tokenize import TokenizeRequest
     from services.gateway.session.request import GenerateRequest
     from shared.events import Constraint
 
@@ -105,9 +104,9 @@ def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int, truncate
         )
 
 
-def check_chat_options(body: GenerateRequest | TokenizeRequest) -> None:
-    """How the chat template is to write the messages: vLLM's rules (raises a 400 naming the field); /tokenize's
-    body has the same fields."""
+def check_chat_options(body: GenerateRequest) -> None:
+    """How the chat template is to write the messages: vLLM's rules (raises a 400 naming the field). /tokenize's
+    body (native.tokenize, an API package this layer does not import) has the same fields and is checked here too."""
     options = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} & body.model_fields_set
     if body.messages is None and options:
         field = sorted(options)[0]
