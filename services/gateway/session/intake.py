@@ -100,7 +100,7 @@ def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int, truncate
             f"prompt is {len(ids)} tokens; the context window is {max_len} tokens and at least 1 must be left for "
             "output",
             "prompt",
-            "context_length_exceeded",
+            "too_long",  # the tokenizer's code for a prompt it finds too long
         )
 
 
