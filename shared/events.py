@@ -99,8 +99,8 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class Constraint(msgspec.Struct, frozen=True):
     """What the output must be, enforced token by token (shared/grammar.py compiles it)."""
 
-    kind: str  # json_schema: one JSON value valid against `spec`
-    spec: str  # the JSON Schema, as JSON text
+    kind: str  # shared.grammar.KINDS: json_schema (one JSON value valid against `spec`), lark, regex
+    spec: str  # the JSON Schema as JSON text, the Lark grammar, the regular expression
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,6 +133,8 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     reply_to: str  # reply stream of the gateway holding the client
     prompt: str | None = None  # raw prompt (exactly one of prompt/messages)
     messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the tokenizer
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt given as token ids (checked by the gateway), not encoded
+    truncate_prompt_tokens: int = 0  # keep only the prompt's last k tokens (0 = all; -1 = what max_tokens leaves)
     sampling: Sampling  # generation parameters
     priority: int = 0  # lower value = served first
     deadline: float  # epoch seconds after which the request times out
@@ -141,6 +143,10 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
     group_size: int = 1  # how many requests share group_id (n)
     tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
+    # messages: how the chat template writes them (shared.chat_template.render)
+    add_generation_prompt: bool = True  # end with the assistant turn's opening
+    continue_final_message: bool = False  # end inside the last message: the output continues it
+    chat_template_kwargs: str = ""  # the template's variables, a JSON object ("" = none)
     session: str = ""  # the conversation session's key (shared.sessions) this turn belongs to ("" = none)
     session_worker: str = ""  # the worker that kept the session's KV after its last turn ("" = none known)
 

@@ -13,10 +13,12 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 KIND_JSON_SCHEMA = "json_schema"  # the output is one JSON value valid against a JSON Schema (spec: its JSON text)
-KIND_LARK = "lark"  # the output is a sentence of an llguidance Lark grammar (spec: its text); built by Conveyor only
-KINDS = (KIND_JSON_SCHEMA, KIND_LARK)
+KIND_LARK = "lark"  # the output is a sentence of an llguidance Lark grammar (spec: its text)
+KIND_REGEX = "regex"  # the output matches a regular expression whole (spec: the pattern, Rust regex syntax)
+KINDS = (KIND_JSON_SCHEMA, KIND_LARK, KIND_REGEX)
 ANY_OBJECT = json.dumps({"type": "object"})  # response_format json_object: any JSON object
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHECKED_MAX = 4096  # digests of specs known valid (check): 16 bytes each
@@ -32,6 +34,8 @@ def grammar_for(kind: str, spec: str) -> str:
         raise GrammarError(f"unknown constraint kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == KIND_LARK:
         return _checked(llguidance.LLMatcher.grammar_from_lark(spec))
+    if kind == KIND_REGEX:
+        return _checked(llguidance.LLMatcher.grammar_from_regex(spec))
     try:
         schema = json.loads(spec)
     except ValueError as e:
@@ -43,6 +47,20 @@ def grammar_for(kind: str, spec: str) -> str:
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarError(str(e)) from e
     return _checked(grammar)
+
+
+def choice_lark(choices: list[str]) -> str:
+    """A Lark grammar whose sentences are exactly the given strings (JSON string literals are Lark's)."""
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
+
+
+def client_lark(text: str) -> str:
+    """A client's grammar as Lark: llguidance's Lark as it is, a GBNF (llama.cpp / xgrammar EBNF, `root ::= ...`)
+    converted; raises GrammarError."""
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # GbnfToLarkError, or a plain Exception for an unknown rule
+        raise GrammarError(f"neither a Lark grammar (start: ...) nor a GBNF one (root ::= ...): {e}") from e
 
 
 def _checked(grammar: str) -> str:

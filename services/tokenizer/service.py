@@ -45,16 +45,34 @@ class Preprocessor:
         self.tok = tokenizer
         self.max_len = max_len
 
-    def _template(self, chat: list[dict], tools: list[dict] | None) -> str:
+    def _template(self, chat: list[dict], ev: RequestReceived) -> str:
         try:
-            return render(self.tok, chat, tools)
+            return render(
+                self.tok,
+                chat,
+                json.loads(ev.tools) if ev.tools else None,
+                ev.add_generation_prompt,
+                ev.continue_final_message,
+                json.loads(ev.chat_template_kwargs) if ev.chat_template_kwargs else None,
+            )
         except TemplateRefused as e:  # the client's to fix, as the template says
             raise PromptError(Reason.INVALID, "messages", f"messages: {e}") from e
 
+    def _truncated(self, ids: list[int], ev: RequestReceived) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the window leaves after
+        max_tokens)."""
+        keep = ev.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.max_len - ev.sampling.max_tokens)
+        return ids[-keep:] if 0 < keep < len(ids) else ids
+
     def token_ids(self, ev: RequestReceived) -> list[int]:
-        if ev.messages is not None:
+        if ev.prompt_token_ids:
+            ids = list(ev.prompt_token_ids)
+            field = "prompt"
+        elif ev.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in ev.messages]
-            text = self._template(chat, json.loads(ev.tools) if ev.tools else None)
+            text = self._template(chat, ev)
             ids = self.tok.encode(text, add_special_tokens=False)
             field = "messages"
         else:
@@ -62,6 +80,7 @@ class Preprocessor:
             field = "prompt"
         if not ids:
             raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
+        ids = self._truncated(ids, ev)
         if len(ids) >= self.max_len:
             raise PromptError(
                 Reason.TOO_LONG,

@@ -119,12 +119,6 @@ def test_stream_of_too_long_prompt_is_a_400_not_a_broken_stream(client):
     assert e.value.code == "too_long"
 
 
-def test_batched_completion_prompts_are_refused(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
-    assert e.value.param == "prompt"
-
-
 def test_body_over_limit_is_413_in_openai_error_shape(cluster):
     r = httpx.post(
         f"{cluster.url}/v1/chat/completions",

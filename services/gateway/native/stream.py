@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.sse import sse
 from services.gateway.session.drive import ChoiceRun, chunk_weight, final_body, merged_usage
+from services.gateway.session.timing import queue_time_comment, queue_wait
 from services.gateway.session.outcome import ending
 from services.gateway.text import logprobs as lp_shapes
 from services.gateway.text.render import sse_events
@@ -51,10 +52,14 @@ async def stream(core: GatewayCore, choices: Choices, request: Request) -> Async
     """The request's events as its choices' chunks come (the module's docstring has their order)."""
     run = ChoiceRun(core, choices, request)
     n, finals = len(choices.handles), {}
-    failed = False
+    failed, started = False, False
     try:
         while len(finals) < n:
             index, chunk = await run.next()
+            if not started:  # the stream's first event: its queue wait is known now (headers went out at once)
+                started = True
+                if comment := queue_time_comment(await queue_wait(core, choices.primary.request_id)):
+                    yield comment
             handle = choices.handles[index]
             if chunk.end is None:
                 if chunk.token_ids or chunk.text:
@@ -69,7 +74,12 @@ async def stream(core: GatewayCore, choices: Choices, request: Request) -> Async
                 break
             finals[index] = final
         if n > 1 and len(finals) == n:
-            yield sse({"request_id": choices.primary.request_id, "usage": merged_usage([finals[i] for i in range(n)])})
+            yield sse(
+                {
+                    "request_id": choices.primary.request_id,
+                    "usage": merged_usage([finals[i] for i in range(n)], choices.per_prompt),
+                }
+            )
         yield sse("[DONE]")
     finally:
         run.close(failed)  # before any await: a cancelled handler's next await raises at once

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
 from services.gateway.edge.openapi_doc import error_responses
+from services.gateway.session.intake import check_chat_options
 from services.gateway.session.request import INT32_MAX, Shallow
 from services.gateway.text.render import off_loop
 from shared.chat_template import TemplateRefused, render
@@ -35,6 +36,10 @@ class TokenizeRequest(BaseModel):
         None, description="the tokenizer's special tokens (default: true for prompt, false for messages: the template)"
     )
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+    continue_final_message: bool = Field(False, description="messages: end inside the last message (to continue it)")
+    chat_template_kwargs: Annotated[dict[str, Any], Shallow] | None = Field(
+        None, max_length=64, description="messages: variables passed to the chat template"
+    )
     tools: Annotated[list[dict[str, Any]], Shallow] | None = Field(None, max_length=128)
     return_token_strs: bool = Field(False, description="also each token's string")
 
@@ -57,7 +62,14 @@ def _tokenize(core, body: TokenizeRequest) -> dict:
     if body.messages is not None:
         chat = [{"role": m.role, "content": m.content or ""} for m in body.messages]
         try:
-            text = render(tok, chat, body.tools, body.add_generation_prompt)
+            text = render(
+                tok,
+                chat,
+                body.tools,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.chat_template_kwargs,
+            )
         except TemplateRefused as e:
             raise InvalidRequest(f"messages: {e}", "messages", "invalid_value") from e
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
@@ -79,6 +91,7 @@ async def tokenize(body: TokenizeRequest, core: Core) -> dict:
         raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
     if body.tools is not None and body.messages is None:
         raise InvalidRequest("tools: only with messages", "tools", "invalid_value")
+    check_chat_options(body)  # the same rules as a request's
     size = len(body.prompt or "") + sum(len(m.content or "") for m in body.messages or ())
     return await off_loop(lambda: _tokenize(core, body), size)
 

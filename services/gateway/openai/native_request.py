@@ -35,6 +35,11 @@ PASSED = (
     "stop",
     "session_id",
     "logit_bias",
+    "truncate_prompt_tokens",
+    # chat only (getattr's default: a completion body has none of them)
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
 )
 
 
@@ -49,7 +54,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[Message]:
 
 
 def native_request(body: OpenAIRequest, max_tokens: int | None, logprobs: int | None, **prompt: Any) -> GenerateRequest:
-    fields = {k: v for k in PASSED if (v := getattr(body, k)) is not None}
+    fields = {k: v for k in PASSED if (v := getattr(body, k, None)) is not None}
     try:
         return GenerateRequest(**prompt, **fields, max_tokens=max_tokens, logprobs=logprobs, stream=bool(body.stream))
     except ValidationError as e:  # a rule of the native API the OpenAI schema does not repeat (empty prompt)

@@ -19,6 +19,7 @@ from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import InvalidRequest, NotFound
 from services.gateway.edge.openapi_doc import GENERATION_ERRORS, error_responses, sse_or_json
 from services.gateway.openai.schemas import (
+    GUIDED,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -27,12 +28,14 @@ from services.gateway.openai.schemas import (
     ModelList,
     OpenAIRequest,
 )
+from services.gateway.openai.prompt_facts import prompt_ids
 from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.native_request import chat_messages, native_request
-from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
+from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_completion, plan_weight
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
 from services.gateway.session.intake import accept_choices
-from services.gateway.session.request import GenerateRequest
+from services.gateway.session.request import MAX_BATCH, GenerateRequest
+from services.gateway.session.timing import queue_time_headers
 from services.gateway.text.render import json_response, off_loop
 
 if TYPE_CHECKING:
@@ -57,14 +60,22 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
         )
     rules: list[tuple[str, bool, str]] = [
         ("stream_options", body.stream_options is not None and not body.stream, "only allowed when stream is true"),
+        (
+            "stream_options.continuous_usage_stats",
+            bool(body.stream_options and body.stream_options.continuous_usage_stats)
+            and not body.stream_options.include_usage,
+            "only with include_usage true (as vLLM)",
+        ),
     ]
+    rules += [(old, old in body.model_fields_set, f"removed in vLLM 0.12; use {new}") for old, new in GUIDED.items()]
     for param, broken, message in rules:
         if broken:
             raise _unsupported(param, message)
 
 
-def _check_completion(body: CompletionRequest) -> str:
-    """The single prompt, once the completion-only fields are known to be supported."""
+def _check_completion(body: CompletionRequest) -> list[dict]:
+    """The prompts (each the native fields it sets: prompt or prompt_token_ids), once the completion-only fields
+    are known to be supported."""
     for param, broken, message in [
         ("echo", bool(body.echo), "not supported (the prompt is not returned, nor its tokens' log probabilities)"),
         ("suffix", body.suffix is not None, "not supported"),
@@ -72,16 +83,24 @@ def _check_completion(body: CompletionRequest) -> str:
     ]:
         if broken:
             raise _unsupported(param, message)
-    if isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
-            raise InvalidRequest(
-                f"prompt: a list must hold exactly one string (got {len(body.prompt)}); "
-                "batched prompts are not supported",
-                "prompt",
-                "unsupported_parameter",
-            )
-        return body.prompt[0]
-    return body.prompt
+    p = body.prompt
+    if isinstance(p, str):
+        return [{"prompt": p}]
+    if not p:
+        raise InvalidRequest("prompt: an empty list (give at least one prompt)", "prompt", "invalid_value")
+    if isinstance(p[0], int):
+        return [{"prompt_token_ids": p}]
+    for i, one in enumerate(p):
+        if not one:  # a list of prompts: each is checked here (the native request's rules do not see them)
+            raise InvalidRequest(f"prompt.{i}: an empty prompt", f"prompt.{i}", "invalid_value")
+    prompts = [{"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one} for one in p]
+    if len(prompts) * (body.n or 1) > MAX_BATCH:
+        raise InvalidRequest(
+            f"prompt: {len(prompts)} prompts x n={body.n or 1} is more than {MAX_BATCH} choices in all",
+            "prompt",
+            "too_many_choices",
+        )
+    return prompts
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -89,6 +108,17 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs not in (None, 0) and not body.logprobs:
         raise InvalidRequest("top_logprobs: only allowed when logprobs is true", "top_logprobs", "invalid_value")
     return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _chat_echo(body: ChatCompletionRequest, plan: OutputPlan, messages: list) -> str:
+    """What a chat answer's content starts with under echo, as vLLM: the last message's text when it is the turn
+    being answered (an assistant's, or any one's with add_generation_prompt false)."""
+    if not body.echo:
+        return ""
+    if plan.tool_mode != "none":
+        raise _unsupported("echo", "cannot be combined with tools unless tool_choice is 'none'")
+    last = messages[-1]
+    return last.content if last.role == "assistant" or body.add_generation_prompt is False else ""
 
 
 async def _serve(
@@ -99,6 +129,8 @@ async def _serve(
     chat: bool,
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
+    echo: str = "",
+    prompts: list[dict] | None = None,
 ):
     meta = {
         "api": "openai.chat" if chat else "openai.completions",
@@ -108,7 +140,7 @@ async def _serve(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n or 1
     choices = await accept_choices(
-        core, request, native, n, default_max_tokens, meta, constraint=plan.constraint, tools=plan.tools_json
+        core, request, native, n, default_max_tokens, meta, prompts, constraint=plan.constraint, tools=plan.tools_json
     )
     primary = choices.primary
     # One Shape per choice: a completion's log probabilities carry a text offset that runs on within its choice.
@@ -119,27 +151,36 @@ async def _serve(
             int(time.time()),
             core.model_name,
             include_usage,
+            bool(include_usage and body.stream_options.continuous_usage_stats),
+            bool(body.return_token_ids),
             core.token_strings if native.logprobs is not None else None,
             plan,
+            echo,
         )
-        for _ in range(n)
+        for _ in choices.handles
     ]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, choices, shapes, headers)
     # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
     bodies = await collect_choices(core, choices, request, with_logprobs=False)
+    headers.update(queue_time_headers((primary.metrics or {}).get("queue_wait")))
+    prompts_ids = await prompt_ids(core, choices) if body.return_token_ids else None
     return await json_response(
-        lambda: choices_body(shapes, choices, bodies), sum(handle_weight(h) for h in choices.handles), headers
+        lambda: choices_body(shapes, choices, bodies, prompts_ids),
+        sum(handle_weight(h) for h in choices.handles),
+        headers,
     )
 
 
 @router.post("/v1/completions", responses={**sse_or_json(CompletionResponse, "the completion"), **GENERATION_ERRORS})
 async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
-    prompt = _check_completion(body)
-    native = native_request(body, body.max_tokens, body.logprobs, prompt=prompt)
-    return await _serve(core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    prompts = _check_completion(body)
+    plan = await off_loop(lambda: plan_completion(body), plan_weight(body))  # its grammar compiled off the loop
+    native = native_request(body, body.max_tokens, body.logprobs, **prompts[0])
+    batch = prompts if len(prompts) > 1 else None
+    return await _serve(core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, prompts=batch)
 
 
 @router.post(
@@ -149,10 +190,11 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
 async def chat_completions(body: ChatCompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     plan = await off_loop(lambda: plan_chat(body), plan_weight(body))  # its schemas compiled off the loop
+    messages = chat_messages(body)
     native = native_request(
-        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=chat_messages(body)
+        body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=messages
     )
-    return await _serve(core, request, body, native, chat=True, plan=plan)
+    return await _serve(core, request, body, native, chat=True, plan=plan, echo=_chat_echo(body, plan, messages))
 
 
 def _card(core: GatewayCore) -> dict:
@@ -180,10 +222,19 @@ async def get_model(model_id: str, core: Core) -> dict:
     return card
 
 
-def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> dict:
-    """The non-stream answer from the choices' native bodies (and their handles' log probabilities)."""
+def choices_body(
+    shapes: list[Shape], choices: Choices, bodies: list[dict], prompts_ids: list[list[int]] | None = None
+) -> dict:
+    """The non-stream answer from the choices' native bodies (and their handles' log probabilities); prompts_ids:
+    return_token_ids' prompt ids of each choice (vLLM's places: a completion's choice, a chat's response)."""
     outs = [at_index(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
     out = outs[0]
     out["choices"] = [o["choices"][0] for o in outs]
-    out["usage"] = openai_usage(merged_usage(bodies))
+    if prompts_ids is not None:
+        if shapes[0].chat:
+            out["prompt_token_ids"] = prompts_ids[0]
+        else:
+            for choice, ids in zip(out["choices"], prompts_ids):
+                choice["prompt_token_ids"] = ids
+    out["usage"] = openai_usage(merged_usage(bodies, choices.per_prompt))
     return out

@@ -18,9 +18,13 @@ from services.gateway.session.request import (
     INT64_MAX,
     INT64_MIN,
     MAX_CHOICES,
+    MAX_BATCH,
     MAX_LOGPROBS,
     Shallow,
     Stop,
+    MAX_PROMPT_IDS,
+    TokenId,
+    TokenIds,
     shallow,
 )
 
@@ -30,6 +34,50 @@ STRICT = ConfigDict(strict=True, extra="forbid")
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = Field(None, description="send one last chunk with the usage (and no choices)")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, every chunk carries the usage so far"
+    )
+
+
+MAX_PATTERN = 65_536  # characters of a structured_outputs regex
+MAX_GRAMMAR = 262_144  # characters of a structured_outputs grammar
+MAX_CHOICE = 1024  # characters of one structured_outputs choice
+MAX_CHOICES_LISTED = 256  # strings of a structured_outputs choice
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (its StructuredOutputsParams): one constraint the output keeps to
+    (openai.structured_output.structured_constraint)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_schema: Annotated[dict[str, Any], Shallow] | bool | str | None = Field(
+        None, alias="json", description="a JSON Schema (an object, or its JSON text) the output is valid against"
+    )
+    regex: str | None = Field(None, min_length=1, max_length=MAX_PATTERN, description="the output matches it whole")
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES_LISTED, description="the output is exactly one of these"
+    )
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR, description="a Lark (llguidance) or GBNF (root ::= ...) grammar"
+    )
+    json_object: bool | None = Field(None, description="true: the output is one JSON object")
+    # vLLM's options of its JSON backends: Conveyor's JSON is always compact and there is no fallback backend
+    disable_any_whitespace: bool | None = Field(None, description="accepted: the JSON never has free whitespace")
+    disable_fallback: bool | None = Field(None, description="accepted: there is no other backend to fall back to")
+    disable_additional_properties: bool | None = Field(None, description="not supported: true is a 400")
+    whitespace_pattern: str | None = Field(None, max_length=256, description="not supported: a 400")
+    structural_tag: str | None = Field(None, max_length=MAX_GRAMMAR, description="not supported: a 400")
+
+
+# vLLM's guided_* fields, removed in its 0.12: a 400 that names the structured_outputs field replacing each
+GUIDED = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "nothing (remove it)",
+}
 
 
 class OpenAIRequest(BaseModel):
@@ -69,12 +117,47 @@ class OpenAIRequest(BaseModel):
     session_id: str | None = Field(
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: regex, choice, grammar, json")
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM's: each choice's token_ids, and the prompt_token_ids (a completion's choice, a chat's answer)",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="keep the prompt's last k tokens (-1: what max_tokens leaves)"
+    )
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
+    # vLLM's removed guided_* fields (GUIDED): known, so that openai.routes refuses each naming its replacement
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
+
+    @model_validator(mode="after")
+    def _shallow(self):
+        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
+        return self
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] = Field(..., description="the prompt (a list must hold exactly one string)")
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_BATCH)]
+        | TokenIds
+        # an empty one is refused by name (openai.routes), not as the union's first branch
+        | Annotated[list[Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]], Field(max_length=MAX_BATCH)]
+    ) = Field(
+        ...,
+        description="the prompt: a string, a list of strings, a list of token ids, or a list of token-id lists "
+        f"(one answer per prompt and n; at most {MAX_BATCH} in all)",
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -85,6 +168,7 @@ class CompletionRequest(OpenAIRequest):
     echo: bool | None = Field(None, description="not supported: false")
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
+    response_format: ResponseFormat | None = Field(None, description="vLLM's: as chat's (json_object, json_schema)")
 
 
 class TextPart(BaseModel):
@@ -118,16 +202,6 @@ class ChatMessageIn(BaseModel):
         return data
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str = Field(..., description="text | json_object | json_schema (with json_schema: {name, schema, strict})")
-
-    @model_validator(mode="after")
-    def _shallow(self):
-        shallow(self.model_extra)  # its free-form fields (json_schema) nest no deeper than any other value
-        return self
-
-
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="most new tokens (wins over max_tokens)")
@@ -143,6 +217,17 @@ class ChatCompletionRequest(OpenAIRequest):
         None, description="none | auto | required | a named function"
     )
     parallel_tool_calls: bool | None = None
+    # vLLM's: how the chat template writes the messages (shared.chat_template.render)
+    add_generation_prompt: bool | None = Field(None, description="end with the assistant turn's opening (default)")
+    continue_final_message: bool | None = Field(
+        None, description="the answer continues the last (assistant) message, no new turn; add_generation_prompt false"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any], Shallow] | None = Field(
+        None, max_length=64, description="variables passed to the chat template (at most 64 KiB as JSON)"
+    )
+    echo: bool | None = Field(
+        None, description="vLLM's: the answer's content starts with the last message's (if it is the assistant's)"
+    )
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = Field(None, max_length=64)
@@ -177,6 +262,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids: its prompt's token ids")
 
 
 class CompletionResponse(BaseModel):
@@ -214,6 +301,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -223,6 +311,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids: the prompt's token ids")
 
 
 class ModelCard(BaseModel):

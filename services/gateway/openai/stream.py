@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.sse import SseResponse, sse
+from services.gateway.openai.prompt_facts import PromptFacts
 from services.gateway.openai.tools import ToolShaper, message
 from services.gateway.session.drive import ChoiceRun, chunk_weight, first_outcome, merged_usage, started_run
 from services.gateway.text import logprobs as lp_shapes
 from services.gateway.text.logprobs import CompletionLogprobs
+from services.gateway.session.timing import queue_time_comment, queue_time_headers, queue_wait
 from services.gateway.text.render import sse_events
 
 if TYPE_CHECKING:
@@ -53,8 +55,11 @@ class Shape:
     created: int
     model: str
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries the usage so far
+    return_token_ids: bool = False  # vLLM's: each choice's token ids (and its prompt's) with its text
     token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
     plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
+    echo: str = ""  # chat's echo: the last message's text, which the answer's content starts with
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
@@ -85,12 +90,14 @@ class Shape:
         elif self.chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": native["text"]},
+                "message": {"role": "assistant", "content": self.echo + native["text"]},
                 "logprobs": lp,
                 "finish_reason": native["finish_reason"],
             }
         else:
             choice = {"index": 0, "text": native["text"], "logprobs": lp, "finish_reason": native["finish_reason"]}
+        if self.return_token_ids:
+            choice["token_ids"] = list(native["token_ids"])
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
@@ -114,6 +121,8 @@ class Shape:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
+        if self.return_token_ids and not role:
+            choice["token_ids"] = list(token_ids)
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
         return out
@@ -127,14 +136,19 @@ def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[di
     """The stream chunks of one piece of output: its text (or, answering with tools, the tool-call deltas it
     completes) with the log probabilities of its tokens (whose text may still be held back)."""
     if tools is None:
-        if not (chunk.text or chunk.logprobs):
+        if not (chunk.text or chunk.logprobs or (shape.return_token_ids and chunk.token_ids)):
             return []
         return [shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
     out = [shape.chunk(delta=delta) for delta in tools.feed(chunk.text)] if chunk.text else []
-    if chunk.logprobs:  # on the first of them, or on an empty delta of their own
-        lp = shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)["choices"][0]["logprobs"]
+    if chunk.logprobs or (shape.return_token_ids and chunk.token_ids):  # on the first of them, or on an empty
+        # delta of their own
+        own = shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)["choices"][0]
         if out:
-            out[0]["choices"][0]["logprobs"] = lp
+            out[0]["choices"][0]["logprobs"] = own["logprobs"]
+            if shape.return_token_ids:
+                out[0]["choices"][0]["token_ids"] = own["token_ids"]
+                for later in out[1:]:
+                    later["choices"][0]["token_ids"] = []
         else:
             out = [shape.chunk(delta={}, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
     return out
@@ -159,26 +173,47 @@ async def start_stream(
 ) -> SseResponse:
     """Wait for the first output (or end) of any choice, then answer with the stream (or raise the error)."""
     run, first = await started_run(core, choices, request)
-    return SseResponse(_events(core, run, shapes, first), core.s.sse_write_timeout_s, headers=headers)
+    wait = await queue_wait(core, choices.primary.request_id)
+    headers = {**headers, **queue_time_headers(wait)}
+    return SseResponse(_events(core, run, shapes, first, wait), core.s.sse_write_timeout_s, headers=headers)
+
+
+def _opening(shape: Shape, n: int, facts: PromptFacts) -> list[dict]:
+    """A chat stream's first chunks: each choice's role chunk (and its echo)."""
+    outs = []
+    for i in range(n):
+        opening = [at_index(shape.chunk(role=True), i)]
+        if shape.echo:
+            opening.append(at_index(shape.chunk(text=shape.echo), i))
+        facts.stamp(opening, i, 0, shape, first=True)
+        outs += opening
+    return outs
 
 
 async def _events(
-    core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk]
+    core: GatewayCore, run: ChoiceRun, shapes: list[Shape], first: tuple[int, Chunk], wait: float | None
 ) -> AsyncIterator[bytes]:
     n, shape = len(run.choices.handles), shapes[0]
     tools = [ToolShaper(s.plan) if s.with_tools else None for s in shapes]  # each choice's tool call, if any
     bodies: dict[int, dict] = {}
     failed = False
+    facts = PromptFacts(core, run.choices, shape.continuous_usage or shape.return_token_ids)
     try:
-        if shape.chat:
-            for i in range(n):
-                yield sse(at_index(shape.chunk(role=True), i))
+        if comment := queue_time_comment(wait):
+            yield comment
         index, chunk = first
+        await facts.learn(index)
+        for out in _opening(shape, n, facts) if shape.chat else ():
+            yield sse(out)
         while True:
-            if data := await sse_events(
-                lambda: [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)],
-                chunk_weight(chunk),
-            ):
+            await facts.learn(index)
+
+            def pieces(index=index, chunk=chunk) -> list[dict]:
+                outs = [at_index(out, index) for out in text_chunks(shapes[index], tools[index], chunk)]
+                facts.stamp(outs, index, chunk.index + len(chunk.token_ids), shapes[index])
+                return outs
+
+            if data := await sse_events(pieces, chunk_weight(chunk)):
                 yield data
             try:
                 body = await first_outcome(core, run, index, chunk, with_logprobs=False)
@@ -188,11 +223,15 @@ async def _events(
                 break
             if body is not None:
                 bodies[index] = body
-                for out in end_chunks(shapes[index], tools[index], body["finish_reason"]):
-                    yield sse(at_index(out, index))
+                ends = [at_index(out, index) for out in end_chunks(shapes[index], tools[index], body["finish_reason"])]
+                facts.stamp(ends, index, body["usage"]["completion_tokens"], shapes[index])
+                for out in ends:
+                    yield sse(out)
                 if len(bodies) == n:
                     if shape.include_usage:
-                        yield sse(shape.usage_chunk(merged_usage([bodies[i] for i in range(n)])))
+                        yield sse(
+                            shape.usage_chunk(merged_usage([bodies[i] for i in range(n)], run.choices.per_prompt))
+                        )
                     break
             index, chunk = await run.next()
         yield sse("[DONE]")

@@ -8,6 +8,7 @@ is this process, which holds the client connections they are for.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -221,6 +222,8 @@ class GatewayCore(ReplyReader):
             reply_to=self.reply_to,
             prompt=req.prompt,
             messages=messages,
+            prompt_token_ids=tuple(req.prompt_token_ids or ()),
+            truncate_prompt_tokens=req.truncate_prompt_tokens or 0,
             sampling=sampling,
             priority=req.priority,
             deadline=now + timeout,
@@ -230,6 +233,9 @@ class GatewayCore(ReplyReader):
             group_id=group_id,
             group_size=group_size,
             tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
             session=session,
             session_worker=session_worker,
         )
@@ -255,6 +261,7 @@ class GatewayCore(ReplyReader):
         }
         input_ = {
             "prompt": req.prompt,
+            "prompt_token_ids": req.prompt_token_ids,
             "messages": [m.model_dump() for m in req.messages] if req.messages else None,
             "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__},
             "stop": stops,

@@ -218,15 +218,18 @@ async def collect_choices(
         run.close(failed)
 
 
-def merged_usage(bodies: list[dict]) -> dict:
-    """The request's usage: its prompt once, the completion tokens of every choice (as OpenAI and vLLM count
-    them); cached tokens are the prompt's that the first prefill of it found cached (the smallest of the choices:
-    the others reuse what that prefill computed)."""
-    prompt = bodies[0]["usage"]["prompt_tokens"]
+def merged_usage(bodies: list[dict], per_prompt: int = 0) -> dict:
+    """The request's usage: each prompt once, the completion tokens of every choice (as OpenAI and vLLM count
+    them); a prompt's cached tokens are those the first prefill of it found cached (the smallest of its choices:
+    the others reuse what that prefill computed). per_prompt: choices per prompt (Choices.per_prompt; 0: one
+    prompt)."""
+    per = per_prompt or len(bodies)
+    groups = [bodies[i : i + per] for i in range(0, len(bodies), per)]
+    prompt = sum(g[0]["usage"]["prompt_tokens"] for g in groups)
     completion = sum(b["usage"]["completion_tokens"] for b in bodies)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "cached_tokens": min(b["usage"].get("cached_tokens", 0) for b in bodies),
+        "cached_tokens": sum(min(b["usage"].get("cached_tokens", 0) for b in g) for g in groups),
     }

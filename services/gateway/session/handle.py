@@ -173,9 +173,11 @@ class RequestHandle:
 
 @dataclass
 class Choices:
-    """The handles of one request's choices, index i = choice i (one, unless the request asked for n > 1)."""
+    """The handles of one request's choices, index i = choice i (one, unless the request asked for n > 1 or gave a
+    prompt list: then choice j of prompt i is at i * per_prompt + j)."""
 
     handles: list[RequestHandle]
+    per_prompt: int = 0  # choices per prompt (0: all of them are one prompt's)
 
     @property
     def primary(self) -> RequestHandle:

@@ -15,6 +15,7 @@ from services.gateway.edge.errors import InvalidRequest
 from services.gateway.session.groups import choice_body
 from services.gateway.session.handle import Choices
 from services.gateway.session.outcome import SIBLING_FAILED
+from shared.chat_template import kwargs_problem
 from shared.sessions import end_turn
 
 if TYPE_CHECKING:
@@ -33,37 +34,46 @@ async def accept_choices(
     n: int,
     default_max_tokens: int | None = None,
     extra_meta: dict | None = None,
+    prompts: list[dict] | None = None,
     **output,
 ) -> Choices:
-    """Create the n choices, the first first (its trace holds the others'); all or none (raises GatewayError).
-    output: accept's constraint and tools, the same for every choice."""
-    if n == 1:  # a group of one: no group id, no seed offset
-        return Choices([await accept(core, request, body, default_max_tokens, extra_meta, **output)])
+    """Create the n choices of each prompt, the first first (its trace holds the others'); all or none (raises
+    GatewayError). prompts: a prompt list's prompts (each the fields it sets on body: prompt or prompt_token_ids;
+    None: body's own), choice j of prompt i at index i*n + j (OpenAI's numbering). output: accept's constraint and
+    tools, the same for every choice."""
+    bodies = [body] if prompts is None else [body.model_copy(update=p) for p in prompts]
+    total = len(bodies) * n
+    if total == 1:  # a group of one: no group id, no seed offset
+        return Choices([await accept(core, request, bodies[0], default_max_tokens, extra_meta, **output)])
     if turns.session_id_of(request, body.session_id) is not None:
         raise InvalidRequest(
-            f"n: a session's turn has one answer to continue from (got n={n}); send n > 1 without a session",
+            f"n: a session's turn has one answer to continue from (got {total} choices); send them without a session",
             "n",
             "session_with_n",
         )
-    ids = [uuid.uuid4().hex for _ in range(n)]
+    ids = [uuid.uuid4().hex for _ in range(total)]
     handles: list[RequestHandle] = []
     try:
-        for i, rid in enumerate(ids):
-            meta = {**(extra_meta or {}), "group_id": ids[0], "choice_index": i, "n": n}
-            if i == 0:
+        for k, rid in enumerate(ids):
+            i, j = divmod(k, n)
+            meta = {**(extra_meta or {}), "group_id": ids[0], "choice_index": k, "n": n}
+            if prompts is not None:
+                meta["prompt_index"] = i
+            if k == 0:
                 meta["group_members"] = ids  # what a cancel of any choice reads (groups.members)
             tp = handles[0].trace.traceparent if handles else None
+            # the choices of one prompt share a prefill group (placed together, the prompt computed once)
+            prefill = {"group_id": ids[i * n], "group_size": n} if n > 1 else {}
             handles.append(
                 await accept(
                     core,
                     request,
-                    choice_body(body, i),
+                    choice_body(bodies[i], j),
                     default_max_tokens,
                     meta,
                     request_id=rid,
-                    group_id=ids[0],
-                    group_size=n,
                     traceparent=tp,
+                    **prefill,
                     **output,
                 )
             )
@@ -71,7 +81,47 @@ async def accept_choices(
         for h in handles:  # refused whole: what was created is cancelled (in tasks: this may be a cancellation)
             core.abandon(h, SIBLING_FAILED)
         raise
-    return Choices(handles)
+    return Choices(handles, per_prompt=n)
+
+
+def check_token_prompt(ids: list[int] | None, vocab: int, max_len: int, truncate: int | None = None) -> None:
+    """A prompt of token ids: every id in the vocabulary, and room for one output token in the context window
+    (unless truncate_prompt_tokens cuts it: the tokenizer checks what is kept)."""
+    if ids is None:
+        return
+    if (bad := next((t for t in ids if t >= vocab), None)) is not None:
+        raise InvalidRequest(
+            f"prompt: every token id must be below the vocabulary size {vocab} (got {bad})",
+            "prompt",
+            "token_id_out_of_range",
+        )
+    if max_len and len(ids) >= max_len and not truncate:
+        raise InvalidRequest(
+            f"prompt is {len(ids)} tokens; the context window is {max_len} tokens and at least 1 must be left for "
+            "output",
+            "prompt",
+            "too_long",  # the tokenizer's code for a prompt it finds too long
+        )
+
+
+def check_chat_options(body: GenerateRequest) -> None:
+    """How the chat template is to write the messages: vLLM's rules (raises a 400 naming the field). /tokenize's
+    body (native.tokenize, an API package this layer does not import) has the same fields and is checked here too."""
+    options = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} & body.model_fields_set
+    if body.messages is None and options:
+        field = sorted(options)[0]
+        raise InvalidRequest(f"{field}: only with messages (a chat)", field, "invalid_value")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message: cannot be true with add_generation_prompt true (as vLLM); "
+            "set add_generation_prompt to false to continue the last message",
+            "continue_final_message",
+            "invalid_value",
+        )
+    problem = kwargs_problem(body.chat_template_kwargs) if body.chat_template_kwargs else None
+    if problem is not None:
+        param = "chat_template_kwargs" + (f".{problem[0]}" if problem[0] else "")
+        raise InvalidRequest(f"{param}: {problem[1]}", param, "invalid_value")
 
 
 async def accept(
@@ -87,10 +137,19 @@ async def accept(
     """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). constraint and
     tools: what openai.structured_output.plan_chat decided (already checked). choice: a choice of an n > 1 request
     (accept_choices) gives its request_id, group_id, group_size and traceparent."""
-    if (body.prompt is None) == (body.messages is None):
-        which = "both were given" if body.prompt is not None else "neither was given"
-        raise InvalidRequest(f"give exactly one of prompt or messages ({which})", "prompt", "prompt_or_messages")
+    given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(body, f) is not None]
+    if len(given) != 1:
+        which = f"{' and '.join(given)} were given" if given else "none was given"
+        raise InvalidRequest(
+            f"give exactly one of prompt, messages or prompt_token_ids ({which})", "prompt", "prompt_or_messages"
+        )
+    check_chat_options(body)
     vocab = len(core.tokenizer)  # the worker would refuse an id beyond it, as its own error (a 500)
+    if body.truncate_prompt_tokens == 0:
+        raise InvalidRequest(
+            "truncate_prompt_tokens: must be -1 or at least 1 (got 0)", "truncate_prompt_tokens", "invalid_value"
+        )
+    check_token_prompt(body.prompt_token_ids, vocab, core.max_len, body.truncate_prompt_tokens)
     if any(t >= vocab for t in body.stop_token_ids):
         raise InvalidRequest(
             f"stop_token_ids: every id must be below the vocabulary size {vocab}",

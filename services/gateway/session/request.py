@@ -53,10 +53,26 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
 
 
+MAX_PROMPT_IDS = 1_000_000  # token ids of one prompt (the context window bounds it further)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+MAX_BATCH = 64  # choices of a request of a prompt list: prompts x n (each a request of its own)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=1_000_000)
+
+
+class Grammar(BaseModel):
+    """TGI's grammar: the output keeps to a regular expression or a JSON Schema (openai.structured_output)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["regex", "json"] = Field(..., description="regex: value is a pattern; json: a JSON Schema")
+    value: str | Annotated[dict[str, Any], AfterValidator(shallow)] = Field(
+        ..., description="the pattern (at most 65536 characters), or the schema (an object or its JSON text)"
+    )
 
 
 class GenerateRequest(BaseModel):
@@ -64,6 +80,9 @@ class GenerateRequest(BaseModel):
 
     prompt: str | None = Field(None, min_length=1, description="raw prompt; exactly one of prompt/messages")
     messages: list[Message] | None = Field(None, min_length=1, description="chat turns, templated by the model")
+    prompt_token_ids: TokenIds | None = Field(
+        None, description="the prompt as token ids (each below the vocabulary size), instead of prompt or messages"
+    )
     max_tokens: int | None = Field(None, ge=1, description="most new tokens (1..4096, within the context window)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -103,3 +122,15 @@ class GenerateRequest(BaseModel):
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: each a request of its own, the prompt prefilled once")
+    grammar: Grammar | None = Field(None, description="TGI's: the output matches a regex or a JSON Schema")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="vLLM's: keep the prompt's last k tokens (-1: what max_tokens leaves)"
+    )
+    # messages: how the chat template writes them (vLLM's fields; shared.chat_template.render)
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="messages: the output continues the last message (no new turn); add_generation_prompt false"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(shallow)] | None = Field(
+        None, max_length=64, description="messages: variables passed to the chat template (at most 64 KiB as JSON)"
+    )

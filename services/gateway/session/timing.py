@@ -50,6 +50,29 @@ def client_intervals(t0: float, token_times: list[float], n_tokens: int, ended_a
     }
 
 
+QUEUE_TIME_HEADER = "x-queue-time"  # seconds the request waited in QUEUED (vLLM's header)
+
+
+async def queue_wait(core, request_id: str) -> float | None:
+    """The request's time in QUEUED so far, from its history (None if that cannot be read): what a stream's start
+    reports, once its first output came (the wait is over by then)."""
+    try:
+        history = parse_history(await core.r.lrange(core.names.history(request_id), 0, -1))
+    except redis.RedisError as e:
+        logger.warning("request %s: no history for its queue wait (%r)", request_id, e)
+        return None
+    return lifecycle_intervals(history)["queue_wait"] if history else None
+
+
+def queue_time_headers(seconds: float | None) -> dict:
+    return {} if seconds is None else {QUEUE_TIME_HEADER: f"{seconds:.6f}"}
+
+
+def queue_time_comment(seconds: float | None) -> bytes:
+    """An SSE comment (clients skip it) that opens a stream: the queue wait, as the header says it."""
+    return b"" if seconds is None else f": queue_time={seconds:.6f}\n\n".encode()
+
+
 async def request_metrics(core, handle) -> dict:
     """Every per-request metric, once its terminal event arrived (see docs/metrics.md)."""
     try:

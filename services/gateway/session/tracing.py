@@ -56,7 +56,9 @@ def start_trace(rid: str, req, sampling, model: str, route: str, client_tp: str,
     )
     if telemetry.capture_content():
         attrs["gen_ai.prompt"] = (
-            req.prompt if req.prompt is not None else "\n".join(f"{m.role}: {m.content}" for m in req.messages or [])
+            req.prompt
+            if req.prompt is not None
+            else "\n".join(f"{m.role}: {m.content}" for m in req.messages or []) or str(req.prompt_token_ids)
         )
     root = telemetry.tracer().start_span(
         f"POST {route}",
