@@ -35,6 +35,7 @@ PASSED = (
     "stop",
     "session_id",
     "logit_bias",
+    "prompt_logprobs",
 )
 
 

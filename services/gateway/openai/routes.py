@@ -27,7 +27,7 @@ from services.gateway.openai.schemas import (
     ModelList,
     OpenAIRequest,
 )
-from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
+from services.gateway.openai.stream import Echo, Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_weight
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
@@ -66,7 +66,7 @@ def _check_common(core: GatewayCore, body: OpenAIRequest) -> None:
 def _check_completion(body: CompletionRequest) -> str:
     """The single prompt, once the completion-only fields are known to be supported."""
     for param, broken, message in [
-        ("echo", bool(body.echo), "not supported (the prompt is not returned, nor its tokens' log probabilities)"),
+        ("max_tokens", body.max_tokens == 0 and not body.echo, "0 is allowed only with echo (the prompt alone)"),
         ("suffix", body.suffix is not None, "not supported"),
         ("best_of", body.best_of not in (None, 1), "only 1 is supported"),
     ]:
@@ -99,6 +99,7 @@ async def _serve(
     chat: bool,
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
+    echo: Echo | None = None,
 ):
     meta = {
         "api": "openai.chat" if chat else "openai.completions",
@@ -119,8 +120,9 @@ async def _serve(
             int(time.time()),
             core.model_name,
             include_usage,
-            core.token_strings if native.logprobs is not None else None,
+            core.token_strings if native.logprobs is not None or native.prompt_logprobs is not None else None,
             plan,
+            echo,
         )
         for _ in range(n)
     ]
@@ -138,8 +140,15 @@ async def _serve(
 async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     prompt = _check_completion(body)
-    native = native_request(body, body.max_tokens, body.logprobs, prompt=prompt)
-    return await _serve(core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    # max_tokens 0 with echo: the prompt alone, as vLLM (which, like this, still generates one token and drops it)
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    native = native_request(body, max_tokens, body.logprobs, prompt=prompt)
+    echo = Echo(prompt, body.max_tokens == 0) if body.echo else None
+    if echo and body.logprobs is not None and native.prompt_logprobs is None:  # the echoed prompt's, as vLLM
+        native = native.model_copy(update={"prompt_logprobs": body.logprobs})
+    return await _serve(
+        core, request, body, native, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, echo=echo
+    )
 
 
 @router.post(
@@ -182,7 +191,10 @@ async def get_model(model_id: str, core: Core) -> dict:
 
 def choices_body(shapes: list[Shape], choices: Choices, bodies: list[dict]) -> dict:
     """The non-stream answer from the choices' native bodies (and their handles' log probabilities)."""
-    outs = [at_index(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
+    outs = [
+        at_index(shapes[i].body(b, choices.handles[i].logprobs, choices.handles[i].prompt), i)
+        for i, b in enumerate(bodies)
+    ]
     out = outs[0]
     out["choices"] = [o["choices"][0] for o in outs]
     out["usage"] = openai_usage(merged_usage(bodies))

@@ -69,6 +69,12 @@ class OpenAIRequest(BaseModel):
     session_id: str | None = Field(
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each prompt token's log probability, rank and N most likely in choices[].prompt_logprobs",
+    )
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
 
@@ -82,7 +88,10 @@ class CompletionRequest(OpenAIRequest):
         description="each output token's log probability "
         "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)",
     )
-    echo: bool | None = Field(None, description="not supported: false")
+    max_tokens: int | None = Field(None, ge=0, description="most new tokens; 0 only with echo: the prompt alone")
+    echo: bool | None = Field(
+        None, description="the prompt before the completion, in text and (with logprobs) logprobs, as vLLM"
+    )
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
 
@@ -172,11 +181,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(description="per token: the character offset of its text in the output")
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="among the whole vocabulary, 1 = most likely")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: null for the first prompt token, then token id -> its entry (the token, its k most likely)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -214,6 +234,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
