@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import Choices, Chunk
     from services.gateway.text.logprobs import TokenStrings
+    from shared.events import PromptLogprobs
     from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,11 @@ class Shape:
         object.__setattr__(self, "_echo_due", self.echo is not None)  # a stream's echo: on its first chunk
 
     def _echoed(
-        self, text: str, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None, prompt
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None] | None,
+        prompt: PromptLogprobs | None,
     ) -> tuple[str, Sequence[int], Sequence[TokenLogprob | None] | None]:
         """(text, token ids, log probabilities) with the echoed prompt first (a stream: on its first chunk only)."""
         if self.echo is None:
@@ -86,7 +91,7 @@ class Shape:
             token_ids, entries = [*prompt.token_ids, *token_ids], [*lp_shapes.prompt_entries(prompt), *entries]
         return self.echo.prompt + text, token_ids, entries
 
-    def _prompt_field(self, choice: dict, prompt) -> dict:
+    def _prompt_field(self, choice: dict, prompt: PromptLogprobs | None) -> dict:
         if prompt is not None and self.token_strings is not None:
             choice["prompt_logprobs"] = lp_shapes.prompt_vllm(self.token_strings, prompt)
         return choice
@@ -110,7 +115,9 @@ class Shape:
             return lp_shapes.chat_sliced(self.token_strings, token_ids, entries)
         return self._completion_logprobs.sliced(token_ids, entries)
 
-    def body(self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None, prompt=None) -> dict:
+    def body(
+        self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None, prompt: PromptLogprobs | None = None
+    ) -> dict:
         """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
         log probabilities (the handle's, one per token id) when the request asked for them; prompt: the handle's
         prompt log probabilities (shared.events.PromptLogprobs), when asked for."""
@@ -141,7 +148,7 @@ class Shape:
         token_ids: Sequence[int] = (),
         logprobs: Sequence[TokenLogprob | None] | None = None,
         delta: dict | None = None,
-        prompt=None,
+        prompt: PromptLogprobs | None = None,
     ) -> dict:
         """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from; delta: a chat
         delta made elsewhere (a tool call's pieces) instead of the text's; prompt: the prompt log probabilities,
