@@ -58,8 +58,8 @@ def reference(model_dir, items: list[dict]) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
     for item in items:
-        ctx = tok.encode(item["context"])
-        whole = tok.encode(item["context"] + item["continuation"])
+        ctx = tok.encode(item["context"], add_special_tokens=False)
+        whole = tok.encode(item["context"] + item["continuation"], add_special_tokens=False)
         with torch.inference_mode():
             lp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), dim=-1)
         out.append(sum(lp[p - 1, whole[p]].item() for p in range(len(ctx), len(whole))))
