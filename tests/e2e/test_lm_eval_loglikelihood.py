@@ -90,7 +90,7 @@ def test_lm_eval_loglikelihoods_through_conveyor_equal_transformers(cluster, mod
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_conveyor_ll_*.jsonl") for line in f.open()]
-    got = {s["doc_id"]: s["resps"][0][0][0] for s in samples}
+    got = {s["doc_id"]: float(s["resps"][0][0][0]) for s in samples}  # (logged as text)
     assert sorted(got) == list(range(len(ITEMS)))
     want = reference(model_dir, ITEMS)
     for i, w in enumerate(want):
