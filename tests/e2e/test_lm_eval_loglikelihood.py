@@ -49,13 +49,10 @@ def lm_eval_python():
     return py
 
 
-def reference(model_dir, items: list[dict]) -> list[float]:
+def reference(hf_reference, items: list[dict]) -> list[float]:
     """Each item's log-likelihood by transformers, its tokens split as lm-eval splits them (the continuation's
     tokens: those of context + continuation past the context's)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok, model = hf_reference.tokenizer, hf_reference.model
     out = []
     for item in items:
         ctx = tok.encode(item["context"], add_special_tokens=False)
@@ -66,7 +63,9 @@ def reference(model_dir, items: list[dict]) -> list[float]:
     return out
 
 
-def test_lm_eval_loglikelihoods_through_conveyor_equal_transformers(cluster, model_dir, lm_eval_python, tmp_path):
+def test_lm_eval_loglikelihoods_through_conveyor_equal_transformers(
+    cluster, model_dir, hf_reference, lm_eval_python, tmp_path
+):
     data = tmp_path / "items.jsonl"
     data.write_text("".join(json.dumps(i) + "\n" for i in ITEMS))
     tasks = tmp_path / "tasks"
@@ -92,6 +91,6 @@ def test_lm_eval_loglikelihoods_through_conveyor_equal_transformers(cluster, mod
     samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_conveyor_ll_*.jsonl") for line in f.open()]
     got = {s["doc_id"]: float(s["resps"][0][0][0]) for s in samples}  # (logged as text)
     assert sorted(got) == list(range(len(ITEMS)))
-    want = reference(model_dir, ITEMS)
+    want = reference(hf_reference, ITEMS)
     for i, w in enumerate(want):
         assert abs(got[i] - w) < TOL, (i, ITEMS[i], got[i], w)
