@@ -121,6 +121,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # None = off; k: each token's log probability and its k most likely (0..20)
     constraint: Constraint | None = None  # grammar every output token must keep to (None = free text)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, -100..100) added to its logit
+    prompt_logprobs: int | None = None  # None = off; k: each prompt token's log probability, rank and k most likely
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -210,11 +211,20 @@ class Logprobs(msgspec.Struct, frozen=True, array_like=True):
     top_ids: tuple[int, ...]  # per token, its `top` alternatives' ids, most likely first
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A request's prompt log probabilities (its `prompt_logprobs`), sent once with its first output token."""
+
+    token_ids: tuple[int, ...]  # the prompt as the worker computed it (the gateway holds only its text)
+    logprobs: Logprobs  # prompt tokens 1.. (token 0 has none): each one's own, then its `top` alternatives'
+    ranks: tuple[int, ...]  # per prompt token 1.., its rank among the vocabulary (1 = most likely)
+
+
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     request_id: str  # request the tokens belong to
     index: int  # position of token_ids[0] in the request's output (duplicates are dropped by it)
     token_ids: tuple[int, ...]  # new tokens of this step
     logprobs: Logprobs | None = None  # when the request asked for them (an older reader ignores a trailing field)
+    prompt: PromptLogprobs | None = None  # with index 0, when the request asked for prompt_logprobs
 
 
 class TokenGenerated(Event, tag="token_generated", kw_only=True):

@@ -7,7 +7,7 @@ import sys
 from array import array
 from typing import NamedTuple, Sequence
 
-from shared.events import Logprobs
+from shared.events import Logprobs, PromptLogprobs
 
 
 class TokenLogprob(NamedTuple):
@@ -16,12 +16,14 @@ class TokenLogprob(NamedTuple):
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # prompt tokens: its rank among the vocabulary (1 = most likely); 0 = not given
 
 
-def pack(entries: Sequence) -> Logprobs:
+def pack(entries: Sequence, top: int | None = None) -> Logprobs:
     """entries: one per token, each with .logprob, .top_ids, .top_logprobs (the worker's TokenLogprobs). Every
-    token carries as many alternatives as the fewest of them has (the engine always gives the request's k)."""
-    top = min(len(e.top_ids) for e in entries)
+    token carries as many alternatives as the fewest of them has (the engine always gives the request's k); top:
+    what an empty list says it carries."""
+    top = min((len(e.top_ids) for e in entries), default=top or 0)
     values = array("f")
     ids: list[int] = []
     for e in entries:
@@ -50,3 +52,18 @@ def unpack(lp: Logprobs) -> list[TokenLogprob]:
         )
         for i in range(n)
     ]
+
+
+def pack_prompt(token_ids: Sequence[int], entries: Sequence, top: int) -> PromptLogprobs:
+    """entries: prompt tokens 1.. (the worker's TokenLogprobs, with their ranks); top: the request's k."""
+    return PromptLogprobs(tuple(token_ids), pack(entries, top), tuple(e.rank for e in entries))
+
+
+def unpack_prompt(p: PromptLogprobs) -> list[TokenLogprob]:
+    """-> one TokenLogprob (with its rank) per prompt token from the second."""
+    entries = unpack(p.logprobs)
+    if len(entries) != len(p.ranks) or (p.token_ids and len(entries) != len(p.token_ids) - 1):
+        raise ValueError(
+            f"malformed prompt logprobs: {len(entries)} for {len(p.token_ids)} tokens, {len(p.ranks)} ranks"
+        )
+    return [e._replace(rank=r) for e, r in zip(entries, p.ranks)]

@@ -22,9 +22,10 @@ from shared.constants import Names
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
 from shared.errors import FatalError
-from shared.events import Completed, Failed, Scheduled, TokenDelta, TokenGenerated
+from shared.events import Completed, Failed, PromptLogprobs, Scheduled, TokenDelta, TokenGenerated
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
+from shared.logprobs import pack_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ class StepPublisher:
                         out.first_index,
                         tuple(out.new_token_ids),
                         pack_logprobs(out.logprobs) if out.logprobs else None,
+                        _prompt(out, active[out.request_id]),
                     )
                 )
         for reply_to, items in by_reply.items():
@@ -358,3 +360,11 @@ class StepPublisher:
             elif to in (State.FINISHED, State.FAILED):
                 logger.info("request %s already settled as %s", rid, res.previous)
         return done
+
+
+def _prompt(out, a: Active) -> PromptLogprobs | None:
+    """The request's prompt log probabilities, with its first token (the engine hands them out once)."""
+    if out.prompt_logprobs is None or a.scheduled is None:
+        return None
+    ev = a.scheduled
+    return pack_prompt(ev.prompt_token_ids, out.prompt_logprobs, ev.sampling.prompt_logprobs or 0)

@@ -183,7 +183,8 @@ def test_a_strong_frequency_penalty_stops_the_repetition_greedy_makes(client):
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("completions", {"logprobs": 21}, "logprobs"),
-        ("completions", {"echo": True}, "echo"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
         ("completions", {"frequency_penalty": 3}, "frequency_penalty"),
     ],
 )

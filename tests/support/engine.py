@@ -56,6 +56,7 @@ class Run:
     finished: bool = False
     cached_tokens: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when the request asked
+    prompt_logprobs: list | None = None  # TokenLogprobs per prompt token from the second, when the request asked
 
 
 def collect(result, runs: dict[str, Run]) -> None:
@@ -71,6 +72,10 @@ def collect(result, runs: dict[str, Run]) -> None:
         if out.logprobs is not None:
             assert len(out.logprobs) == len(out.new_token_ids), f"{out.request_id}: one TokenLogprobs per token"
             run.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            assert run.prompt_logprobs is None, f"{out.request_id}: prompt log probabilities twice"
+            assert out.first_index == 0 and out.new_token_ids, f"{out.request_id}: not with the first token"
+            run.prompt_logprobs = out.prompt_logprobs
         run.cached_tokens = max(run.cached_tokens, out.num_cached_tokens)
         if out.finished:
             run.finished, run.finish_reason, run.error_reason = True, out.finish_reason, out.error_reason

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.sse import sse
-from services.gateway.session.drive import ChoiceRun, chunk_weight, final_body, merged_usage
+from services.gateway.session.drive import ChoiceRun, chunk_weight, final_body, merged_usage, prompt_fields
 from services.gateway.session.timing import queue_time_comment, queue_wait
 from services.gateway.session.outcome import ending
 from services.gateway.text import logprobs as lp_shapes
@@ -31,6 +31,8 @@ def delta_event(core: GatewayCore, handle: RequestHandle, chunk: Chunk) -> dict:
     event = {"request_id": handle.request_id, "index": chunk.index, "text": chunk.text, "token_ids": chunk.token_ids}
     if chunk.logprobs is not None:
         event["logprobs"] = lp_shapes.native_sliced(core.token_strings, chunk.token_ids, chunk.logprobs)
+    if chunk.prompt is not None:  # with the first tokens
+        event.update(prompt_fields(core, chunk.prompt))
     return event
 
 

@@ -35,6 +35,7 @@ PASSED = (
     "stop",
     "session_id",
     "logit_bias",
+    "prompt_logprobs",
     "truncate_prompt_tokens",
     # chat only (getattr's default: a completion body has none of them)
     "add_generation_prompt",

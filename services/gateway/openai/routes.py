@@ -29,7 +29,7 @@ from services.gateway.openai.schemas import (
     OpenAIRequest,
 )
 from services.gateway.openai.prompt_facts import prompt_ids
-from services.gateway.openai.stream import Shape, at_index, openai_usage, start_stream
+from services.gateway.openai.stream import Echo, Shape, at_index, openai_usage, start_stream
 from services.gateway.openai.native_request import chat_messages, native_request
 from services.gateway.openai.structured_output import OutputPlan, plan_chat, plan_completion, plan_weight
 from services.gateway.session.drive import collect_choices, handle_weight, merged_usage
@@ -77,7 +77,7 @@ def _check_completion(body: CompletionRequest) -> list[dict]:
     """The prompts (each the native fields it sets: prompt or prompt_token_ids), once the completion-only fields
     are known to be supported."""
     for param, broken, message in [
-        ("echo", bool(body.echo), "not supported (the prompt is not returned, nor its tokens' log probabilities)"),
+        ("max_tokens", body.max_tokens == 0 and not body.echo, "0 is allowed only with echo (the prompt alone)"),
         ("suffix", body.suffix is not None, "not supported"),
         ("best_of", body.best_of not in (None, 1), "only 1 is supported"),
     ]:
@@ -85,15 +85,18 @@ def _check_completion(body: CompletionRequest) -> list[dict]:
             raise _unsupported(param, message)
     p = body.prompt
     if isinstance(p, str):
-        return [{"prompt": p}]
-    if not p:
+        prompts = [{"prompt": p}]
+    elif not p:
         raise InvalidRequest("prompt: an empty list (give at least one prompt)", "prompt", "invalid_value")
-    if isinstance(p[0], int):
-        return [{"prompt_token_ids": p}]
-    for i, one in enumerate(p):
-        if not one:  # a list of prompts: each is checked here (the native request's rules do not see them)
-            raise InvalidRequest(f"prompt.{i}: an empty prompt", f"prompt.{i}", "invalid_value")
-    prompts = [{"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one} for one in p]
+    elif isinstance(p[0], int):
+        prompts = [{"prompt_token_ids": p}]
+    else:
+        for i, one in enumerate(p):
+            if not one:  # a list of prompts: each is checked here (the native request's rules do not see them)
+                raise InvalidRequest(f"prompt.{i}: an empty prompt", f"prompt.{i}", "invalid_value")
+        prompts = [{"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one} for one in p]
+    if body.echo and (len(prompts) > 1 or "prompt" not in prompts[0]):
+        raise _unsupported("echo", "supported with one text prompt only (not several prompts, nor token ids)")
     if len(prompts) * (body.n or 1) > MAX_BATCH:
         raise InvalidRequest(
             f"prompt: {len(prompts)} prompts x n={body.n or 1} is more than {MAX_BATCH} choices in all",
@@ -129,7 +132,8 @@ async def _serve(
     chat: bool,
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
-    echo: str = "",
+    echo: Echo | None = None,
+    chat_echo: str = "",
     prompts: list[dict] | None = None,
 ):
     meta = {
@@ -153,9 +157,10 @@ async def _serve(
             include_usage,
             bool(include_usage and body.stream_options.continuous_usage_stats),
             bool(body.return_token_ids),
-            core.token_strings if native.logprobs is not None else None,
+            core.token_strings if native.logprobs is not None or native.prompt_logprobs is not None else None,
             plan,
             echo,
+            chat_echo,
         )
         for _ in choices.handles
     ]
@@ -178,9 +183,16 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
     _check_common(core, body)
     prompts = _check_completion(body)
     plan = await off_loop(lambda: plan_completion(body), plan_weight(body))  # its grammar compiled off the loop
-    native = native_request(body, body.max_tokens, body.logprobs, **prompts[0])
+    # max_tokens 0 with echo: the prompt alone, as vLLM (which, like this, still generates one token and drops it)
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    native = native_request(body, max_tokens, body.logprobs, **prompts[0])
+    echo = Echo(prompts[0]["prompt"], body.max_tokens == 0) if body.echo else None
+    if echo and body.logprobs is not None and native.prompt_logprobs is None:  # the echoed prompt's, as vLLM
+        native = native.model_copy(update={"prompt_logprobs": body.logprobs})
     batch = prompts if len(prompts) > 1 else None
-    return await _serve(core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, prompts=batch)
+    return await _serve(
+        core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, echo=echo, prompts=batch
+    )
 
 
 @router.post(
@@ -194,7 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, core: 
     native = native_request(
         body, body.max_completion_tokens or body.max_tokens, _chat_logprobs(body), messages=messages
     )
-    return await _serve(core, request, body, native, chat=True, plan=plan, echo=_chat_echo(body, plan, messages))
+    return await _serve(core, request, body, native, chat=True, plan=plan, chat_echo=_chat_echo(body, plan, messages))
 
 
 def _card(core: GatewayCore) -> dict:
@@ -227,7 +239,10 @@ def choices_body(
 ) -> dict:
     """The non-stream answer from the choices' native bodies (and their handles' log probabilities); prompts_ids:
     return_token_ids' prompt ids of each choice (vLLM's places: a completion's choice, a chat's response)."""
-    outs = [at_index(shapes[i].body(b, choices.handles[i].logprobs), i) for i, b in enumerate(bodies)]
+    outs = [
+        at_index(shapes[i].body(b, choices.handles[i].logprobs, choices.handles[i].prompt), i)
+        for i, b in enumerate(bodies)
+    ]
     out = outs[0]
     out["choices"] = [o["choices"][0] for o in outs]
     if prompts_ids is not None:

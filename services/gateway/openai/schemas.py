@@ -125,6 +125,12 @@ class OpenAIRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX, description="keep the prompt's last k tokens (-1: what max_tokens leaves)"
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each prompt token's log probability, rank and N most likely in choices[].prompt_logprobs",
+    )
     # Conveyor's
     timeout: float | None = Field(None, gt=0, le=3600, description="seconds until the request times out")
     # vLLM's removed guided_* fields (GUIDED): known, so that openai.routes refuses each naming its replacement
@@ -165,7 +171,10 @@ class CompletionRequest(OpenAIRequest):
         description="each output token's log probability "
         "and its N most likely alternatives (OpenAI allows up to 5, vLLM and Conveyor 20)",
     )
-    echo: bool | None = Field(None, description="not supported: false")
+    max_tokens: int | None = Field(None, ge=0, description="most new tokens; 0 only with echo: the prompt alone")
+    echo: bool | None = Field(
+        None, description="the prompt before the completion, in text and (with logprobs) logprobs, as vLLM"
+    )
     suffix: str | None = Field(None, description="not supported: null")
     best_of: int | None = Field(None, ge=1, le=20, description="only 1 is supported")
     response_format: ResponseFormat | None = Field(None, description="vLLM's: as chat's (json_object, json_schema)")
@@ -257,6 +266,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(description="per token: the character offset of its text in the output")
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="among the whole vocabulary, 1 = most likely")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: null for the first prompt token, then token id -> its entry (the token, its k most likely)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -264,6 +283,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
     token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
     prompt_token_ids: list[int] | None = Field(None, description="return_token_ids: its prompt's token ids")
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -302,6 +322,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(None, description="return_token_ids: the output's token ids")
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

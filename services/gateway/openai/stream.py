@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import Choices, Chunk
     from services.gateway.text.logprobs import TokenStrings
+    from shared.events import PromptLogprobs
     from shared.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,14 @@ def openai_usage(usage: dict) -> dict:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: its prompt goes before the output (text, and log probabilities when asked for)."""
+
+    prompt: str
+    only: bool = False  # max_tokens 0: the prompt alone (the one token generated is dropped, as vLLM)
+
+
+@dataclass(frozen=True)
 class Shape:
     """How one request's answer looks: completion or chat, its id, time and model."""
 
@@ -59,12 +68,43 @@ class Shape:
     return_token_ids: bool = False  # vLLM's: each choice's token ids (and its prompt's) with its text
     token_strings: TokenStrings | None = None  # set when the request asked for log probabilities
     plan: OutputPlan | None = None  # a chat answer's tools and constraint (None: plain text)
-    echo: str = ""  # chat's echo: the last message's text, which the answer's content starts with
+    echo: Echo | None = None  # a completion's echo (None: the output alone)
+    chat_echo: str = ""  # chat's echo: the last message's text, which the answer's content starts with
 
     def __post_init__(self) -> None:
         # completions' text_offset runs on across a stream's chunks: one formatter per request
         wanted = self.token_strings is not None and not self.chat
         object.__setattr__(self, "_completion_logprobs", CompletionLogprobs(self.token_strings) if wanted else None)
+        object.__setattr__(self, "_echo_due", self.echo is not None)  # a stream's echo: on its first chunk
+
+    def _echoed(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None] | None,
+        prompt: PromptLogprobs | None,
+    ) -> tuple[str, Sequence[int], Sequence[TokenLogprob | None] | None]:
+        """(text, token ids, log probabilities) with the echoed prompt first (a stream: on its first chunk only)."""
+        if self.echo is None:
+            return text, token_ids, entries
+        if self.echo.only:
+            text, token_ids, entries = "", [], entries if entries is None else []
+        if not self._echo_due:
+            return text, token_ids, entries
+        object.__setattr__(self, "_echo_due", False)
+        if entries is not None and prompt is not None:
+            token_ids, entries = [*prompt.token_ids, *token_ids], [*lp_shapes.prompt_entries(prompt), *entries]
+        return self.echo.prompt + text, token_ids, entries
+
+    def _prompt_field(self, choice: dict, prompt: PromptLogprobs | None) -> dict:
+        if prompt is not None and self.token_strings is not None:
+            choice["prompt_logprobs"] = lp_shapes.prompt_vllm(self.token_strings, prompt)
+        return choice
+
+    @property
+    def echo_due(self) -> bool:
+        """Whether a stream's echo is still to be sent (with its next chunk, even an empty one)."""
+        return self._echo_due
 
     @property
     def with_tools(self) -> bool:
@@ -80,17 +120,22 @@ class Shape:
             return lp_shapes.chat_sliced(self.token_strings, token_ids, entries)
         return self._completion_logprobs.sliced(token_ids, entries)
 
-    def body(self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
+    def body(
+        self, native: dict, logprobs: Sequence[TokenLogprob | None] | None = None, prompt: PromptLogprobs | None = None
+    ) -> dict:
         """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
-        log probabilities (the handle's, one per token id) when the request asked for them."""
-        lp = self._logprobs(native["token_ids"], logprobs)
+        log probabilities (the handle's, one per token id) when the request asked for them; prompt: the handle's
+        prompt log probabilities (shared.events.PromptLogprobs), when asked for."""
+        text, ids, logprobs = self._echoed(native["text"], native["token_ids"], logprobs, prompt)
+        native = {**native, "text": text}
+        lp = self._logprobs(ids, logprobs)
         if self.with_tools:
             msg, finish = message(self.plan, native["text"], native["finish_reason"])
             choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
         elif self.chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": self.echo + native["text"]},
+                "message": {"role": "assistant", "content": self.chat_echo + native["text"]},
                 "logprobs": lp,
                 "finish_reason": native["finish_reason"],
             }
@@ -99,6 +144,7 @@ class Shape:
         if self.return_token_ids:
             choice["token_ids"] = list(native["token_ids"])
         obj = "chat.completion" if self.chat else "text_completion"
+        self._prompt_field(choice, prompt)
         return {**self._head(obj), "choices": [choice], "usage": openai_usage(native["usage"])}
 
     def chunk(
@@ -109,9 +155,14 @@ class Shape:
         token_ids: Sequence[int] = (),
         logprobs: Sequence[TokenLogprob | None] | None = None,
         delta: dict | None = None,
+        prompt: PromptLogprobs | None = None,
     ) -> dict:
         """One stream chunk; logprobs: those of token_ids, the tokens this chunk's text came from; delta: a chat
-        delta made elsewhere (a tool call's pieces) instead of the text's."""
+        delta made elsewhere (a tool call's pieces) instead of the text's; prompt: the prompt log probabilities,
+        on the chunk they arrived with."""
+        output_ids = token_ids  # return_token_ids: the output's only, an echoed prompt's are not among them
+        if not self.chat and finish_reason is None:
+            text, token_ids, logprobs = self._echoed(text or "", token_ids, logprobs, prompt)
         lp = self._logprobs(token_ids, logprobs)
         if self.chat:
             if delta is None:
@@ -122,7 +173,8 @@ class Shape:
             choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.return_token_ids and not role:
-            choice["token_ids"] = list(token_ids)
+            choice["token_ids"] = list(output_ids)
+        self._prompt_field(out["choices"][0], prompt)
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
         return out
@@ -136,9 +188,15 @@ def text_chunks(shape: Shape, tools: ToolShaper | None, chunk: Chunk) -> list[di
     """The stream chunks of one piece of output: its text (or, answering with tools, the tool-call deltas it
     completes) with the log probabilities of its tokens (whose text may still be held back)."""
     if tools is None:
-        if not (chunk.text or chunk.logprobs or (shape.return_token_ids and chunk.token_ids)):
+        if not (
+            chunk.text
+            or chunk.logprobs
+            or chunk.prompt
+            or shape.echo_due
+            or (shape.return_token_ids and chunk.token_ids)
+        ):
             return []
-        return [shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)]
+        return [shape.chunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs, prompt=chunk.prompt)]
     out = [shape.chunk(delta=delta) for delta in tools.feed(chunk.text)] if chunk.text else []
     if chunk.logprobs or (shape.return_token_ids and chunk.token_ids):  # on the first of them, or on an empty
         # delta of their own
@@ -183,8 +241,8 @@ def _opening(shape: Shape, n: int, facts: PromptFacts) -> list[dict]:
     outs = []
     for i in range(n):
         opening = [at_index(shape.chunk(role=True), i)]
-        if shape.echo:
-            opening.append(at_index(shape.chunk(text=shape.echo), i))
+        if shape.chat_echo:
+            opening.append(at_index(shape.chunk(text=shape.chat_echo), i))
         facts.stamp(opening, i, 0, shape, first=True)
         outs += opening
     return outs

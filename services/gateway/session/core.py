@@ -212,6 +212,7 @@ class GatewayCore(ReplyReader):
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             constraint=constraint,
             logit_bias=tuple(sorted((int(t), b) for t, b in (req.logit_bias or {}).items())),
         )

@@ -18,7 +18,7 @@ from services.gateway.session.outcome import CLIENT_GONE, SIBLING_FAILED, ending
 from services.gateway.session.stop import finish_at_stop
 from services.gateway.session.timing import request_metrics
 from services.gateway.text import logprobs as lp_shapes
-from shared.events import TimedOut
+from shared.events import PromptLogprobs, TimedOut
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -103,6 +103,8 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
         }
         if handle.logprobs is not None and with_logprobs:  # made as the answer is encoded (render.Sliced)
             body["logprobs"] = lp_shapes.native_sliced(core.token_strings, handle.token_ids, handle.logprobs)
+        if handle.prompt is not None and with_logprobs:
+            body.update(prompt_fields(core, handle.prompt))
         try:
             await core.store.update(core.r, handle.request_id, "output", {"text": handle.full_text, "metrics": metrics})
         except redis.RedisError as e:  # bookkeeping after the end: the client still gets the finished answer
@@ -111,14 +113,22 @@ async def final_body(core: GatewayCore, handle: RequestHandle, with_logprobs: bo
     raise how.error(extra, ids, getattr(end, "retry_after_s", 0))
 
 
+def prompt_fields(core: GatewayCore, prompt: PromptLogprobs) -> dict:
+    """A native body's (or stream event's) prompt: its token ids and their log probabilities (vLLM's shape)."""
+    return {
+        "prompt_token_ids": list(prompt.token_ids),
+        "prompt_logprobs": lp_shapes.prompt_vllm(core.token_strings, prompt),
+    }
+
+
 def chunk_weight(chunk: Chunk) -> int:
     """How heavy the events of a chunk are to build and encode (render.HEAVY)."""
-    return len(chunk.token_ids) + lp_shapes.weight(chunk.logprobs)
+    return len(chunk.token_ids) + lp_shapes.weight(chunk.logprobs) + lp_shapes.prompt_weight(chunk.prompt)
 
 
 def handle_weight(handle: RequestHandle) -> int:
     """How heavy a request's whole answer is to build and encode (render.HEAVY)."""
-    return len(handle.token_ids) + lp_shapes.weight(handle.logprobs)
+    return len(handle.token_ids) + lp_shapes.weight(handle.logprobs) + lp_shapes.prompt_weight(handle.prompt)
 
 
 @dataclass

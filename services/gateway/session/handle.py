@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.events import AnyEvent, TokenDelta
+from shared.events import AnyEvent, PromptLogprobs, TokenDelta
 from shared.logprobs import TokenLogprob, unpack
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class Chunk:
     index: int  # position of token_ids[0] in the output
     end: AnyEvent | None = None  # the terminal event, on the last chunk
     logprobs: list[TokenLogprob | None] | None = None  # one per token_ids, when the request asked for them
+    prompt: PromptLogprobs | None = None  # the prompt's log probabilities, on the chunk they arrived with
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RequestHandle:
     exists: bool = False
     session: str = ""  # its conversation session's key ("" = none): its turn is ended when it ends (conversation/)
     detached: bool = False  # a background response's: a gateway shutting down leaves it to another (no cancel)
+    prompt: PromptLogprobs | None = None  # its prompt log probabilities (prompt_logprobs), once they arrived
 
     def created(self) -> None:
         """The request was created in Redis: from now on its silence means something."""
@@ -99,6 +101,8 @@ class RequestHandle:
         skip = max(0, have - delta.index)
         new = list(delta.token_ids[skip:])
         self.token_ids.extend(new)
+        if delta.prompt is not None and self.prompt is None:  # (a recomputing worker sends them again)
+            self.prompt = delta.prompt
         if self.logprobs is not None:
             entries = unpack(delta.logprobs) if delta.logprobs is not None else []
             if len(entries) != len(delta.token_ids):  # a worker that does not know them (an older version)
@@ -136,10 +140,11 @@ class RequestHandle:
         return self._tokens(deltas) if deltas else self.finish(self._backlog.popleft())
 
     def _tokens(self, deltas: list[TokenDelta]) -> Chunk:
-        index = len(self.token_ids)
+        index, had_prompt = len(self.token_ids), self.prompt is not None
         new = [t for delta in deltas for t in self._accept(delta)]
+        prompt = self.prompt if not had_prompt else None
         if not new:
-            return Chunk("", [], index)
+            return Chunk("", [], index, prompt=prompt)
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         self.token_times.append(now)
@@ -150,7 +155,8 @@ class RequestHandle:
                 del self.logprobs[index + used :]
             new = new[:used]
         self.text.append(text)
-        return Chunk(text, new, index, logprobs=None if self.logprobs is None else self.logprobs[index:])
+        logprobs = None if self.logprobs is None else self.logprobs[index:]
+        return Chunk(text, new, index, logprobs=logprobs, prompt=prompt)
 
     def finish(self, end: AnyEvent) -> Chunk:
         tail = self.detok.flush()

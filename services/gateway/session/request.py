@@ -117,6 +117,12 @@ class GenerateRequest(BaseModel):
         le=MAX_LOGPROBS,
         description="each output token's log probability and its N most likely alternatives (null = none)",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each prompt token's log probability, rank and N most likely alternatives (vLLM's; null = none)",
+    )
     stream: bool = False
     session_id: str | None = Field(
         None, description="conversation session the turn belongs to (as the X-Session-ID header; README: Sessions)"

@@ -21,7 +21,8 @@ import re
 from typing import Sequence
 
 from services.gateway.text.render import exact, sliced
-from shared.logprobs import TokenLogprob
+from shared.events import PromptLogprobs
+from shared.logprobs import TokenLogprob, unpack_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ def weight(entries: Sequence[TokenLogprob | None] | None) -> int:
         return 0
     first = entries[0]
     return len(entries) * (2 + (len(first.top_ids) if first is not None else 0))
+
+
+def prompt_weight(prompt: PromptLogprobs | None) -> int:
+    """The JSON values a prompt's log probabilities make (each token: itself and its alternatives, 3 values each)."""
+    return 0 if prompt is None else len(prompt.token_ids) * 3 * (2 + prompt.logprobs.top)
 
 
 class TokenStrings:
@@ -193,8 +199,9 @@ class CompletionLogprobs:
             text = self.strings.text(tid)
             tokens.append(text)
             values.append(clamp(e.logprob) if e else None)
-            top = {}
+            top = None  # a token with none (an echoed prompt's first: vLLM's null)
             if e:  # the alternatives, and the sampled token always (so up to logprobs + 1 entries, as OpenAI)
+                top = {}
                 for i, v in zip(e.top_ids, e.top_logprobs):
                     top.setdefault(self.strings.text(i), clamp(v))
                 top.setdefault(text, clamp(e.logprob))
@@ -208,3 +215,31 @@ class CompletionLogprobs:
         """This call's object, made as it is encoded: its slices in order, as calls one after another would be
         (text_offset runs on); nothing else may use this formatter until it is encoded."""
         return sliced(len(token_ids), lambda i, j: self(token_ids[i:j], entries[i:j]))
+
+
+def prompt_entries(prompt: PromptLogprobs) -> list[TokenLogprob | None]:
+    """One per prompt token: None for the first (nothing comes before it), then each one's."""
+    return [None, *unpack_prompt(prompt)]
+
+
+def prompt_vllm(strings: TokenStrings, prompt: PromptLogprobs):
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}}, the token itself first, then its k most likely (ranks 1..k); made as it is encoded."""
+    ids, entries = prompt.token_ids, prompt_entries(prompt)
+
+    def one(tid: int, value: float, rank: int) -> dict:
+        return {"logprob": clamp(value), "rank": rank, "decoded_token": strings.text(tid)}
+
+    def make(i: int, j: int) -> list:
+        out = []
+        for tid, e in zip(ids[i:j], entries[i:j]):
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(tid): one(tid, e.logprob, e.rank)}
+            for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs), 1):
+                d.setdefault(str(t), one(t, v, r))
+            out.append(d)
+        return out
+
+    return sliced(len(ids), make)

@@ -222,6 +222,8 @@ class LLMEngine:
                 logger.exception("forward failed for a batch of %d; retrying one by one", len(items))
                 return [pair for item in items for pair in self._execute([item], result)]
         self._account(items, forward_s, result)
+        for job, entries in zip(step.prompt_jobs, step.prompt_logprobs):
+            job.seq.prompt_lps.extend(entries)
         for seq, n in items:
             seq.num_computed_tokens += n
             self.scheduler.register_computed_blocks(seq)
@@ -280,7 +282,9 @@ class LLMEngine:
                 reason,
                 num_cached_tokens=seq.num_cached_tokens,
                 logprobs=None if logprobs is None else [logprobs],
+                prompt_logprobs=seq.prompt_lps,
             )
+            seq.prompt_lps = None  # handed out once, with the first token
             result.outputs.append(out)
             if reason is not None:
                 seq.finish_reason = reason

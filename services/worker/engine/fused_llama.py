@@ -177,6 +177,14 @@ class FusedLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
         """input_ids/positions [T] -> logits [N, V] of the packed rows `logits_rows`."""
+        return self.lm_head(self.hidden(input_ids, positions, meta, logits_rows))
+
+    @torch.inference_mode()
+    def hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> the final-normed hidden states [N, H] of the packed rows `rows` (what
+        lm_head turns into logits)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
         if self.native_ops:
@@ -185,7 +193,7 @@ class FusedLlama:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
             for x in self.layers:
                 h = self._layer(x, h, cos, sin, meta)
-        return self.lm_head(rms_norm(h[logits_rows], self.final_norm))
+        return rms_norm(h[rows], self.final_norm)
 
     def _native_layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata

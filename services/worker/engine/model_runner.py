@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,8 +24,9 @@ from services.worker.engine.gemm import plain_linears, tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.outputs import TokenLogprobs
+from services.worker.engine.prompt_logprobs import PromptJob, prompt_jobs
 from services.worker.engine.request import Sequence
-from services.worker.engine.sampler import generator_seed, sample
+from services.worker.engine.sampler import generator_seed, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class PreparedStep:
     logits_rows: torch.Tensor  # [N] packed rows whose next-token logits are needed
     sample_seqs: list[Sequence]  # the N sequences, in logits_rows order
     meta: PagedAttentionMetadata
+    prompt_jobs: list[PromptJob] = field(default_factory=list)  # prompt log probabilities this step owes
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # forward's, one list per job
 
 
 class ModelRunner:
@@ -216,22 +219,44 @@ class ModelRunner:
             torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs,
             meta,
+            prompt_jobs(decode + fresh + resumed),
         )
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> tuple[torch.Tensor, float]:
         """-> (logits [N, V] for step.sample_seqs, seconds spent in the model call)."""
         t0 = time.perf_counter()
-        if self.fused is not None:
+        if step.prompt_jobs:
+            logits = self._forward_with_prompt(step)
+        elif self.fused is not None:
             logits = self.fused.forward(step.input_ids[0], step.positions[0], step.meta, step.logits_rows)
         else:
-            logits = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.positions,
-                logits_to_keep=step.logits_rows,
-                use_cache=False,
-                conveyor_attn=step.meta,
-            ).logits[0]
+            logits = self._model_logits(step, step.logits_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the measured time is the device's, not the launch's
         return logits, time.perf_counter() - t0
+
+    def _model_logits(self, step: PreparedStep, rows: torch.Tensor) -> torch.Tensor:
+        return self.model(
+            input_ids=step.input_ids,
+            position_ids=step.positions,
+            logits_to_keep=rows,
+            use_cache=False,
+            conveyor_attn=step.meta,
+        ).logits[0]
+
+    def _forward_with_prompt(self, step: PreparedStep) -> torch.Tensor:
+        """A step owing prompt log probabilities: the sampled rows' logits, and step.prompt_logprobs filled. The fused
+        forward hands out the prompt rows' hidden states and the LM head runs over them a slice at a time;
+        transformers' own forward (whose head may do more than a linear layer) gives all their logits at once."""
+        n = step.logits_rows.numel()
+        rows = [r for job in step.prompt_jobs for r in job.rows]
+        every = torch.cat([step.logits_rows, torch.tensor(rows, dtype=torch.long, device=self.device)])
+        if self.fused is not None:
+            h = self.fused.hidden(step.input_ids[0], step.positions[0], step.meta, every)
+            head = self.fused.lm_head
+            step.prompt_logprobs = prompt_logprobs(lambda a, b: head(h[n + a : n + b]), step.prompt_jobs)
+            return head(h[:n])
+        logits = self._model_logits(step, every)
+        step.prompt_logprobs = prompt_logprobs(lambda a, b: logits[n + a : n + b], step.prompt_jobs)
+        return logits[:n]

@@ -15,6 +15,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # of the token among all (1 = most likely); prompt log probabilities only (0 = not computed)
 
 
 @dataclass
@@ -28,6 +29,8 @@ class RequestOutput:
     error: str | None = None  # human-readable detail of error_reason
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
     logprobs: list[TokenLogprobs] | None = None  # one per new_token_ids, when the request asked for them
+    # with the first output token of a request that asked for prompt_logprobs: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     session_blocks: int = 0  # finished: KV blocks kept for its session's next turn (session_kv.py)
 
 

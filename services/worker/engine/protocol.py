@@ -60,6 +60,8 @@ class Engine(Protocol):
 
 class PreparedStep(Protocol):
     sample_seqs: list[Sequence]  # the sequences that get a next token from this step, in row order
+    prompt_jobs: list[Any]  # prompt_logprobs.PromptJob: the prompt log probabilities this step owes
+    prompt_logprobs: list[list[TokenLogprobs]]  # set by forward: one list per prompt job
 
 
 class ModelRunner(Protocol):

@@ -46,6 +46,9 @@ class SamplingOptions:
     logprobs: int | None = None  # None = off; k >= 0: each sampled token's log probability and its k most likely
     grammar: GrammarSpec | None = None  # every output token must keep to it (None = free text)
     logit_bias: tuple = ()  # (token id, bias in [-100, 100]) pairs added to those logits before anything else
+    # None = off; k >= 0: each prompt token's log probability (the first's is None), its rank and the k most likely
+    # at its position, of the model's raw logits (prompt_logprobs.py)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +77,10 @@ class SamplingOptions:
                 bad.append(f"{name}={value} (must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}])")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad.append(f"logprobs={self.logprobs!r} (must be None or in [0, {MAX_LOGPROBS}])")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad.append(f"prompt_logprobs={self.prompt_logprobs!r} (must be None or in [0, {MAX_LOGPROBS}])")
         if any(not -MAX_BIAS <= b <= MAX_BIAS for _, b in self.logit_bias):
             bad.append(f"logit_bias={self.logit_bias!r} (biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}])")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -127,6 +134,7 @@ class Sequence:
         "group_id",
         "grammar",
         "session_id",
+        "prompt_lps",
     )
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
@@ -155,6 +163,10 @@ class Sequence:
         self.generator: object | None = None
         # Its grammar matcher while it has a constraint (structured.py); released when it ends.
         self.grammar: object | None = None
+        # Prompt log probabilities gathered so far (entry j: prompt token j + 1's), while they are owed: the request
+        # asked and has emitted nothing yet (a resumed request's were sent by its earlier worker). Handed out with
+        # the first output token, then None.
+        self.prompt_lps: list | None = [] if req.sampling.prompt_logprobs is not None and not self.num_emitted else None
 
     @property
     def num_tokens(self) -> int:

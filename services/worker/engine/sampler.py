@@ -18,6 +18,7 @@ import torch
 
 from services.worker.engine import cpu_ops
 from services.worker.engine.outputs import TokenLogprobs
+from services.worker.engine.prompt_logprobs import ROWS_PER_HEAD_CALL, PromptJob
 from services.worker.engine.request import Sequence
 
 
@@ -185,4 +186,36 @@ def _tokens(logits: torch.Tensor, seqs: list[Sequence], native: bool) -> list[in
     idx = torch.tensor(rest, device=logits.device)
     for i, tok in zip(rest, _draw(logits[idx], [seqs[i] for i in rest], native)):
         out[i] = tok
+    return out
+
+
+@torch.inference_mode()
+def prompt_logprobs(scores, jobs: list[PromptJob]) -> list[list[TokenLogprobs]]:
+    """The jobs' prompt log probabilities, one list per job: log_softmax of the model's raw logits in float32 (no
+    penalty, temperature or grammar: vLLM's raw prompt logprobs), the prompt token's own, its rank, and the job's k
+    most likely. scores(a, b): the logits of the jobs' rows a..b (all jobs' rows in order), asked ROWS_PER_HEAD_CALL
+    at a time so that only that many rows of vocabulary-wide logits exist at once."""
+    targets = [t for job in jobs for t in job.targets]
+    kmax = max(job.seq.sampling.prompt_logprobs for job in jobs)
+    own, ranks, tops, top_ids = [], [], [], []
+    for a in range(0, len(targets), ROWS_PER_HEAD_CALL):
+        lp = torch.log_softmax(scores(a, a + ROWS_PER_HEAD_CALL).float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets[a : a + ROWS_PER_HEAD_CALL], device=lp.device)[:, None])
+        own += chosen[:, 0].tolist()
+        ranks += ((lp > chosen).sum(dim=1) + 1).tolist()
+        if kmax:
+            v, i = lp.topk(kmax, dim=-1)
+            tops += v.tolist()
+            top_ids += i.tolist()
+        else:
+            tops += [[]] * lp.shape[0]
+            top_ids += [[]] * lp.shape[0]
+    out, r = [], 0
+    for job in jobs:
+        k = job.seq.sampling.prompt_logprobs
+        n = len(job.targets)
+        out.append(
+            [TokenLogprobs(own[j], tuple(top_ids[j][:k]), tuple(tops[j][:k]), ranks[j]) for j in range(r, r + n)]
+        )
+        r += n
     return out

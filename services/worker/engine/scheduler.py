@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.prompt_logprobs import max_cached_tokens
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.session_kv import PARKED, SessionKV
 from shared.block_hash import extend_block_hashes
@@ -138,7 +139,10 @@ class Scheduler:
                 # hash full blocks, but never serve the block holding the last token from cache:
                 # that token must be computed to get the next token's logits.
                 extend_block_hashes(seq.token_ids, seq.block_hashes, bs, seq.num_tokens)
-                hits = self.blocks.lookup_prefix(seq.block_hashes, (seq.num_tokens - 1) // bs)
+                limit = (seq.num_tokens - 1) // bs
+                if (cap := max_cached_tokens(seq)) is not None:  # it needs those positions' logits computed
+                    limit = min(limit, cap // bs)
+                hits = self.blocks.lookup_prefix(seq.block_hashes, limit)
             cached = len(hits) * bs
             n = min(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_for(cached + n) - len(hits)
@@ -186,8 +190,8 @@ class Scheduler:
         """Whether a running sibling (same group: the choices of one n > 1 request, one prompt) is still computing
         prompt blocks `seq` could reuse. Admitted now, `seq` would find them uncached and compute them again;
         held until they are registered, it gets them as prefix-cache hits, so the prompt is computed once."""
-        if not seq.group_id or not self.blocks.enable_prefix_caching:
-            return False
+        if not seq.group_id or not self.blocks.enable_prefix_caching or max_cached_tokens(seq) is not None:
+            return False  # (one owing prompt log probabilities computes the prompt itself: it would not reuse it)
         shared = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.blocks.block_size
         return computing.get(seq.group_id, shared) < shared
 

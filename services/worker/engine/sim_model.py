@@ -99,6 +99,15 @@ class SimVocab:
         top = dist[:k]
         return _log(probs.get(token, 0.0)), tuple(t for t, _ in top), tuple(_log(p) for _, p in top)
 
+    def prompt_logprob(self, before: int, position: int, token: int, k: int) -> tuple[float, tuple, tuple, int]:
+        """Synthetic log probability of prompt token `token` at `position` after token `before`: the stand-in
+        distribution gives the words next_token would try after that pair 1/2, 1/4, ... and every other token
+        2^-(k + 2) at rank k + 2. -> (its log probability, the k most likely ids, their log probabilities, its rank)."""
+        pick, _ = _hash(before.to_bytes(8, "little"), position)
+        words = self._words_from(pick, frozenset(), True, k + 1)
+        rank = words.index(token) + 1 if token in words else k + 2
+        return math.log(0.5**rank), tuple(words[:k]), tuple(math.log(0.5 ** (j + 1)) for j in range(k)), rank
+
 
 def _hash(key: bytes, index: int) -> tuple[int, float]:
     """(which word, a uniform draw) for output `index` of the sequence keyed by key."""

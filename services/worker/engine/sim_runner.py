@@ -28,6 +28,7 @@ import numpy as np
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.outputs import TokenLogprobs
+from services.worker.engine.prompt_logprobs import PromptJob, prompt_jobs
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
 from services.worker.engine.structured import StructuredOutputs
@@ -51,6 +52,8 @@ class SimStep:
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_tokens: int = 0
+    prompt_jobs: list[PromptJob] = field(default_factory=list)  # prompt log probabilities this step owes
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # forward's, one list per job
 
 
 class SimRunner:
@@ -86,6 +89,7 @@ class SimRunner:
                 step.prefill_tokens += n
             if seq.num_computed_tokens + n == seq.num_tokens:
                 step.sample_seqs.append(seq)
+        step.prompt_jobs = prompt_jobs(items)
         return step
 
     def forward(self, step: SimStep) -> tuple[list[None], float]:
@@ -97,7 +101,16 @@ class SimRunner:
                 f"{time.time():.6f} {modelled:.6f} {step.prefill_tokens} {step.decode_seqs} "
                 f"{step.kv_tokens} {len(step.sample_seqs)}\n"
             )
+        step.prompt_logprobs = [self._prompt_logprobs(job) for job in step.prompt_jobs]
         return [None] * len(step.sample_seqs), modelled
+
+    def _prompt_logprobs(self, job: PromptJob) -> list[TokenLogprobs]:
+        """Synthetic ones (SimVocab.prompt_logprob): a function of each prompt token and the one before it."""
+        tokens, k = job.seq.token_ids, job.seq.sampling.prompt_logprobs
+        return [
+            TokenLogprobs(*self.vocab.prompt_logprob(tokens[p - 1], p, tokens[p], k))
+            for p in range(job.first, job.first + len(job.targets))
+        ]
 
     def sample(
         self, rows: list[None], seqs: list[Sequence], allowed: np.ndarray | None = None
