@@ -76,6 +76,7 @@ def _summary(hb: Heartbeat) -> dict:
         "waiting": hb.num_waiting,
         "held": len(hb.request_ids),
         "total_blocks": hb.total_blocks,
+        "block_size": hb.block_size,
         "free_blocks": hb.free_blocks,
         "cached_blocks": hb.cached_blocks,
         "preemptions": hb.num_preemptions,

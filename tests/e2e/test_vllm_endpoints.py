@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.support.openai_fixtures import MODEL
+from tests.support.waiting import wait_for
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
@@ -72,3 +73,44 @@ def test_every_response_carries_an_x_request_id_echoing_the_clients(cluster):
 
 def test_version_answers_the_servers_version(cluster):
     assert httpx.get(f"{cluster.url}/version").json()["version"]
+
+
+def _scrape(cluster) -> str:
+    return httpx.get(f"{cluster.url}/metrics", timeout=10).text
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of one exposition line `name` (with its labels) of a scrape."""
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_metrics_have_vllms_per_request_token_and_parameter_histograms(cluster):
+    before = _scrape(cluster)
+    body = {"model": MODEL, "prompt": "Count with me: one two three", "max_tokens": 5, "n": 2}
+    assert post(cluster, "/v1/completions", body).status_code == 200
+    counted = "conveyor:request_generation_tokens_count"
+
+    # Observed as each choice is released (once its answer is out): waited for, not assumed.
+    def counted_both() -> str | None:
+        text = _scrape(cluster)
+        return text if _sample(text, counted) >= _sample(before, counted) + 2 else None
+
+    after = wait_for(counted_both, 10, what="both choices counted")
+
+    def grew(name: str) -> float:
+        return _sample(after, name) - _sample(before, name)
+
+    # Each choice is one finished request of 5 tokens; the request's parameters are observed once.
+    assert grew("conveyor:request_generation_tokens_count") == 2
+    assert grew('conveyor:request_generation_tokens_bucket{le="5.0"}') == 2
+    assert grew("conveyor:request_prompt_tokens_count") == 2
+    assert grew("conveyor:request_params_n_count") == 1 and grew('conveyor:request_params_n_bucket{le="1.0"}') == 0
+    assert grew('conveyor:request_params_max_tokens_bucket{le="5.0"}') == 1
+
+
+def test_metrics_have_the_waiting_requests_by_reason_and_the_cache_config(cluster):
+    text = _scrape(cluster)
+    assert _sample(text, 'conveyor:num_requests_waiting_by_reason{reason="queued"}') >= 0
+    assert _sample(text, 'conveyor:num_requests_waiting_by_reason{reason="capacity"}') >= 0
+    info = [line for line in text.splitlines() if line.startswith("conveyor:cache_config_info{")]
+    assert info and all('block_size="16"' in line and "num_blocks=" in line for line in info)

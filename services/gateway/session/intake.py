@@ -42,7 +42,14 @@ async def accept_choices(
     None: body's own), choice j of prompt i at index i*n + j (OpenAI's numbering). output: accept's constraint and
     tools, the same for every choice."""
     bodies = [body] if prompts is None else [body.model_copy(update=p) for p in prompts]
-    total = len(bodies) * n
+    choices = await _accept_all(core, request, bodies, n, default_max_tokens, extra_meta, prompts, **output)
+    for _ in bodies:  # one request per prompt, as vLLM counts a prompt list
+        core.metrics.observe_params(n, body.max_tokens or default_max_tokens)
+    return choices
+
+
+async def _accept_all(core, request, bodies, n, default_max_tokens, extra_meta, prompts, **output) -> Choices:
+    body, total = bodies[0], len(bodies) * n
     if total == 1:  # a group of one: no group id, no seed offset
         return Choices([await accept(core, request, bodies[0], default_max_tokens, extra_meta, **output)])
     if turns.session_id_of(request, body.session_id) is not None:

@@ -15,6 +15,9 @@ from shared.lifecycle import TERMINAL, State
 from shared.sessions import SESSION_FIGURES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+# Token counts and request parameters: vLLM's 1-2-5 series (its build_1_2_5_buckets), so dashboards carry over.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+N_BUCKETS = (1, 2, 5, 10, 20)
 LIVE_STATES = [s for s in State if s not in TERMINAL]
 
 
@@ -27,6 +30,9 @@ class GatewayMetrics:
         def h(name: str, doc: str) -> Histogram:
             return Histogram(f"conveyor:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
+        def counts(name: str, doc: str, buckets=TOKEN_BUCKETS) -> Histogram:
+            return Histogram(f"conveyor:{name}", doc, buckets=buckets, registry=self.registry)
+
         def c(name: str, doc: str, labels=()) -> Counter:
             return Counter(f"conveyor:{name}", doc, labels, registry=self.registry)
 
@@ -36,6 +42,10 @@ class GatewayMetrics:
         self.queue = h("request_queue_time_seconds", "time in QUEUED (history)")
         self.prefill = h("request_prefill_time_seconds", "PREFILLING to first token (history)")
         self.decode = h("request_decode_time_seconds", "first token to the end (history)")
+        self.request_prompt_tokens = counts("request_prompt_tokens", "prompt tokens per finished request (choice)")
+        self.request_generation_tokens = counts("request_generation_tokens", "output tokens per finished request")
+        self.request_params_n = counts("request_params_n", "n per accepted request (its choices)", N_BUCKETS)
+        self.request_params_max_tokens = counts("request_params_max_tokens", "max_tokens per accepted request")
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens", "tokens sent to clients")
         self.success = c("request_success", "finished requests", ["finished_reason"])
@@ -60,10 +70,18 @@ class GatewayMetrics:
         self.generation_tokens.inc(n_tokens)
         if how.outcome.ok:
             self.prompt_tokens.inc(getattr(end, "prompt_tokens", 0))
+            self.request_prompt_tokens.observe(getattr(end, "prompt_tokens", 0))
+            self.request_generation_tokens.observe(n_tokens)
         if how.outcome.counter is None:  # no ending reached the request: nothing to count
             return
         counter = getattr(self, how.outcome.counter)
         (counter.labels(how.reason) if how.outcome.labelled else counter).inc()
+
+    def observe_params(self, n: int, max_tokens: int | None) -> None:
+        """Called once per accepted request (all its choices): the parameters vLLM's histograms count."""
+        self.request_params_n.observe(n)
+        if max_tokens is not None:  # None: until the context's end, no number to count
+            self.request_params_max_tokens.observe(max_tokens)
 
     async def render(self, r, names: Names) -> bytes:
         cluster = CollectorRegistry()
@@ -86,6 +104,8 @@ async def cluster_figures(r, names: Names) -> dict:
         "waiting": counts[0],
         "states": dict(zip((s.value for s in LIVE_STATES), counts[1:])),
         "running": sum(w.get("running", 0) for w in workers),
+        "waiting_capacity": sum(w.get("waiting", 0) for w in workers),
+        "caches": [(w.get("block_size", 0), w.get("total_blocks", 0)) for w in workers],
         "kv_usage": 1.0 - sum(w.get("free_blocks", 0) for w in workers) / total if total else 0.0,
         "preemptions": sum(w.get("preemptions", 0) for w in workers),
         "prefix_queries": sum(w.get("prefix_cache_queries", 0) for w in workers),
@@ -105,6 +125,19 @@ class _Snapshot:
         yield GaugeMetricFamily("conveyor:num_requests_running", "sequences running on workers", f["running"])
         yield GaugeMetricFamily("conveyor:num_requests_waiting", "requests not yet on a worker", f["waiting"])
         yield GaugeMetricFamily("conveyor:kv_cache_usage_perc", "share of KV blocks in use (0..1)", f["kv_usage"])
+        # vLLM's reasons: queued (not placed yet: the scheduler's queue), capacity (on a worker, waiting for KV room).
+        by_reason = GaugeMetricFamily(
+            "conveyor:num_requests_waiting_by_reason", "requests waiting, by why", labels=["reason"]
+        )
+        by_reason.add_metric(["queued"], f["waiting"])
+        by_reason.add_metric(["capacity"], f["waiting_capacity"])
+        yield by_reason
+        info = GaugeMetricFamily(
+            "conveyor:cache_config_info", "a live worker's KV cache (value 1)", labels=["block_size", "num_blocks"]
+        )
+        for block_size, num_blocks in sorted(set(f["caches"])):
+            info.add_metric([str(block_size), str(num_blocks)], 1)
+        yield info
         states = GaugeMetricFamily("conveyor:num_requests_in_state", "live requests per state", labels=["state"])
         for state, n in f["states"].items():
             states.add_metric([state], n)
