@@ -114,3 +114,23 @@ def test_metrics_have_the_waiting_requests_by_reason_and_the_cache_config(cluste
     assert _sample(text, 'conveyor:num_requests_waiting_by_reason{reason="capacity"}') >= 0
     info = [line for line in text.splitlines() if line.startswith("conveyor:cache_config_info{")]
     assert info and all('block_size="16"' in line and "num_blocks=" in line for line in info)
+
+
+def test_tokenizer_info_gives_the_tokenizers_class_template_and_special_tokens(cluster, tokenizer):
+    info = httpx.get(f"{cluster.url}/tokenizer_info", timeout=10).json()
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["eos_token"] == tokenizer.eos_token and info["vocab_size"] == len(tokenizer)
+    assert info["model_max_length"] == models["max_model_len"]
+
+
+def test_load_counts_the_requests_this_gateway_is_serving(cluster):
+    body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):  # its first tokens came: its request is in flight here
+            pass
+        assert httpx.get(f"{cluster.url}/load", timeout=10).json()["server_load"] >= 1
+    wait_for(lambda: httpx.get(f"{cluster.url}/load", timeout=10).json()["server_load"] == 0, 15, what="released")

@@ -107,3 +107,24 @@ async def detokenize(body: DetokenizeRequest, core: Core) -> dict:
             "token_id_out_of_range",
         )
     return {"prompt": await off_loop(lambda: core.tokenizer.decode(body.tokens), len(body.tokens) * 4)}
+
+
+# The tokenizer's configuration values a client can use (JSON scalars: the rest, objects of the tokenizer
+# library, say nothing across HTTP).
+_SCALARS = (str, int, float, bool)
+
+
+@router.get("/tokenizer_info", responses=error_responses(401))
+async def tokenizer_info(core: Core) -> dict:
+    """The served tokenizer's class, configuration, special tokens and chat template, as vLLM's GET
+    /tokenizer_info answers (a client that tokenizes on its side checks it has the same tokenizer)."""
+    tok = core.tokenizer
+    config = {k: v for k, v in getattr(tok, "init_kwargs", {}).items() if isinstance(v, _SCALARS)}
+    return {
+        **config,
+        "tokenizer_class": type(tok).__name__,
+        "model_max_length": core.max_len,
+        "vocab_size": len(tok),
+        **{f"{name}_token": getattr(tok, f"{name}_token", None) for name in ("bos", "eos", "pad", "unk")},
+        "chat_template": getattr(tok, "chat_template", None),
+    }

@@ -38,6 +38,13 @@ async def version():
     return {"version": _VERSION}
 
 
+@router.get("/load", responses=error_responses(401))
+async def load(core: Core):
+    """The requests this gateway is serving now (each choice counts), as vLLM's GET /load: what a load balancer
+    in front of several gateways reads."""
+    return {"server_load": len(core.handles)}
+
+
 def _installed_version() -> str:
     try:
         return metadata.version("conveyor")
