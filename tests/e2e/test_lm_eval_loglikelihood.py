@@ -74,7 +74,7 @@ def test_lm_eval_loglikelihoods_through_conveyor_equal_transformers(
             f"base_url={cluster.url}/v1/completions",
             "tokenizer_backend=huggingface",
             f"tokenizer={model_dir}",
-            "tokenized_requests=False",  # a string prompt (one request, one prompt)
+            "tokenized_requests=True",  # lm-eval's default: token-id prompts (tests/e2e: echo with them)
             "num_concurrent=1",
             "max_retries=1",
         ]

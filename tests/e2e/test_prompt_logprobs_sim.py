@@ -103,6 +103,19 @@ def test_completions_echo_without_logprobs_and_with_max_tokens_zero(sim_cluster,
     )
 
 
+def test_echo_of_token_id_prompts_and_prompt_lists_is_each_prompts_text_and_logprobs(sim_cluster, ids, tokenizer):
+    """What lm-eval sends by default: token-id prompts (a list of them), echo, logprobs, max_tokens 0."""
+    other = tokenizer.encode("A second, shorter prompt")
+    body = {"model": MODEL, "prompt": [ids, other], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    choices = _post(sim_cluster, "/v1/completions", **body)["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice, prompt in zip(choices, (ids, other)):
+        alone = _post(sim_cluster, "/v1/completions", **{**body, "prompt": tokenizer.decode(prompt)})["choices"][0]
+        assert choice["text"] == tokenizer.decode(prompt) == alone["text"]
+        assert choice["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"]
+        assert len(choice["logprobs"]["tokens"]) == len(prompt) and choice["logprobs"]["token_logprobs"][0] is None
+
+
 def test_chat_gives_vllms_prompt_logprobs_field(sim_cluster, vocab):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "prompt_logprobs": 1}
     out = _post(sim_cluster, "/v1/chat/completions", **body)

@@ -95,8 +95,6 @@ def _check_completion(body: CompletionRequest) -> list[dict]:
             if not one:  # a list of prompts: each is checked here (the native request's rules do not see them)
                 raise InvalidRequest(f"prompt.{i}: an empty prompt", f"prompt.{i}", "invalid_value")
         prompts = [{"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one} for one in p]
-    if body.echo and (len(prompts) > 1 or "prompt" not in prompts[0]):
-        raise _unsupported("echo", "supported with one text prompt only (not several prompts, nor token ids)")
     if len(prompts) * (body.n or 1) > MAX_BATCH:
         raise InvalidRequest(
             f"prompt: {len(prompts)} prompts x n={body.n or 1} is more than {MAX_BATCH} choices in all",
@@ -104,6 +102,11 @@ def _check_completion(body: CompletionRequest) -> list[dict]:
             "too_many_choices",
         )
     return prompts
+
+
+def _prompt_text(core: GatewayCore, prompt: dict) -> str:
+    """What echo puts before a prompt's completion: its text (a token-id prompt's, decoded, as vLLM)."""
+    return prompt["prompt"] if "prompt" in prompt else core.tokenizer.decode(prompt["prompt_token_ids"])
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -132,7 +135,7 @@ async def _serve(
     chat: bool,
     default_max_tokens: int | None = None,
     plan: OutputPlan = OutputPlan(),
-    echo: Echo | None = None,
+    echoes: list[Echo] | None = None,
     chat_echo: str = "",
     prompts: list[dict] | None = None,
 ):
@@ -159,10 +162,10 @@ async def _serve(
             bool(body.return_token_ids),
             core.token_strings if native.logprobs is not None or native.prompt_logprobs is not None else None,
             plan,
-            echo,
+            echoes[k // n] if echoes else None,  # choice j of prompt i is at i * n + j
             chat_echo,
         )
-        for _ in choices.handles
+        for k in range(len(choices.handles))
     ]
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
@@ -186,12 +189,12 @@ async def completions(body: CompletionRequest, request: Request, core: Core):
     # max_tokens 0 with echo: the prompt alone, as vLLM (which, like this, still generates one token and drops it)
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
     native = native_request(body, max_tokens, body.logprobs, **prompts[0])
-    echo = Echo(prompts[0]["prompt"], body.max_tokens == 0) if body.echo else None
-    if echo and body.logprobs is not None and native.prompt_logprobs is None:  # the echoed prompt's, as vLLM
+    echoes = [Echo(_prompt_text(core, p), body.max_tokens == 0) for p in prompts] if body.echo else None
+    if echoes and body.logprobs is not None and native.prompt_logprobs is None:  # the echoed prompt's, as vLLM
         native = native.model_copy(update={"prompt_logprobs": body.logprobs})
     batch = prompts if len(prompts) > 1 else None
     return await _serve(
-        core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, echo=echo, prompts=batch
+        core, request, body, native, False, COMPLETIONS_DEFAULT_MAX_TOKENS, plan, echoes=echoes, prompts=batch
     )
 
 
