@@ -1,13 +1,11 @@
 """Scheduler service: queues preprocessed requests and places them on live workers with room.
 
-Durability: a request's QUEUED transition and its copy in the `queue` hash are written
-before the preprocessed event is acknowledged, so a restarted scheduler rebuilds its queue
-from Redis. Placement is one atomic script: SCHEDULED transition + `scheduled` event on the
-worker's stream (on a Redis Cluster the event right after); a request cancelled meanwhile is
-refused there and never reaches a worker. Its record follows (assignments.py); a placement cut
-short before it is finished from what Redis holds (repair.py).
+Durability: a request's QUEUED transition and its copy in the `queue` hash are written before the preprocessed event
+is acknowledged, so a restarted scheduler rebuilds its queue from Redis. Placement is one atomic script: SCHEDULED
+transition + `scheduled` event on the worker's stream (on a Redis Cluster the event right after); a request
+cancelled meanwhile is refused there and never reaches a worker. Its record follows (assignments.py); a placement
+cut short before it is finished from what Redis holds (repair.py).
 """
-
 from __future__ import annotations
 
 import logging

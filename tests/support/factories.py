@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from shared.events import RequestReceived, Sampling
+from shared.events import ChatMessage, RequestReceived, Sampling
 
 
 def request_received(reply_to: str = "reply", prompt: str = "Hello", max_tokens: int = 8, **kw) -> RequestReceived:
@@ -19,3 +19,8 @@ def request_received(reply_to: str = "reply", prompt: str = "Hello", max_tokens:
         received_at=now,
         **kw,
     )
+
+
+def chat_received(messages: list[tuple[str, str]], **kw) -> RequestReceived:
+    """A chat request of (role, content) turns, as the gateway publishes it (no raw prompt)."""
+    return request_received(prompt=None, messages=tuple(ChatMessage(r, c) for r, c in messages), **kw)

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from tests.support.factories import chat_received
 from services.tokenizer.service import Preprocessor, PromptError
 from shared.chat_template import kwargs_problem
-from shared.events import ChatMessage, RequestReceived, Sampling
 from shared.tokenization import load_tokenizer
 
 PREFILL = [("user", "Name a colour."), ("assistant", "My favourite colour is")]
@@ -23,15 +23,7 @@ def tok(model_dir):
 
 
 def _text(tok, messages, **fields) -> str:
-    ev = RequestReceived(
-        request_id="r",
-        reply_to="x",
-        messages=tuple(ChatMessage(r, c) for r, c in messages),
-        sampling=Sampling(max_tokens=4),
-        deadline=0.0,
-        received_at=0.0,
-        **fields,
-    )
+    ev = chat_received(messages, max_tokens=4, **fields)
     return tok.decode(Preprocessor(tok, 8192).token_ids(ev))
 
 

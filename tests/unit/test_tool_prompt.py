@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from tests.support.factories import chat_received
 from services.tokenizer.service import Preprocessor
 from shared.chat_template import template_takes_tools
-from shared.events import ChatMessage, RequestReceived, Sampling
 from shared.tokenization import load_tokenizer
 
 TOOLS = [
@@ -29,15 +29,7 @@ def pre(model_dir):
 
 
 def _prompt(pre, messages: list[tuple[str, str]], tools: str = "") -> str:
-    ev = RequestReceived(
-        request_id="r",
-        reply_to="x",
-        messages=tuple(ChatMessage(r, c) for r, c in messages),
-        sampling=Sampling(max_tokens=4),
-        deadline=0.0,
-        received_at=0.0,
-        tools=tools,
-    )
+    ev = chat_received(messages, max_tokens=4, tools=tools)
     return pre.tok.decode(pre.token_ids(ev))
 
 
