@@ -6,6 +6,7 @@ transition + `scheduled` event on the worker's stream (on a Redis Cluster the ev
 cancelled meanwhile is refused there and never reaches a worker. Its record follows (assignments.py); a placement
 cut short before it is finished from what Redis holds (repair.py).
 """
+
 from __future__ import annotations
 
 import logging
