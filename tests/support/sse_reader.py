@@ -59,7 +59,12 @@ class SseReader:
                 return at, data
 
     def record(self, rid: str, to: str, timeout: float = 30.0) -> tuple[float, dict]:
-        """The feed record of request `rid` entering state `to`, as (receipt time, record)."""
+        """The feed record of request `rid` entering state `to`, as (receipt time, record). The gateway batches its
+        feed, so the record may have come in an event already read for another record: those are looked at first."""
+        for at, name, data in self.seen:
+            hit = [r for r in data if r["rid"] == rid and r["to"] == to] if name == "feed" else []
+            if hit:
+                return at, hit[0]
         found: list = []
 
         def has(batch) -> bool:
