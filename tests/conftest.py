@@ -105,12 +105,11 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def kernels_dir(tmp_path_factory) -> str:
-    """Where the engine's C++ kernels are built for the tests: one folder for every run of this user (torch
-    rebuilds only what changed), also under pytest-xdist, whose processes each have a base folder of their own."""
-    base = tmp_path_factory.getbasetemp()
-    root = next((p for p in (base, *base.parents) if p.name.startswith("pytest-of-")), base.parent)
-    return str(root / "conveyor-kernels")
+def kernels_dir() -> str:
+    """Where the engine's C++ kernels are built for the tests: the cache directory the clusters' workers and the
+    engine's own tests (tuning_cache_dir None) build in, so that each variant is compiled once per machine (a
+    folder of their own built the CPU's best variant twice: ~35 s on 2 cores)."""
+    return str(CACHE_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -342,7 +341,10 @@ def make_engine(engine_model):
     isa = WorkerSettings().cpu_isa
 
     def build(**overrides) -> LLMEngine:
-        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa} | overrides
+        # No GEMM measuring: its plans are tested in test_engine_gemm (every kernel equals nn.Linear, plans kept on
+        # disk); measured here (in memory, this process's one thread) it cost 70-115 s at the engine tests' start.
+        cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa}
+        cfg = cfg | {"gemm_tuning": False} | overrides
         return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
 
     # An engine is freed by the cyclic garbage collector only (its parts refer to one another), which counts objects,

@@ -56,7 +56,11 @@ def peer_python(name: str, requirement: str, module: str | None = None, reuse_ru
             pth = next(venv.glob("lib/python*/site-packages")) / "conveyor-runtime.pth"
             pth.write_text("\n".join(site.getsitepackages()) + "\n")
         if done.returncode == 0:
-            done = _run([str(python), "-m", "pip", "install", "-q", requirement])
+            # --no-compile: no .pyc for the hundreds of modules the client never imports (CPU the suite's other
+            # process needs); what it imports is compiled at its first import
+            done = _run(
+                [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", requirement]
+            )
         if done.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
             pytest.skip(f"{requirement} cannot be installed in {venv}: {done.stderr.strip()[-500:]}")

@@ -16,11 +16,11 @@ a warning). Why not one build with runtime dispatch inside: the vector code is w
 vocabulary and compiled per width; separate builds keep each variant's flags (and the compiler's own
 vectorisation of the plain loops) confined to it.
 
-The build (torch.utils.cpp_extension, ninja, the system C++ compiler) takes ~10 s a variant on the 2-core
-VM; its output is kept under the cache directory, in a folder named by the variant, a digest of the CPU's
-ISA flags and of the sources, the torch build and the CPU (cpu_info.py), so a restarted worker only loads
-it (< 1 s) and a cache copied from another CPU is never reused. Anything that stops the build (no
-compiler, no ninja, an error) is logged once and the engine keeps its torch path: same results, slower.
+The build (torch.utils.cpp_extension, ninja, the system C++ compiler; one translation unit, csrc/kernels.cpp)
+takes ~30 s a variant on the 2-core VM; its output is kept under the cache directory, in a folder named by the
+variant, a digest of the CPU's ISA flags and of the sources, the torch build and the CPU (cpu_info.py), so a
+restarted worker only loads it (< 1 s) and a cache copied from another CPU is never reused. Anything that stops the
+build (no compiler, no ninja, an error) is logged once and the engine keeps its torch path: same results, slower.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from shared.settings import CPU_ISAS, this_pythons_bin_on_path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "layer_ops.cpp", CSRC / "sampling.cpp")
-HEADERS = (CSRC / "vec.h",)
+SOURCES = (CSRC / "kernels.cpp",)  # the one translation unit: it includes the three below
+HEADERS = (CSRC / "paged_decode.cpp", CSRC / "layer_ops.cpp", CSRC / "sampling.cpp", CSRC / "vec.h")
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 ISA_CFLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),

@@ -148,7 +148,7 @@ def test_native_draw_at_a_temperature_follows_softmax_across_chunks(kernels_dir)
 
 
 def test_a_logit_bias_of_100_makes_a_greedy_answer_that_token_and_minus_100_bans_it(make_engine, chat):
-    engine = make_engine(gemm_tuning=False)
+    engine = make_engine()
     prompt = chat("Name a colour.")
     engine.add_request(EngineRequest("free", prompt, SamplingOptions(temperature=0, max_tokens=4)))
     runs, _ = run_to_completion(engine)

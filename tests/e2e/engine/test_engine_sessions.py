@@ -60,7 +60,7 @@ def test_a_seeded_sampled_answer_is_the_same_whether_it_was_preempted_and_recomp
     answers, preempted, swapped_in = [], [], []
     # 24 blocks hold one of them at a time: the other is preempted, then recomputed or (with a tier) swapped back
     for blocks, tier in ((256, None), (24, None), (24, str(tmp_path / "tier"))):
-        engine = make_engine(num_kv_blocks=blocks, session_swap_dir=tier, gemm_tuning=False)  # 3 engines: no tuning
+        engine = make_engine(num_kv_blocks=blocks, session_swap_dir=tier)
         for i, p in enumerate(prompts):
             engine.add_request(EngineRequest(f"r{i}", p, sampled))
         runs, _ = run_to_completion(engine)

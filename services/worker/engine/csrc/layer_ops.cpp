@@ -7,7 +7,8 @@
 // Why: at a serving batch (tens of rows of 576 values) each of these is several torch ops of a few
 // microseconds, mostly dispatch and a pass over memory each: ~20 ops a layer. The formulas are
 // transformers' (float32 statistics, the same order of the residual adds), so greedy outputs stay the same.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

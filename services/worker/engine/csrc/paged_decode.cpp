@@ -1,7 +1,8 @@
 // Paged decode attention for CPU: one query token per sequence attends over that sequence's cached
 // K/V read in place from the paged pool, so no per-layer gather copy of K/V is made.
 // Registered as torch.ops.conveyor_<isa>.paged_decode (built per ISA and loaded by cpu_ops.py; vec.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -7,7 +7,8 @@
 // 16-value chunks; the chunk sums are then walked to the uniform's share of the total and only the chunk it
 // falls in is re-expanded. The total is the sum of those same chunk sums in the same order, so the walk
 // always ends inside the row, on a token whose probability is not zero.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
