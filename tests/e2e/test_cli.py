@@ -28,6 +28,7 @@ def conveyor_up(tmp_path: Path, *args: str, env: dict | None = None) -> Iterator
         **os.environ,
         "CONVEYOR_CACHE_DIR": str(CACHE_DIR),
         "CONVEYOR_KV_CACHE_BYTES": str(128 << 20),
+        "CONVEYOR_GEMM_TUNING": "false",  # as the clusters of the tests (tests/support/cluster.py says why)
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
