@@ -25,7 +25,7 @@ class _TooSlow(Exception):
 
 class SseResponse(StreamingResponse):
     def __init__(self, content, write_timeout_s: float, headers: dict | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(_comments_joined(content), media_type="text/event-stream", headers=headers)
         self.write_timeout_s = write_timeout_s
 
     async def stream_response(self, send: Send) -> None:
@@ -47,6 +47,26 @@ class SseResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()  # its finally cancels the request and releases everything it held
+
+
+async def _comments_joined(events):
+    """The events, each SSE comment (": ...", the queue time that opens a stream) joined to the event after it in
+    one write: vLLM's benchmark client strips each read it gets, so a comment read alone lost its blank line and
+    every later event was joined to it (its whole stream read as one comment, the request counted failed)."""
+    held = b""
+    try:
+        async for event in events:
+            if event.startswith(b":"):
+                held += event
+                continue
+            yield held + event
+            held = b""
+        if held:
+            yield held
+    finally:  # closed (a client too slow, gone): the stream's own finally cancels the request and releases it
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def sse(data: dict | str) -> bytes:
