@@ -302,6 +302,12 @@ class WorkerSettings(CommonSettings):
         description="Llama-family models run the engine's own forward (fused QKV and "
         "gate/up GEMMs, rotary once per step); off = transformers' module forward",
     )
+    warmup_budget_s: float = Field(
+        60.0,
+        ge=0,
+        description="torch engine: most seconds the start-up warm-up may take, running one step of every prefill "
+        "and decode shape bucket before the worker takes work (engine/warmup.py); 0 = the smallest prefill only",
+    )
     engine: Literal["torch", "sim"] = Field(
         "torch",
         description="torch runs the model; sim simulates its steps "

@@ -11,10 +11,10 @@ import logging
 import time
 import uuid
 
+from services.worker.engine.warmup import warm_up
 from services.worker.engine import (
     EngineRequest,
     RecoverableEngineError,
-    SamplingOptions,
 )
 from services.worker.build import build_engine, sampling_options
 from services.worker.heartbeat import Heartbeater
@@ -91,17 +91,11 @@ class WorkerService(BusService):
         return str(parent / f"{self.id}-{uuid.uuid4().hex[:8]}")
 
     def warm_up(self) -> None:
-        """One tiny request before taking work: the first forward pass pays one-off costs (allocations,
-        kernel selection) that would otherwise land on the first client's TTFT."""
-        self.engine.add_request(
-            EngineRequest(
-                request_id="warmup",
-                prompt_token_ids=list(range(1, 33)),
-                sampling=SamplingOptions(temperature=0.0, max_tokens=2),
-            )
-        )
-        while self.engine.has_unfinished():
-            self.engine.step()
+        """Every step shape a first round meets, run once before taking work (engine/warmup.py): the first call
+        of a shape pays one-off costs that would otherwise land on the first clients. The simulated engine has
+        none to pay."""
+        if self.s.engine == "torch":
+            warm_up(self.engine, self.s.warmup_budget_s)
 
     def run(self) -> None:
         stop = StopFlag()

@@ -29,6 +29,7 @@ def conveyor_up(tmp_path: Path, *args: str, env: dict | None = None) -> Iterator
         "CONVEYOR_CACHE_DIR": str(CACHE_DIR),
         "CONVEYOR_KV_CACHE_BYTES": str(128 << 20),
         "CONVEYOR_GEMM_TUNING": "false",  # as the clusters of the tests (tests/support/cluster.py says why)
+        "CONVEYOR_WARMUP_BUDGET_S": "0",
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }

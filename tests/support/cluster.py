@@ -71,6 +71,9 @@ class Cluster:
             # worker measured for 180 s under the suite's load, and a plan measured under load was measured again
             # at a later start. The plans are tested in tests/e2e/engine/test_engine_gemm.py.
             "CONVEYOR_GEMM_TUNING": "false",
+            # Nor the warm-up over every shape bucket (~10 s of both cores per torch worker): only its smallest
+            # prefill, the first forward's one-off costs (tests/e2e/engine/test_warmup.py covers the rest).
+            "CONVEYOR_WARMUP_BUDGET_S": "0",
             **(env or {}),
         }
         self.workers = workers

@@ -18,7 +18,8 @@ BS = 16
 @pytest.fixture
 def make_engine(vocab):
     def build(num_kv_blocks: int = 256, **overrides) -> LLMEngine:
-        cfg = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=BS, max_num_batched_tokens=4096, **overrides)
+        settings = {"num_kv_blocks": num_kv_blocks, "block_size": BS, "max_num_batched_tokens": 4096, **overrides}
+        cfg = EngineConfig(**settings)
         runner = SimRunner(TIMING, vocab, num_kv_blocks, 0.0, sleep=lambda s: None)
         return LLMEngine(runner, cfg, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)
 
@@ -232,3 +233,25 @@ def test_under_pressure_an_idle_session_is_reclaimed_before_one_whose_next_turn_
                 ends[o.request_id] = o
     assert [e.session for e in engine.take_session_events()] == ["b"]  # b went, a's waiting turn found its own
     assert ends["a2"].num_cached_tokens == 6 * BS
+
+
+def test_a_swapped_turn_waits_for_room_to_swap_in_rather_than_recompute_in_chunks(make_engine, tmp_path):
+    # The worker's shape: a prefill chunk (here 2 blocks) is far smaller than a conversation's KV (6 blocks).
+    engine = swap_engine(make_engine, tmp_path, max_num_batched_tokens=2 * BS, max_num_seqs=4)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session="a")
+    squeeze(engine)
+    engine.take_session_events()
+    # A long request holds all but 5 blocks while a's next turn arrives: room for a chunk, not for a's 6 blocks.
+    engine.add_request(EngineRequest("long", prompt(26 * BS, start=9000), SamplingOptions(max_tokens=20)))
+    engine.step()
+    while engine.scheduler.running[0].num_computed_tokens < 26 * BS:
+        engine.step()
+    engine.add_request(EngineRequest("a2", convo + out + [7], SamplingOptions(max_tokens=2), session_id="a"))
+    ends = {}
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            if o.finished:
+                ends[o.request_id] = o
+    assert ends["a2"].num_cached_tokens == 6 * BS  # swapped back in once "long" ended, not recomputed
+    assert engine.sessions.swap_ins == 1 and engine.stats().num_preemptions == 0

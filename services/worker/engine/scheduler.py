@@ -133,8 +133,8 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             hits: list[int] = []
-            if key := self.sessions.key_of(seq):
-                self.sessions.prepare(seq, key)
+            if (key := self.sessions.key_of(seq)) and not self.sessions.prepare(seq, key) and self.running:
+                break  # its KV waits in the tier until a running request ends and leaves the room to swap it in
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
                 # that token must be computed to get the next token's logits.

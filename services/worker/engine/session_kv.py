@@ -125,30 +125,30 @@ class SessionKV:
         self.kept[key] = Kept(seq.request_id, list(seq.block_hashes[:n]), [], time.monotonic(), swapped=True)
         self.swap_outs += 1
 
-    def prepare(self, seq: Sequence, key: str) -> None:
+    def prepare(self, seq: Sequence, key: str) -> bool:
         """Before a sequence's prefix lookup: KV swapped out under `key` (its session's, or its own when it was
         preempted) is swapped back in (when its hashes are the prompt's and the pool has the room), so the lookup
-        finds its blocks."""
+        finds its blocks. -> False when its KV is in the tier and the pool has no room for it yet: admitted now,
+        the sequence would take a prefill chunk's few blocks and recompute, in chunks, what a swap-in restores
+        for ~1 % of the cost (docs/benchmarks.md), and it needs all those blocks in the end anyway."""
         k = self.kept.get(key)
         if k is None or not k.swapped:
-            return
+            return True
         extend_block_hashes(seq.token_ids, seq.block_hashes, self.blocks.block_size, seq.num_tokens)
         if seq.block_hashes[: k.num_blocks] != k.hashes:  # another conversation under the same id: recompute
             self._drop_swapped(key)
-            return
+            return True
         if len(self.blocks.lookup_prefix(k.hashes, k.num_blocks)) == k.num_blocks:
-            return  # still in the pool's cache: nothing to copy back (the tier's copy goes at admission)
-        # Room for all of it first, from other paused sessions if need be: admitted without, the turn would take a
-        # prefill chunk's few blocks, recompute what it swapped out, and need them all in the end anyway.
-        while not self.blocks.can_allocate(k.num_blocks):
+            return True  # still in the pool's cache: nothing to copy back (the tier's copy goes at admission)
+        while not self.blocks.can_allocate(k.num_blocks):  # room for all of it, from other paused sessions if need be
             if not self.reclaim(spare=key):
-                return  # the running requests hold the pool: it recomputes what it cannot find
+                return False  # the running requests hold the pool
         entry = self.tier.get(key)
         if entry is None or list(entry.block_hashes) != k.hashes:
             self.swap_in_failures += 1
             logger.warning("%s: the swapped KV is missing or corrupt: recomputing", key)
             self._drop_swapped(key)
-            return
+            return True
         new = self.blocks.allocate(k.num_blocks)
         self.runner.write_blocks(new, entry.payload)
         run = []
@@ -164,6 +164,7 @@ class SessionKV:
         k.blocks, k.swapped, k.at = run, False, time.monotonic()
         self.pool_blocks += len(run)
         self.swap_ins += 1
+        return True
 
     def resumed(self, session: str) -> None:
         """The sequence kept under `session` was admitted (it holds its own references now): what was kept for it,
