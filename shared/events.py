@@ -293,6 +293,8 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     sessions_swapped: int = 0  # sessions whose KV it keeps in its second tier (disk)
     session_blocks_paused: int = 0  # KV blocks of its pool held by paused sessions (reclaimable under pressure)
     session_blocks_swapped: int = 0  # KV blocks' worth kept in its second tier
+    num_drafted: int = 0  # speculative decoding since start: draft tokens checked
+    num_draft_accepted: int = 0  # of them, those the model agreed with (each one a step saved)
 
 
 class KvEvents(Event, tag="kv_events", kw_only=True):

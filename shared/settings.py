@@ -308,6 +308,21 @@ class WorkerSettings(CommonSettings):
         description="torch engine: most seconds the start-up warm-up may take, running one step of every prefill "
         "and decode shape bucket before the worker takes work (engine/warmup.py); 0 = the smallest prefill only",
     )
+    spec_ngram_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="speculative decoding of greedy requests: up to this many tokens drafted per step from "
+        "n-grams of the sequence's own text (prompt lookup) and checked in the same forward pass; exact, the "
+        "output is unchanged (engine/spec.py); 0 = off",
+    )
+    spec_ngram_min: int = Field(2, ge=1, description="shortest n-gram a draft is looked up by")
+    spec_ngram_max: int = Field(4, ge=1, description="longest n-gram a draft is looked up by")
+    spec_max_batch: int = Field(
+        4,
+        ge=1,
+        description="drafts only while at most this many sequences decode (beyond, a CPU step is compute-bound)",
+    )
     engine: Literal["torch", "sim"] = Field(
         "torch",
         description="torch runs the model; sim simulates its steps "

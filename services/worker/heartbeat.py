@@ -84,5 +84,7 @@ def _summary(hb: Heartbeat) -> dict:
         "prefix_cache_hits": hb.prefix_cache_hits,
         "step": hb.step_no,
         "step_time_s": hb.step_time_s,
+        "num_drafted": hb.num_drafted,
+        "num_draft_accepted": hb.num_draft_accepted,
         **{k: getattr(hb, k) for k in SESSION_FIGURES},
     }

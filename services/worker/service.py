@@ -313,6 +313,8 @@ class WorkerService(BusService):
                 kv_incarnation=self.kv_events.incarnation,
                 kv_seq=self.kv_events.seq,
                 decode_tokens_left=st.decode_tokens_left,
+                num_drafted=st.num_drafted,
+                num_draft_accepted=st.num_draft_accepted,
                 **st.sessions,
             )
         )

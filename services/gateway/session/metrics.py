@@ -110,6 +110,8 @@ async def cluster_figures(r, names: Names) -> dict:
         "preemptions": sum(w.get("preemptions", 0) for w in workers),
         "prefix_queries": sum(w.get("prefix_cache_queries", 0) for w in workers),
         "prefix_hits": sum(w.get("prefix_cache_hits", 0) for w in workers),
+        "drafted": sum(w.get("num_drafted", 0) for w in workers),
+        "draft_accepted": sum(w.get("num_draft_accepted", 0) for w in workers),
         **{k: sum(w.get(k, 0) for w in workers) for k in SESSION_FIGURES},
     }
 
@@ -146,6 +148,13 @@ class _Snapshot:
         yield CounterMetricFamily("conveyor:num_preemptions", "preemptions on live workers", f["preemptions"])
         yield CounterMetricFamily("conveyor:prefix_cache_queries", "prompt tokens looked up", f["prefix_queries"])
         yield CounterMetricFamily("conveyor:prefix_cache_hits", "prompt tokens found cached", f["prefix_hits"])
+        # vLLM's names: speculative decoding's draft tokens checked and accepted
+        yield CounterMetricFamily(
+            "conveyor:spec_decode_num_draft_tokens", "draft tokens checked (prompt lookup)", f["drafted"]
+        )
+        yield CounterMetricFamily(
+            "conveyor:spec_decode_num_accepted_tokens", "draft tokens the model agreed with", f["draft_accepted"]
+        )
         yield GaugeMetricFamily(
             "conveyor:num_sessions_paused", "sessions whose KV a live worker keeps between turns", f["sessions_paused"]
         )

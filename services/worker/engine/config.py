@@ -38,6 +38,13 @@ class EngineConfig:
     session_swap_dir: str | None = None
     session_swap_max_bytes: int = 4 << 30
     session_swap_min_tokens: int = 0
+    # Prompt-lookup speculative decoding of greedy requests (ngram.py): up to this many drafted tokens checked per
+    # step and sequence (0: off), from n-grams of ngram_min..ngram_max tokens, while at most spec_max_batch
+    # sequences decode (beyond, a step is compute-bound on a CPU and a wrong draft costs its rows in full).
+    spec_ngram_tokens: int = 0
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 4
+    spec_max_batch: int = 4
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +68,14 @@ class EngineConfig:
             problems.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.spec_ngram_tokens < 0:
+            problems.append(f"spec_ngram_tokens must be >= 0, got {self.spec_ngram_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            problems.append(
+                f"spec_ngram_min/max must satisfy 1 <= min <= max, got {self.spec_ngram_min}/{self.spec_ngram_max}"
+            )
+        if self.spec_max_batch < 1:
+            problems.append(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
         if problems:
             raise EngineLoadError("invalid EngineConfig: " + "; ".join(problems))
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -25,14 +25,15 @@ from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.session_kv import SessionEvent, SessionKV
+from services.worker.engine.spec import accept
+from services.worker.engine.step_costs import StepCosts
 from services.worker.engine.structured import MaskJob, StructuredOutputs
 from shared.events import SessionReason, State
 
 logger = logging.getLogger(__name__)
 
-_EMA = 0.1  # weight of the newest step in the per-token time averages
-
-Sampled = tuple[Sequence, int, TokenLogprobs | None]  # a sequence, its sampled token, and its log probabilities
+# a sequence, its new tokens this step (one; more where drafts were right: spec.py), and their log probabilities
+Sampled = tuple[Sequence, list[int], list[TokenLogprobs] | None]
 
 
 class LLMEngine:
@@ -55,17 +56,18 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.sessions = SessionKV.for_config(self.blocks, runner, config)
         self.scheduler = Scheduler(config, self.blocks, self.sessions)
+        self.scheduler.spec_tokens = config.spec_ngram_tokens if getattr(runner, "verifies_drafts", False) else 0
         self.eos_token_ids = frozenset(eos_ids)
         self.vocab_size = int(vocab_size)
         self._model_max_len = min(context_len, config.max_model_len) if config.max_model_len else context_len
         # a sequence may never outgrow the pool: past this it finishes with "length"
         self.max_len = min(self._model_max_len, num_blocks * config.block_size)
+        self.scheduler.max_len = self.max_len
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # decided outside a step (too_long at add time)
         self._ended_kv: dict[str, tuple[int, int]] = {}  # kv info of requests ended in the last step
         self._arrivals = itertools.count()
-        self._prefill_s_per_token = 0.0
-        self._decode_s_per_token = 0.0
+        self.costs = StepCosts()
         logger.info(
             "engine ready: %d KV blocks x %d tokens, max_len %d, eos %s",
             num_blocks,
@@ -191,8 +193,8 @@ class LLMEngine:
         else:
             result.transitions = batch.transitions
         if batch.items:
-            for seq, token, logprobs in self._execute(batch.items, result):
-                self._append_token(seq, token, logprobs, result)
+            for seq, tokens, logprobs in self._execute(batch.items, result):
+                self._append_tokens(seq, tokens, logprobs, result)
         result.step_time_s = time.perf_counter() - t0
         return result
 
@@ -221,13 +223,30 @@ class LLMEngine:
                     return []
                 logger.exception("forward failed for a batch of %d; retrying one by one", len(items))
                 return [pair for item in items for pair in self._execute([item], result)]
-        self._account(items, forward_s, result)
+        self.costs.account(items, forward_s, result)
         for job, entries in zip(step.prompt_jobs, step.prompt_logprobs):
             job.seq.prompt_lps.extend(entries)
         for seq, n in items:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft)  # a draft's KV counts once the model agrees with it
             self.scheduler.register_computed_blocks(seq)
-        return self._sample(logits, step.sample_seqs, result, masks)
+        drafted = getattr(step, "drafted", ())
+        if not drafted:
+            return self._sample(logits, step.sample_seqs, result, masks)
+        n = len(step.sample_seqs)
+        return self._sample(logits[:n], step.sample_seqs, result, masks) + self._check_drafts(logits[n:], drafted)
+
+    def _check_drafts(self, logits, drafted: list[Sequence]) -> list[Sampled]:
+        """Each drafted sequence's rows (its token's, then one per draft) sampled greedily: the drafts the model
+        agrees with and the token after them are its new tokens (spec.accept)."""
+        out, at = [], 0
+        for seq in drafted:
+            n = 1 + len(seq.draft)
+            greedy, _ = self.runner.sample(logits[at : at + n], [seq] * n)
+            at += n
+            out.append((seq, accept(seq.draft, greedy), None))
+            self.costs.drafts_checked(len(seq.draft), len(out[-1][1]) - 1)
+            seq.draft = []
+        return out
 
     def _sample(self, logits, seqs: list[Sequence], result: StepResult, masks: MaskJob | None = None) -> list[Sampled]:
         if not seqs:
@@ -244,7 +263,9 @@ class LLMEngine:
                 return [s for s in self._sample(logits, seqs, result) if not s[0].is_done]
         try:
             tokens, logprobs = self.runner.sample(logits, seqs, allowed)
-            return list(zip(seqs, tokens, logprobs or [None] * len(seqs)))
+            return [
+                (s, [t], None if lp is None else [lp]) for s, t, lp in zip(seqs, tokens, logprobs or [None] * len(seqs))
+            ]
         except Exception:  # find the row(s) at fault; the others keep their tokens
             logger.exception("batched sampling failed; sampling row by row")
         out = []
@@ -252,36 +273,34 @@ class LLMEngine:
             try:
                 row = allowed[i : i + 1] if allowed is not None else None
                 tokens, logprobs = self.runner.sample(logits[i : i + 1], [seq], row)
-                out.append((seq, tokens[0], logprobs[0] if logprobs else None))
+                out.append((seq, tokens, logprobs if logprobs and logprobs[0] is not None else None))
             except Exception as e:
                 logger.exception("sampling failed for %s", seq.request_id)
                 self._fail(seq, WORKER_ERROR, f"sampling: {type(e).__name__}: {e}", result)
         return out
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, result: StepResult) -> None:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None, result: StepResult) -> None:
+        """The sequence's new tokens of the step (in order; after each but the last, the draft it follows was
+        right, so that position's KV computed this step is valid), up to the first that ends it; one output."""
         try:
-            if seq.grammar is not None:
-                StructuredOutputs.advance(seq, token)
-            seq.token_ids.append(token)
-            if seq.status == SequenceStatus.PREFILLING:
-                seq.status = SequenceStatus.DECODING
-                result.transitions.append((seq.request_id, State.DECODING))
-            opts = seq.sampling
-            reason = None
-            if token in seq.stop_ids and seq.num_outputs - 1 >= opts.min_tokens:
-                reason = "stop"
-            elif seq.num_outputs >= opts.max_tokens or seq.num_tokens >= self.max_len:
-                reason = "length"
-            index = seq.num_emitted
-            seq.num_emitted += 1
+            index, reason, new = seq.num_emitted, None, []
+            for i, token in enumerate(tokens):
+                if i:
+                    seq.num_computed_tokens += 1
+                    self.scheduler.register_computed_blocks(seq)
+                reason = self._push(seq, token, result)
+                new.append(token)
+                if reason is not None:
+                    break
+            seq.num_emitted += len(new)
             out = RequestOutput(
                 seq.request_id,
-                [token],
+                new,
                 index,
                 reason is not None,
                 reason,
                 num_cached_tokens=seq.num_cached_tokens,
-                logprobs=None if logprobs is None else [logprobs],
+                logprobs=logprobs,
                 prompt_logprobs=seq.prompt_lps,
             )
             seq.prompt_lps = None  # handed out once, with the first token
@@ -292,6 +311,20 @@ class LLMEngine:
         except Exception as e:
             logger.exception("post-processing failed for %s", seq.request_id)
             self._fail(seq, WORKER_ERROR, f"{type(e).__name__}: {e}", result)
+
+    def _push(self, seq: Sequence, token: int, result: StepResult) -> str | None:
+        """One token onto the sequence -> why it ends there ("stop", "length"), or None."""
+        if seq.grammar is not None:
+            StructuredOutputs.advance(seq, token)
+        seq.token_ids.append(token)
+        if seq.status == SequenceStatus.PREFILLING:
+            seq.status = SequenceStatus.DECODING
+            result.transitions.append((seq.request_id, State.DECODING))
+        if token in seq.stop_ids and seq.num_outputs - 1 >= seq.sampling.min_tokens:
+            return "stop"
+        if seq.num_outputs >= seq.sampling.max_tokens or seq.num_tokens >= self.max_len:
+            return "length"
+        return None
 
     def _fail(self, seq: Sequence, reason: str, message: str, result: StepResult) -> None:
         if seq.is_done:
@@ -325,23 +358,6 @@ class LLMEngine:
         """What happened to kept sessions since the last call (swapped, released): for their Redis records."""
         return self.sessions.take_events()
 
-    def _account(self, items: list[tuple[Sequence, int]], forward_s: float, result: StepResult) -> None:
-        decode = sum(1 for s, n in items if n == 1 and s.status == SequenceStatus.DECODING)
-        prefill = sum(n for _, n in items) - decode
-        result.num_decode_tokens += decode
-        result.num_prefill_tokens += prefill
-        result.num_seqs += len(items)
-        result.forward_time_s += forward_s
-        if prefill == 0:
-            self._decode_s_per_token = self._ema(self._decode_s_per_token, forward_s / decode)
-        else:  # decode tokens of a mixed step are charged at the current decode estimate
-            rest = max(forward_s - decode * self._decode_s_per_token, 0.0)
-            self._prefill_s_per_token = self._ema(self._prefill_s_per_token, rest / prefill)
-
-    @staticmethod
-    def _ema(old: float, new: float) -> float:
-        return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
-
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         b = self.blocks
@@ -356,8 +372,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=b.prefix_queries,
             prefix_cache_hits=b.prefix_hits,
-            prefill_s_per_token=self._prefill_s_per_token,
-            decode_s_per_token=self._decode_s_per_token,
+            prefill_s_per_token=self.costs.prefill_s_per_token,
+            decode_s_per_token=self.costs.decode_s_per_token,
+            num_drafted=self.costs.num_drafted,
+            num_draft_accepted=self.costs.num_draft_accepted,
             decode_tokens_left=sum(
                 max(0, s.sampling.max_tokens - s.num_outputs) for s in self._seqs.values() if not s.is_done
             ),

@@ -36,13 +36,17 @@ class PreparedStep:
     input_ids: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
     logits_rows: torch.Tensor  # [N] packed rows whose next-token logits are needed
-    sample_seqs: list[Sequence]  # the N sequences, in logits_rows order
+    sample_seqs: list[Sequence]  # the sequences of logits_rows' first rows, in order
     meta: PagedAttentionMetadata
     prompt_jobs: list[PromptJob] = field(default_factory=list)  # prompt log probabilities this step owes
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # forward's, one list per job
+    # sequences with drafts (spec.py): their 1 + len(draft) rows each follow the sampled rows in logits_rows
+    drafted: list[Sequence] = field(default_factory=list)
 
 
 class ModelRunner:
+    verifies_drafts = True  # computes every row of a drafted sequence (spec.py)
+
     def __init__(
         self,
         model,
@@ -157,7 +161,7 @@ class ModelRunner:
         tokens, positions, slots, tables, starts, lens = [], [], [], [], [], []
         for seq, n in items:
             start = seq.num_computed_tokens
-            tokens.extend(seq.token_ids[start : start + n])
+            tokens.extend(seq.tokens_at(start, n))
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -199,10 +203,13 @@ class ModelRunner:
             tokens += t
             positions += p
             slots += s
-        rows, sample_seqs, row = [], [], 0
+        rows, sample_seqs, drafted, draft_rows, row = [], [], [], [], 0
         for seq, n in decode + fresh + resumed:  # the packing order of the groups above
             row += n
-            if seq.num_computed_tokens + n == seq.num_tokens:  # computes the last token: sample
+            if seq.draft:  # its token and its drafts: every row's logits, after the sampled rows' (spec.py)
+                drafted.append(seq)
+                draft_rows.extend(range(row - n, row))
+            elif seq.num_computed_tokens + n == seq.num_tokens:  # computes the last token: sample
                 rows.append(row - 1)
                 sample_seqs.append(seq)
         dev = self.device
@@ -216,10 +223,11 @@ class ModelRunner:
         return PreparedStep(
             torch.tensor([tokens], dtype=torch.long, device=dev),
             torch.tensor([positions], dtype=torch.long, device=dev),
-            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(rows + draft_rows, dtype=torch.long, device=dev),
             sample_seqs,
             meta,
             prompt_jobs(decode + fresh + resumed),
+            drafted=drafted,
         )
 
     @torch.inference_mode()

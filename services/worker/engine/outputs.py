@@ -61,3 +61,5 @@ class EngineStats:
     decode_s_per_token: float
     decode_tokens_left: int = 0  # output tokens its sequences may still produce (max_tokens less what they have)
     sessions: dict[str, int] = field(default_factory=dict)  # SessionKV.figures(): paused / swapped sessions, blocks
+    num_drafted: int = 0  # speculative decoding (spec.py): draft tokens checked, and those the model agreed with
+    num_draft_accepted: int = 0

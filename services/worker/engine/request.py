@@ -135,6 +135,8 @@ class Sequence:
         "grammar",
         "session_id",
         "prompt_lps",
+        "draft",
+        "ngrams",
     )
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
@@ -167,6 +169,10 @@ class Sequence:
         # asked and has emitted nothing yet (a resumed request's were sent by its earlier worker). Handed out with
         # the first output token, then None.
         self.prompt_lps: list | None = [] if req.sampling.prompt_logprobs is not None and not self.num_emitted else None
+        # Speculative decoding (ngram.py): the tokens drafted after token_ids for this step ([] but while one is
+        # scheduled with drafts), and its n-gram index (built at its first draft).
+        self.draft: list[int] = []
+        self.ngrams: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -184,6 +190,30 @@ class Sequence:
     def importance_key(self) -> tuple[int, int]:
         """Sorts most important first: lower priority number, then older."""
         return (self.priority, self.arrival)
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether drafted tokens can be checked against its next tokens exactly: greedy, decoding, and nothing that
+        makes a token depend on more than the logits of its row (penalties over the outputs so far, a grammar,
+        EOS masked until min_tokens) nor anything asked per token beyond the token (log probabilities)."""
+        o = self.sampling
+        return (
+            o.greedy
+            and self.status == SequenceStatus.DECODING
+            and o.logprobs is None
+            and o.grammar is None
+            and not o.logit_bias
+            and o.repetition_penalty == 1.0
+            and o.presence_penalty == 0.0
+            and o.frequency_penalty == 0.0
+            and self.num_outputs >= o.min_tokens
+        )
+
+    def tokens_at(self, start: int, n: int) -> list[int]:
+        """The n tokens from position `start` this step computes: its own, then its drafts."""
+        if not self.draft:
+            return self.token_ids[start : start + n]
+        return (self.token_ids + self.draft)[start : start + n]
 
     @property
     def is_done(self) -> bool:

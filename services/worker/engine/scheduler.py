@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.worker.engine import spec
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.prompt_logprobs import max_cached_tokens
@@ -44,6 +45,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Speculative decoding (spec.py): drafts per step and sequence (0: off, or a runner that cannot check them),
+        # and the context window the drafts must stay within (the engine's max_len).
+        self.spec_tokens = 0
+        self.max_len = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,12 +78,17 @@ class Scheduler:
         preempted = False
         # decode-format first (one token left to compute), then ongoing prefills; most important first
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.importance_key))
+        drafting = self.spec_tokens > 0 and sum(s.status == SequenceStatus.DECODING for s in order) <= (
+            self.config.spec_max_batch
+        )
         for seq in order:
             if budget == 0:
                 break
             if seq not in self.running:  # preempted while making room for a more important one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.draft = self._draft(seq, budget - 1) if drafting and n == 1 else []
+            n += len(seq.draft)
             got, budget_back, any_preempted = self._reserve(seq, n, batch)
             budget += budget_back
             preempted = preempted or any_preempted
@@ -88,6 +98,16 @@ class Scheduler:
         if not preempted:
             self._admit(batch, budget)
         return batch
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for seq's step (set on seq.draft for the runner; the engine clears it once checked), within `room`
+        tokens of budget and the blocks free now less one per running sequence: a draft never makes anyone wait
+        or be preempted."""
+        drafts = spec.draft(seq, self.config, room, self.max_len)
+        free = self.blocks.num_free_blocks - len(self.running) + len(seq.block_table)
+        while drafts and self.blocks.blocks_for(seq.num_computed_tokens + 1 + len(drafts)) > free:
+            drafts.pop()
+        return drafts
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> tuple[bool, int, bool]:
         """Give `seq` blocks for n more tokens, preempting as needed.
@@ -115,6 +135,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        seq.draft = []  # un-scheduled: nothing of this step is computed for it
         self.sessions.park(seq)  # with a tier: its KV is swapped back at readmission, not recomputed
         self._free_blocks(seq)
         seq.status = SequenceStatus.PREEMPTED
