@@ -181,7 +181,17 @@ class ModelRunner:
         out_index = valid.reshape(-1).nonzero().squeeze(1)
         causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
         return (
-            AttnGroup(bt, mask, rows_pos, q_index, out_index, causal=causal, num_rows=len(tokens)),
+            AttnGroup(
+                bt,
+                mask,
+                rows_pos,
+                q_index,
+                out_index,
+                causal=causal,
+                num_rows=len(tokens),
+                starts=tuple(starts),
+                lens=tuple(lens),
+            ),
             tokens,
             positions,
             slots,
