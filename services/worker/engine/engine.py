@@ -25,7 +25,7 @@ from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.session_kv import SessionEvent, SessionKV
-from services.worker.engine.spec import accept
+from services.worker.engine.spec import check_drafts
 from services.worker.engine.step_costs import StepCosts
 from services.worker.engine.structured import MaskJob, StructuredOutputs
 from shared.events import SessionReason, State
@@ -199,7 +199,7 @@ class LLMEngine:
         return result
 
     def _execute(self, items: list[tuple[Sequence, int]], result: StepResult) -> list[Sampled]:
-        """Run the forward pass for items; -> (sequence, sampled token, its logprobs or None) for those that
+        """Run the forward pass for items; -> (sequence, its new tokens, their logprobs or None) for those that
         sample."""
         while True:
             try:
@@ -229,24 +229,10 @@ class LLMEngine:
         for seq, n in items:
             seq.num_computed_tokens += n - len(seq.draft)  # a draft's KV counts once the model agrees with it
             self.scheduler.register_computed_blocks(seq)
-        drafted = getattr(step, "drafted", ())
-        if not drafted:
-            return self._sample(logits, step.sample_seqs, result, masks)
-        n = len(step.sample_seqs)
-        return self._sample(logits[:n], step.sample_seqs, result, masks) + self._check_drafts(logits[n:], drafted)
-
-    def _check_drafts(self, logits, drafted: list[Sequence]) -> list[Sampled]:
-        """Each drafted sequence's rows (its token's, then one per draft) sampled greedily: the drafts the model
-        agrees with and the token after them are its new tokens (spec.accept)."""
-        out, at = [], 0
-        for seq in drafted:
-            n = 1 + len(seq.draft)
-            greedy, _ = self.runner.sample(logits[at : at + n], [seq] * n)
-            at += n
-            out.append((seq, accept(seq.draft, greedy), None))
-            self.costs.drafts_checked(len(seq.draft), len(out[-1][1]) - 1)
-            seq.draft = []
-        return out
+        n = len(step.sample_seqs)  # the sampled rows come first, then the drafted sequences' (spec.py)
+        return self._sample(logits[:n], step.sample_seqs, result, masks) + check_drafts(
+            self.runner, logits[n:], step.drafted, self.costs
+        )
 
     def _sample(self, logits, seqs: list[Sequence], result: StepResult, masks: MaskJob | None = None) -> list[Sampled]:
         if not seqs:

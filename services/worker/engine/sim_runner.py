@@ -49,6 +49,7 @@ class SimStep:
     """A prepared simulated step: what its time is made of, and who gets a token."""
 
     sample_seqs: list[Sequence] = field(default_factory=list)
+    drafted: list[Sequence] = field(default_factory=list)  # always empty: the simulator checks no drafts (spec.py)
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_tokens: int = 0

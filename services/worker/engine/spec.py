@@ -84,3 +84,19 @@ def accept(drafted: list[int], greedy: list[int]) -> list[int]:
             break
         kept.append(greedy[i + 1])
     return kept
+
+
+def check_drafts(runner, logits, drafted: list[Sequence], costs) -> list[tuple[Sequence, list[int], None]]:
+    """After the forward: each drafted sequence's rows of `logits` (its token's, then one per draft, in `drafted`
+    order) sampled greedily by the runner -> (sequence, its new tokens: `accept`, no log probabilities); its draft
+    cleared, the counts in `costs` (step_costs.StepCosts)."""
+    out, at = [], 0
+    for seq in drafted:
+        n = 1 + len(seq.draft)
+        greedy, _ = runner.sample(logits[at : at + n], [seq] * n)
+        at += n
+        kept = accept(seq.draft, greedy)
+        costs.drafts_checked(len(seq.draft), len(kept) - 1)
+        seq.draft = []
+        out.append((seq, kept, None))
+    return out
