@@ -18,6 +18,7 @@ from shared.constants import EVENT_FIELD
 from shared.events import SCHEMA_VERSION, RequestReceived, Sampling, Scheduled, decode, encode
 from shared.lifecycle import Lifecycle, Owner, State
 from tests.support.waiting import wait_for
+from tests.support.metrics import scrape
 
 
 def _context(cluster, reply_to: str, event, stream: str | None = None) -> str:
@@ -115,17 +116,8 @@ def test_worker_error_for_one_request_leaves_the_batch_running(cluster):
     assert r.hget(names.layer(rid, "meta"), "state") == b"FAILED"
 
 
-def _scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def test_metrics_agree_with_history_and_counters_move_once(cluster):
-    before = _scrape(cluster.url)
+    before = scrape(cluster.url)
     outs = [
         httpx.post(
             f"{cluster.url}/generate",
@@ -134,7 +126,7 @@ def test_metrics_agree_with_history_and_counters_move_once(cluster):
         ).json()
         for w in ("cats", "dogs", "owls")
     ]
-    after = _scrape(cluster.url)
+    after = scrape(cluster.url)
     key = 'conveyor:request_success_total{finished_reason="length"}'
     assert after[key] - before.get(key, 0) == 3
     assert after["conveyor:generation_tokens_total"] - before.get("conveyor:generation_tokens_total", 0) == 24

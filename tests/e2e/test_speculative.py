@@ -7,21 +7,13 @@ import httpx
 
 from tests.support.openai_fixtures import MODEL
 from tests.support.waiting import wait_for
+from tests.support.metrics import scrape
 
 REPEAT = "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon."
 
 
-def _scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def _accepted(url: str) -> float:
-    return _scrape(url).get("conveyor:spec_decode_num_accepted_tokens_total", 0.0)
+    return scrape(url).get("conveyor:spec_decode_num_accepted_tokens_total", 0.0)
 
 
 def test_a_greedy_answer_that_repeats_its_prompt_is_drafted_and_counted(cluster, tokenizer, hf_greedy):
