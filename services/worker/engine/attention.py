@@ -33,7 +33,9 @@ class AttnGroup:
     """Sequences attended together with one gather and one SDPA call per layer."""
 
     block_tables: torch.Tensor  # [S, MB] long, padded with block 0 (masked)
-    mask: torch.Tensor | None  # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows)
+    # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows); None: built from row_pos at its
+    # first use (mask_for), so a step whose layers never need it (decode kernel, causal or two-pass chunks) skips it
+    mask: torch.Tensor | None
     row_pos: torch.Tensor  # [S, R] position of each query row (for sliding-window layers)
     q_index: torch.Tensor | None = None  # [S, Q] rows of the group's packed tokens (prefill only)
     out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
@@ -42,10 +44,14 @@ class AttnGroup:
     num_rows: int = 0  # packed tokens of the group (prefill only)
     starts: tuple[int, ...] = ()  # per sequence: its cached context (the chunk's first position), prefill only
     lens: tuple[int, ...] = ()  # per sequence: the chunk's tokens, prefill only
+    num_keys: int = 0  # MB * block_size: the keys a gathered row holds (to build the mask from row_pos)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The causal mask, narrowed to the last `window` keys for sliding-window layers."""
+        if self.mask is None:  # key j is visible to a query row at position p iff j <= p (padding lies beyond)
+            keys = torch.arange(self.num_keys, device=self.row_pos.device)
+            self.mask = (keys[None, None, :] <= self.row_pos[:, :, None]).unsqueeze(1)
         if not window:
             return self.mask
         if window not in self._windowed:

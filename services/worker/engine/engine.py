@@ -56,7 +56,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.sessions = SessionKV.for_config(self.blocks, runner, config)
         self.scheduler = Scheduler(config, self.blocks, self.sessions)
-        self.scheduler.spec_tokens = config.spec_ngram_tokens if getattr(runner, "verifies_drafts", False) else 0
+        self.scheduler.spec_tokens = config.spec_ngram_tokens if runner.verifies_drafts else 0
         self.eos_token_ids = frozenset(eos_ids)
         self.vocab_size = int(vocab_size)
         self._model_max_len = min(context_len, config.max_model_len) if config.max_model_len else context_len

@@ -152,9 +152,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         if self.decode_kernel:
             return AttnGroup(bt, None, pos_t[:, None], context_lens=pos_t + 1), tokens, positions, slots
-        # key j is visible to the query at position p iff j <= p; padding blocks lie beyond p.
-        mask = (self._iota(bt.shape[1] * bs)[None, :] <= pos_t[:, None])[:, None, None, :]  # [S, 1, 1, L]
-        return AttnGroup(bt, mask, pos_t[:, None]), tokens, positions, slots
+        return AttnGroup(bt, None, pos_t[:, None], num_keys=bt.shape[1] * bs), tokens, positions, slots
 
     def _prefill_group(self, items: list[tuple[Sequence, int]]) -> tuple[AttnGroup, list[int], list[int], list[int]]:
         bs, dev = self.block_size, self.device
@@ -177,13 +175,12 @@ class ModelRunner:
         q_index = torch.where(valid, offsets[:, None] + j, offsets[:, None])  # pads repeat a real row
         q_pos = torch.where(valid, starts_t[:, None] + j, 0)  # pad rows see key 0 only (never all-masked)
         rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q], G-major like the regrouped queries
-        mask = (self._iota(bt.shape[1] * bs)[None, None, :] <= rows_pos[:, :, None]).unsqueeze(1)
         out_index = valid.reshape(-1).nonzero().squeeze(1)
         causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
         return (
             AttnGroup(
                 bt,
-                mask,
+                None,
                 rows_pos,
                 q_index,
                 out_index,
@@ -191,6 +188,7 @@ class ModelRunner:
                 num_rows=len(tokens),
                 starts=tuple(starts),
                 lens=tuple(lens),
+                num_keys=bt.shape[1] * bs,
             ),
             tokens,
             positions,

@@ -67,6 +67,7 @@ class PreparedStep(Protocol):
 class ModelRunner(Protocol):
     num_blocks: int  # KV blocks the runner's pool holds (the block manager hands them out)
     block_bytes: int  # bytes of one block's K and V over all layers: read_blocks' payload per block
+    verifies_drafts: bool  # computes every row of a drafted sequence, so its drafts can be checked (spec.py)
 
     def read_blocks(self, block_ids: list[int]) -> Any:
         """K and V of these blocks, all layers, as one contiguous uint8 numpy array on the CPU (block_bytes per

@@ -169,7 +169,7 @@ class Sequence:
         # asked and has emitted nothing yet (a resumed request's were sent by its earlier worker). Handed out with
         # the first output token, then None.
         self.prompt_lps: list | None = [] if req.sampling.prompt_logprobs is not None and not self.num_emitted else None
-        # Speculative decoding (ngram.py): the tokens drafted after token_ids for this step ([] but while one is
+        # Speculative decoding (spec.py): the tokens drafted after token_ids for this step ([] but while one is
         # scheduled with drafts), and its n-gram index (built at its first draft).
         self.draft: list[int] = []
         self.ngrams: object | None = None
@@ -211,9 +211,8 @@ class Sequence:
 
     def tokens_at(self, start: int, n: int) -> list[int]:
         """The n tokens from position `start` this step computes: its own, then its drafts."""
-        if not self.draft:
-            return self.token_ids[start : start + n]
-        return (self.token_ids + self.draft)[start : start + n]
+        own = self.token_ids[start : start + n]
+        return own + self.draft[: n - len(own)] if self.draft else own
 
     @property
     def is_done(self) -> bool:

@@ -1,11 +1,12 @@
-"""Step scheduling: token budget, decodes first, chunked prefill, preemption by recompute.
+"""Step scheduling: token budget, decodes first (with their drafts: spec.py), chunked prefill, preemption.
 
 Each step: (1) running sequences get their next tokens, decode-format ones first, then
 ongoing prefill chunks; (2) if no one was preempted and slots and budget remain, waiting
 sequences are admitted FIFO (preempted ones sit at the front), reusing prefix-cache blocks; the
 choices of one n > 1 request (a group) wait while a sibling computes their shared prompt, then reuse it.
 When blocks run out the least important running sequence (highest priority number, then
-newest) is preempted: its blocks are released and it will recompute prompt + outputs.
+newest) is preempted: its blocks are released, its KV parked in the disk tier where there is one (session_kv.py),
+else recomputed at readmission.
 """
 
 from __future__ import annotations

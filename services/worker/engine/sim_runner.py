@@ -58,6 +58,8 @@ class SimStep:
 
 
 class SimRunner:
+    verifies_drafts = False  # its tokens are a function of the output index, not of logits rows: no drafts
+
     def __init__(
         self,
         timing: SimTiming,
