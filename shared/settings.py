@@ -290,7 +290,7 @@ class WorkerSettings(CommonSettings):
     cpu_kernels: bool = Field(
         True,
         description="CPU: build (once, kept in the cache dir) and use the "
-        "engine's C++ paged decode attention; off or unbuildable = gather K/V in torch",
+        "engine's C++ paged decode and prefill attention; off or unbuildable = torch's attention",
     )
     cpu_isa: CpuIsa = Field(
         "auto",

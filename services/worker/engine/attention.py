@@ -11,7 +11,9 @@ KV head, so K/V are gathered once per layer and never repeated.
 
 Decode rows on CPU skip the gather: the engine's own kernel (csrc/paged_decode.cpp, loaded
 by cpu_ops.py) reads each sequence's K/V where it lies in the pool. The runner decides per step by
-giving the decode group `context_lens` (kernel) or a mask (gather + SDPA, every other case).
+giving the decode group `context_lens` (kernel) or a mask (gather + SDPA, every other case). Prefill
+rows likewise: a group with `spans` goes through csrc/prefill_attention.cpp (register-tiled products,
+2-3x torch's CPU flash kernel at head dim 64), else through torch's kernels below.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class AttnGroup:
     starts: tuple[int, ...] = ()  # per sequence: its cached context (the chunk's first position), prefill only
     lens: tuple[int, ...] = ()  # per sequence: the chunk's tokens, prefill only
     num_keys: int = 0  # MB * block_size: the keys a gathered row holds (to build the mask from row_pos)
+    spans: torch.Tensor | None = None  # [S, 2] long (start, len): set = prefill through the CPU kernel (no mask)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -100,17 +103,22 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     return out.transpose(1, 2)
 
 
-def _decode_kernel(
+def _kernel(
     q: torch.Tensor, group: AttnGroup, cache: PagedKVCache, layer: int, scaling: float, window: int | None
 ) -> torch.Tensor:
-    """q [S, H, D] -> [S, H, D], reading K/V in place (csrc/paged_decode.cpp); float32 arithmetic whatever the
-    pool's dtype (like SDPA's on CPU for 16-bit inputs)."""
+    """q [N, H, D] -> [N, H, D] through the engine's CPU kernel for the group, reading the layer's K/V in place
+    from the pool; float32 arithmetic whatever the pool's dtype (like SDPA's on CPU for 16-bit inputs). Decode
+    groups (context_lens): csrc/paged_decode.cpp, one query per sequence. Prefill groups (spans):
+    csrc/prefill_attention.cpp, each sequence's rows causal over its keys (chunks with or without cached
+    context, drafted decode rows, windows)."""
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     key, value = cache.layer_slots(layer)
-    cpu_ops.ops().paged_decode(
-        out, qf, key, value, group.block_tables, group.context_lens, cache.block_size, scaling, window or 0
-    )
+    if group.context_lens is not None:
+        op, lens = cpu_ops.ops().paged_decode, group.context_lens
+    else:
+        op, lens = cpu_ops.ops().prefill_attention, group.spans
+    op(out, qf, key, value, group.block_tables, lens, cache.block_size, scaling, window or 0)
     return out.to(q.dtype)
 
 
@@ -168,12 +176,16 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         if d.context_lens is not None:
-            parts.append(_decode_kernel(q[:nd], d, meta.kv_cache, layer, scaling, window))
+            parts.append(_kernel(q[:nd], d, meta.kv_cache, layer, scaling, window))
         else:
             parts.append(_attend(q[:nd].unsqueeze(1), d, meta.kv_cache, layer, scaling, window).squeeze(1))
     start = nd
     for p in meta.prefills:
         end = start + p.num_rows
+        if p.spans is not None:
+            parts.append(_kernel(q[start:end], p, meta.kv_cache, layer, scaling, window))
+            start = end
+            continue
         if p.starts and not p.causal and not window and _flash is not None and q.device.type == "cpu":
             parts.append(
                 _attend_chunks_with_context(q[start:end], k[start:end], v[start:end], p, meta.kv_cache, layer, scaling)

@@ -27,7 +27,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the byte budget: exact pool size (tests, tuning)
     max_model_len: int | None = None  # caps the context window below the model's own
     gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (gemm.py)
-    cpu_kernels: bool = True  # CPU: the engine's C++ paged decode attention (cpu_ops.py) over gather + SDPA
+    cpu_kernels: bool = True  # CPU: the engine's C++ paged decode and prefill attention (cpu_ops.py) over torch's
     cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)

@@ -38,8 +38,14 @@ from shared.settings import CPU_ISAS, this_pythons_bin_on_path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "kernels.cpp",)  # the one translation unit: it includes the three below
-HEADERS = (CSRC / "paged_decode.cpp", CSRC / "layer_ops.cpp", CSRC / "sampling.cpp", CSRC / "vec.h")
+SOURCES = (CSRC / "kernels.cpp",)  # the one translation unit: it includes the sources below
+HEADERS = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "prefill_attention.cpp",
+    CSRC / "layer_ops.cpp",
+    CSRC / "sampling.cpp",
+    CSRC / "vec.h",
+)
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 ISA_CFLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
@@ -52,7 +58,7 @@ ISA_NEEDS = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "portable": frozenset(),
 }
-OPS = ("paged_decode", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
+OPS = ("paged_decode", "prefill_attention", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
 
 
 def missing(isa: str, cpu: CpuInfo | None = None) -> frozenset[str]:
@@ -119,6 +125,12 @@ def load(cache_dir: str | None, isa: str = "auto") -> bool:
 
 def active_isa() -> str | None:
     return _active.get("isa")
+
+
+def prefill_kernel_pays() -> bool:
+    """Whether prefill attention should take the kernel: its vector builds run the products 1.1-3.3x faster
+    than torch's CPU flash kernel (docs/benchmarks.md), its portable loop 3-6x slower, so that one keeps torch's."""
+    return _active.get("isa", "portable") != "portable"
 
 
 def ops() -> Any:

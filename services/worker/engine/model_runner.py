@@ -54,12 +54,15 @@ class ModelRunner:
         device: torch.device,
         fused: FusedLlama | None = None,
         decode_kernel: bool = False,
+        prefill_kernel: bool = False,
     ):
         """fused: the engine's own forward for this model (else transformers' modules); decode_kernel: decode
-        attention through the CPU kernel (cpu_ops.py) instead of gather + SDPA."""
+        attention through the CPU kernel (cpu_ops.py) instead of gather + SDPA; prefill_kernel: prefill chunks'
+        attention through the CPU kernel instead of torch's flash kernel."""
         self.model = model
         self.fused = fused
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -85,14 +88,15 @@ class ModelRunner:
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
         logger.info(
-            "torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s",
+            "torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s, prefill attention by %s",
             device,
             model.dtype,
             num_blocks,
             ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
             f"CPU kernel ({cpu_ops.active_isa()})" if kernel else "gather + SDPA",
+            f"CPU kernel ({cpu_ops.active_isa()})" if kernel and cpu_ops.prefill_kernel_pays() else "torch",
         )
-        return cls(model, kv_cache, device, fused, kernel)
+        return cls(model, kv_cache, device, fused, kernel, bool(kernel and cpu_ops.prefill_kernel_pays()))
 
     def init_sequence(self, seq: Sequence) -> None:
         """A sampled (non-greedy) request draws from its own generator: same seed, same tokens, whatever
@@ -177,6 +181,7 @@ class ModelRunner:
         rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q], G-major like the regrouped queries
         out_index = valid.reshape(-1).nonzero().squeeze(1)
         causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
+        spans = torch.stack((starts_t, lens_t), 1) if self.prefill_kernel else None
         return (
             AttnGroup(
                 bt,
@@ -189,6 +194,7 @@ class ModelRunner:
                 starts=tuple(starts),
                 lens=tuple(lens),
                 num_keys=bt.shape[1] * bs,
+                spans=spans,
             ),
             tokens,
             positions,

@@ -1,5 +1,5 @@
 """The engine's C++ kernels equal their torch references (paged decode attention = gather + SDPA with GQA, ragged
-lengths, sliding window; the layer ops; the sampler's draw), for every ISA variant this CPU runs (cpu_ops.ISAS;
+lengths, sliding window; paged prefill attention = causal SDPA per sequence; the layer ops; the sampler's draw), for every ISA variant this CPU runs (cpu_ops.ISAS;
 one the CPU lacks is skipped, naming the flags)."""
 
 from __future__ import annotations
@@ -73,6 +73,71 @@ def test_paged_decode_kernel_equals_gather_and_sdpa(kernels, shape, window, dtyp
     kernels.paged_decode(out, q, key, value, tables, lens, block_size, dim**-0.5, window)
     expected = reference(q, key.float(), value.float(), tables, lens, block_size, window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def prefill_reference(q, key, value, tables, spans, block_size, window):
+    """Each sequence's rows: SDPA over its keys 0 .. start + len - 1 (gathered, repeated per query head), masked
+    causally (and to the window) by position."""
+    heads, d = q.shape[1], q.shape[2]
+    kvh = key.shape[1]
+    outs, row = [], 0
+    for i, (start, n) in enumerate(spans.tolist()):
+        keys = start + n
+        blocks = tables[i, : -(-keys // block_size)]
+        k = key.view(-1, block_size, kvh, d)[blocks].reshape(-1, kvh, d)[:keys].repeat_interleave(heads // kvh, 1)
+        v = value.view(-1, block_size, kvh, d)[blocks].reshape(-1, kvh, d)[:keys].repeat_interleave(heads // kvh, 1)
+        pos = torch.arange(start, keys)[:, None]
+        j = torch.arange(keys)[None]
+        mask = j <= pos
+        if window:
+            mask &= j > pos - window
+        out = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=d**-0.5
+        )
+        outs.append(out.transpose(0, 1))
+        row += n
+    return torch.cat(outs)
+
+
+PREFILL_SHAPES = {  # (heads, kv_heads, dim, block_size, spans (start, len) per sequence)
+    "fresh-chunk": (9, 3, 64, 16, [(0, 200)]),  # causal within itself: several tiles and key blocks, tails
+    "context-and-fresh": (9, 3, 64, 16, [(100, 37), (0, 1), (3, 300)]),  # ragged: one row, a chunk after context
+    "drafted-decodes": (9, 3, 64, 16, [(1000, 5), (70, 5)]),  # a few rows over a long context
+    "small-blocks": (6, 2, 32, 4, [(0, 17), (30, 5)]),
+    "dim128": (8, 2, 128, 16, [(7, 40), (0, 130)]),
+    "mha": (4, 4, 64, 16, [(65, 64)]),  # G = 1: a tile of 128 positions
+    "odd-dim": (4, 1, 24, 8, [(3, 9), (0, 40)]),  # dim not a multiple of a vector: every path's loops have tails
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7, 70])
+@pytest.mark.parametrize("shape", list(PREFILL_SHAPES))
+def test_prefill_attention_kernel_equals_causal_sdpa_over_the_gathered_keys(kernels, shape, window, dtype):
+    """K/V scattered over the pool in its dtype; rows of several sequences packed; the kernel computes in float32
+    (the reference too, on the same rounded K/V)."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, spans = PREFILL_SHAPES[shape]
+    per_seq = max(-(-(start + n) // block_size) for start, n in spans)
+    blocks = len(spans) * per_seq + 3
+    key = torch.randn(blocks * block_size, kv_heads, dim).to(dtype)
+    value = torch.randn(blocks * block_size, kv_heads, dim).to(dtype)
+    tables = torch.randperm(blocks)[: len(spans) * per_seq].view(len(spans), per_seq)
+    spans = torch.tensor(spans, dtype=torch.long)
+    q = torch.randn(int(spans[:, 1].sum()), heads, dim)
+    out = torch.empty_like(q)
+    kernels.prefill_attention(out, q, key, value, tables, spans, block_size, dim**-0.5, window)
+    expected = prefill_reference(q, key.float(), value.float(), tables, spans, block_size, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_kernel_refuses_spans_that_do_not_cover_q(kernels):
+    q = torch.randn(10, 2, 16)
+    key = value = torch.randn(32, 1, 16)
+    with pytest.raises(RuntimeError, match="add up to q's rows"):
+        kernels.prefill_attention(
+            torch.empty_like(q), q, key, value, torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0, 9]]), 16, 0.25, 0
+        )
 
 
 def test_add_rms_norm_equals_residual_add_then_transformers_rmsnorm(kernels):

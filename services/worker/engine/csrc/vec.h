@@ -74,6 +74,8 @@ inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 
 // The first n lanes (n clamped to [0, W]).
 inline vmask vfirst(int64_t n) { return n >= W ? vmask(0xFFFF) : n <= 0 ? vmask(0) : vmask((1u << n) - 1); }
+// The lanes i with lo <= i < hi (either may lie outside [0, W]).
+inline vmask vrange(int64_t lo, int64_t hi) { return static_cast<vmask>(vfirst(hi) & ~vfirst(lo)); }
 inline vf vload_first(const float* p, vmask k) { return _mm512_maskz_loadu_ps(k, p); }
 inline vf vload_first(const float* p, vmask k, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), k, p); }
 inline void vstore_first(float* p, vmask k, vf v) { _mm512_mask_storeu_ps(p, k, v); }
@@ -143,6 +145,7 @@ inline vmask vfirst(int64_t n) {
   const int c = static_cast<int>(n < 0 ? 0 : n > W ? W : n);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+inline vmask vrange(int64_t lo, int64_t hi) { return _mm256_andnot_si256(vfirst(lo), vfirst(hi)); }
 // maskload touches only the lanes in k: a tail past the end of an allocation is never read.
 inline vf vload_first(const float* p, vmask k) { return _mm256_maskload_ps(p, k); }
 inline vf vload_first(const float* p, vmask k, float fill) {
