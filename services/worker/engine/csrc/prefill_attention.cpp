@@ -198,22 +198,30 @@ void gemm(float* C, int64_t ld, int64_t n, const float* const* rows, const float
   }
 }
 
-// The online softmax step of softmax_generic, W query columns at a time.
-inline void softmax_vec(float* st, int64_t nk, const Cols* cols, float* m, float* l, float* ot, int64_t D, int64_t M,
-                        int64_t ld) {
-  for (int64_t c = 0; c < M; c += W) {
-    vf mx = vload(m + c);
+// The online softmax step of softmax_generic, W query columns at a time. all_visible: every key of the block is
+// visible to every column (the blocks below a tile's diagonal: no masks; padding columns compute harmlessly).
+template <bool all_visible>
+inline void softmax_vec(float* st, int64_t nk, const Cols* cols, float* m, float* l, float* ot, int64_t D, int64_t ld) {
+  for (int64_t c = 0; c < ld; c += W) {
+    const vf m_old = vload(m + c);
+    vf mx = m_old;
     for (int64_t j = 0; j < nk; ++j)
-      mx = vmax(mx, vload_first(st + j * ld + c, vrange(cols[j].from - c, cols[j].to - c), kMasked));
-    const vf alpha = vexp(vsub(vload(m + c), mx));
+      mx = all_visible ? vmax(mx, vload(st + j * ld + c))
+                       : vmax(mx, vload_first(st + j * ld + c, vrange(cols[j].from - c, cols[j].to - c), kMasked));
     vf sum = vzero();
     for (int64_t j = 0; j < nk; ++j) {
-      const vf p = vkeep(vexp(vsub(vload(st + j * ld + c), mx)), vrange(cols[j].from - c, cols[j].to - c));
+      vf p = vexp(vsub(vload(st + j * ld + c), mx));
+      if (!all_visible) p = vkeep(p, vrange(cols[j].from - c, cols[j].to - c));
       vstore(st + j * ld + c, p);
       sum = vadd(sum, p);
     }
-    vstore(l + c, vfmadd(vload(l + c), alpha, sum));
     vstore(m + c, mx);
+    if (vall_equal(mx, m_old)) {  // no column's max moved: O^T and l keep their scale (most blocks past the first)
+      vstore(l + c, vadd(vload(l + c), sum));
+      continue;
+    }
+    const vf alpha = vexp(vsub(m_old, mx));
+    vstore(l + c, vfmadd(vload(l + c), alpha, sum));
     for (int64_t d = 0; d < D; ++d) vstore(ot + d * ld + c, vmul(vload(ot + d * ld + c), alpha));
   }
 }
@@ -247,7 +255,10 @@ void run_item(const Prefill<T>& a, const Item& it, Scratch& w) {
 #if defined(CONVEYOR_VEC)
     if constexpr (Vec) {
       gemm<true>(w.st.data(), ld, nk, w.krows.data(), w.qt.data(), D, false);
-      softmax_vec(w.st.data(), nk, cols, w.m.data(), w.l.data(), w.ot.data(), D, ld, ld);
+      if (cols[0].from == 0 && cols[nk - 1].from == 0 && (a.window == 0 || cols[0].to == M))
+        softmax_vec<true>(w.st.data(), nk, cols, w.m.data(), w.l.data(), w.ot.data(), D, ld);
+      else
+        softmax_vec<false>(w.st.data(), nk, cols, w.m.data(), w.l.data(), w.ot.data(), D, ld);
       gemm<false>(w.ot.data(), ld, D, w.vrows.data(), w.st.data(), nk, true);
       continue;
     }

@@ -76,6 +76,8 @@ inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 inline vmask vfirst(int64_t n) { return n >= W ? vmask(0xFFFF) : n <= 0 ? vmask(0) : vmask((1u << n) - 1); }
 // The lanes i with lo <= i < hi (either may lie outside [0, W]).
 inline vmask vrange(int64_t lo, int64_t hi) { return static_cast<vmask>(vfirst(hi) & ~vfirst(lo)); }
+// Whether every lane of a equals b's.
+inline bool vall_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ) == 0; }
 inline vf vload_first(const float* p, vmask k) { return _mm512_maskz_loadu_ps(k, p); }
 inline vf vload_first(const float* p, vmask k, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), k, p); }
 inline void vstore_first(float* p, vmask k, vf v) { _mm512_mask_storeu_ps(p, k, v); }
@@ -146,6 +148,7 @@ inline vmask vfirst(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline vmask vrange(int64_t lo, int64_t hi) { return _mm256_andnot_si256(vfirst(lo), vfirst(hi)); }
+inline bool vall_equal(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NEQ_OQ)) == 0; }
 // maskload touches only the lanes in k: a tail past the end of an allocation is never read.
 inline vf vload_first(const float* p, vmask k) { return _mm256_maskload_ps(p, k); }
 inline vf vload_first(const float* p, vmask k, float fill) {
