@@ -102,3 +102,16 @@ def test_check_no_leak_names_held_blocks():
     bm.allocate(2)
     with pytest.raises(AssertionError, match="still referenced"):
         bm.check_no_leak()
+
+
+def test_a_sequences_blocks_are_handed_out_in_address_order_after_tail_first_eviction():
+    """Release puts a finished sequence's blocks on the LRU tail first; the next sequence that takes them still gets
+    them ascending, so its positions lie in ascending memory (what the attention kernels stream fastest)."""
+    bm = BlockManager(8, 4, True)
+    first = bm.allocate(8)
+    for i, b in enumerate(first):
+        bm.register(b, bytes([i]))
+    bm.release(first)  # all cached, evictable tail first: 7, 6, ..., 0
+    taken = bm.allocate(5)
+    assert taken == sorted(taken)
+    assert set(taken) == {7, 6, 5, 4, 3}, "which blocks are evicted is unchanged: the tail's, LRU first"

@@ -202,3 +202,10 @@ def test_load_makes_the_requested_variant_the_engines(kernels, request, kernels_
     isa = request.node.callspec.params["kernels"]
     assert cpu_ops.load(kernels_dir, isa)
     assert cpu_ops.active_isa() == isa and cpu_ops.ops() is kernels
+
+
+def test_prefill_attention_takes_the_kernel_only_where_a_vector_build_runs(kernels, request, kernels_dir):
+    """The portable loop is slower than torch's flash kernel (docs/benchmarks.md): with it the engine keeps torch's."""
+    isa = request.node.callspec.params["kernels"]
+    assert cpu_ops.load(kernels_dir, isa)
+    assert cpu_ops.prefill_kernel_pays() == (isa != "portable")
