@@ -128,8 +128,9 @@ def active_isa() -> str | None:
 
 
 def prefill_kernel_pays() -> bool:
-    """Whether prefill attention should take the kernel: its vector builds run the products 1.1-3.3x faster
-    than torch's CPU flash kernel (docs/benchmarks.md), its portable loop 3-6x slower, so that one keeps torch's."""
+    """Whether prefill attention should take the kernel: its vector builds run the products faster than torch's
+    CPU flash kernel (docs/benchmarks.md: avx512 2.4-3.5x, avx2 1.05-1.7x), its portable loop 3-6x slower, so
+    that one keeps torch's."""
     return _active.get("isa", "portable") != "portable"
 
 

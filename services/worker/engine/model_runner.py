@@ -84,6 +84,7 @@ class ModelRunner:
         kernel = config.cpu_kernels and device.type == "cpu"
         kernel = kernel and cpu_ops.load(config.tuning_cache_dir, config.cpu_isa)
         native = bool(kernel and fused and fused.use_native_ops())
+        prefill = bool(kernel and cpu_ops.prefill_kernel_pays())
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
@@ -94,9 +95,9 @@ class ModelRunner:
             num_blocks,
             ("fused, C++ layer ops" if native else "fused") if fused else "transformers",
             f"CPU kernel ({cpu_ops.active_isa()})" if kernel else "gather + SDPA",
-            f"CPU kernel ({cpu_ops.active_isa()})" if kernel and cpu_ops.prefill_kernel_pays() else "torch",
+            f"CPU kernel ({cpu_ops.active_isa()})" if prefill else "torch",
         )
-        return cls(model, kv_cache, device, fused, kernel, bool(kernel and cpu_ops.prefill_kernel_pays()))
+        return cls(model, kv_cache, device, fused, kernel, prefill)
 
     def init_sequence(self, seq: Sequence) -> None:
         """A sampled (non-greedy) request draws from its own generator: same seed, same tokens, whatever

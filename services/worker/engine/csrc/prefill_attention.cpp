@@ -185,8 +185,8 @@ inline void row_tile(float* C, int64_t ld, const float* const* rows, int64_t off
 template <bool Rows>
 void gemm(float* C, int64_t ld, int64_t n, const float* const* rows, const float* B, int64_t K, bool accumulate) {
   int64_t r = 0;
-  auto at = [&](int64_t r) { return Rows ? rows + r : rows; };  // the rows of A from r on
-  auto off = [&](int64_t r) { return Rows ? int64_t{0} : r; };
+  auto at = [&](int64_t i) { return Rows ? rows + i : rows; };  // the rows of A from row i on
+  auto off = [&](int64_t i) { return Rows ? int64_t{0} : i; };
   for (; r + kMR <= n; r += kMR) row_tile<kMR, Rows>(C + r * ld, ld, at(r), off(r), B, K, accumulate);
   switch (n - r) {
     case 5: row_tile<5, Rows>(C + r * ld, ld, at(r), off(r), B, K, accumulate); break;
