@@ -38,7 +38,7 @@ class AttnGroup:
     # [S, 1, R, MB * block_size] bool, True = may attend (R = 1 or G * Q rows); None: built from row_pos at its
     # first use (mask_for), so a step whose layers never need it (decode kernel, causal or two-pass chunks) skips it
     mask: torch.Tensor | None
-    row_pos: torch.Tensor  # [S, R] position of each query row (for sliding-window layers)
+    row_pos: torch.Tensor | None  # [S, R] position of each query row (masks; None for a kernel prefill group)
     q_index: torch.Tensor | None = None  # [S, Q] rows of the group's packed tokens (prefill only)
     out_index: torch.Tensor | None = None  # [n] flat rows of [S * Q] that are real tokens (prefill only)
     context_lens: torch.Tensor | None = None  # [S] long: set = decode through the CPU kernel (no mask)

@@ -174,33 +174,32 @@ class ModelRunner:
         bt = self._block_tables(tables)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        group = AttnGroup(
+            bt,
+            None,
+            None,
+            causal=not any(starts),  # no chunk has cached context: attention within each chunk (attention.py)
+            num_rows=len(tokens),
+            starts=tuple(starts),
+            lens=tuple(lens),
+            num_keys=bt.shape[1] * bs,
+        )
+        if self.prefill_kernel:  # the kernel reads (start, len) per sequence: no padded rows, no mask
+            group.spans = torch.stack((starts_t, lens_t), 1)
+        else:
+            group.row_pos, group.q_index, group.out_index = self._padded_rows(starts_t, lens_t, max(lens))
+        return group, tokens, positions, slots
+
+    def _padded_rows(self, starts_t: torch.Tensor, lens_t: torch.Tensor, longest: int) -> tuple[torch.Tensor, ...]:
+        """torch's prefill paths attend [S, Q] padded rows: each row's position (G-major like the regrouped
+        queries), the packed row each padded one reads, the padded rows that are real tokens."""
         offsets = torch.cumsum(lens_t, 0) - lens_t  # first packed row of each chunk (within the group)
-        j = self._iota(max(lens))[None, :]  # [1, Q]
+        j = self._iota(longest)[None, :]  # [1, Q]
         valid = j < lens_t[:, None]  # [S, Q]
         q_index = torch.where(valid, offsets[:, None] + j, offsets[:, None])  # pads repeat a real row
         q_pos = torch.where(valid, starts_t[:, None] + j, 0)  # pad rows see key 0 only (never all-masked)
-        rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q], G-major like the regrouped queries
-        out_index = valid.reshape(-1).nonzero().squeeze(1)
-        causal = not any(starts)  # no chunk has cached context: attention within each chunk (attention.py)
-        spans = torch.stack((starts_t, lens_t), 1) if self.prefill_kernel else None
-        return (
-            AttnGroup(
-                bt,
-                None,
-                rows_pos,
-                q_index,
-                out_index,
-                causal=causal,
-                num_rows=len(tokens),
-                starts=tuple(starts),
-                lens=tuple(lens),
-                num_keys=bt.shape[1] * bs,
-                spans=spans,
-            ),
-            tokens,
-            positions,
-            slots,
-        )
+        rows_pos = q_pos.repeat(1, self.q_per_kv)  # [S, G*Q]
+        return rows_pos, q_index, valid.reshape(-1).nonzero().squeeze(1)
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> PreparedStep:
         """items: (sequence, number of tokens to compute from its num_computed_tokens)."""
