@@ -13,8 +13,10 @@ sequence's blocks laid out three ways:
 
 and, as the yardstick, a contiguous read of the whole pool (torch.sum over every layer's K and V). Prints GB/s
 of K/V read per kernel call (median of --reps passes over the layers) and each order's ratio to the yardstick.
+With --baseline REV the kernels as they were at git revision REV are built too (same flags, a namespace of their
+own) and measured in the same rounds, interleaved: each row then gives both and their ratio.
 
-Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.decode_attention [--rounds 3]
+Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.decode_attention [--rounds 3] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEFAULT_OUT, stamp, write_json
+from benchmarks.common import DEFAULT_OUT, ROOT, stamp, write_json
 from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import this_cpu
 from shared.settings import CommonSettings
@@ -61,18 +65,43 @@ def kernel_gb_s(ops, key, value, tables, context: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def build_baseline(rev: str, isa: str):
+    """The CPU kernels of git revision `rev` (its csrc folder), built for `isa` under the namespace
+    conveyor_baseline; its torch.ops namespace."""
+    from torch.utils import cpp_extension
+
+    csrc = cpu_ops.CSRC.relative_to(ROOT)
+    folder = Path(tempfile.mkdtemp(prefix="conveyor-baseline-"))
+    tar = subprocess.run(["git", "archive", rev, str(csrc)], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=tar, check=True)
+    cpp_extension.load(
+        name=f"conveyor_baseline_{isa}",
+        sources=[str(folder / csrc / "kernels.cpp")],
+        extra_cflags=[*cpu_ops.CFLAGS, *cpu_ops.ISA_CFLAGS[isa], "-DCONVEYOR_NS=conveyor_baseline"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    return torch.ops.conveyor_baseline
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--cases", default="32x600,8x2100", help="sequences x context tokens, comma-separated")
+    ap.add_argument("--cases", default="32x200,32x600,8x2100", help="sequences x context tokens, comma-separated")
+    ap.add_argument("--baseline", help="a git revision whose kernels to measure beside this tree's")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    ops = cpu_ops.build(cpu_ops.choose("auto"), str(CommonSettings().cache_dir))
+    isa = cpu_ops.choose("auto")
+    ops = cpu_ops.build(isa, str(CommonSettings().cache_dir))
     if ops is None:
         raise SystemExit("the CPU kernels did not build on this machine")
+    kernels = {"this tree": ops}
+    if args.baseline:
+        kernels[f"at {args.baseline}"] = build_baseline(args.baseline, isa)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     bs, kvh, dim = 16, 3, 64  # SmolLM2-135M: 3 KV heads of 64, 16-token blocks (the worker's default)
     blocks = max(s * -(-ctx // bs) for s, ctx in cases) + 64
@@ -85,23 +114,28 @@ def main() -> None:
             per_seq = -(-ctx // bs)
             for order in ORDERS:
                 tables = tables_for(order, seqs, per_seq, blocks, gen)
-                found.setdefault(f"{seqs}x{ctx} {order}", []).append(
-                    kernel_gb_s(ops, key, value, tables, ctx, args.reps)
-                )
+                for name, k in kernels.items():
+                    found.setdefault(f"{seqs}x{ctx} {order} {name}", []).append(
+                        kernel_gb_s(k, key, value, tables, ctx, args.reps)
+                    )
             t = time.perf_counter()  # the yardstick: every layer's K and V read whole, in order, from DRAM
             key.sum()
             value.sum()
             found.setdefault(f"{seqs}x{ctx} contiguous read", []).append(
                 2 * key.numel() * 4 / (time.perf_counter() - t) / 1e9
             )
-    print(f"CPU {this_cpu().identity()}, kernels {cpu_ops.active_isa() or cpu_ops.choose('auto')}")
+    print(f"CPU {this_cpu().identity()}, kernels {isa}")
     for seqs, ctx in cases:
         base = statistics.median(found[f"{seqs}x{ctx} contiguous read"])
         print(f"{seqs} sequences x {ctx} tokens ({2 * seqs * ctx * kvh * dim * 4 / 1e6:.1f} MB a layer):")
         for order in ORDERS:
-            gb = statistics.median(found[f"{seqs}x{ctx} {order}"])
-            print(f"  {order:10s} {gb:5.1f} GB/s  ({gb / base:.2f} of a contiguous read's {base:.1f} GB/s)")
-    result = {"cpu": this_cpu(), "threads": torch.get_num_threads(), "gb_s": found}
+            gb = {name: statistics.median(found[f"{seqs}x{ctx} {order} {name}"]) for name in kernels}
+            line = "  ".join(f"{name} {v:5.1f} GB/s ({v / base:.2f} of a read)" for name, v in gb.items())
+            if args.baseline:
+                line += f"  ratio {gb['this tree'] / gb[f'at {args.baseline}']:.2f}"
+            print(f"  {order:10s} {line}")
+        print(f"  (a contiguous read of the pool: {base:.1f} GB/s)")
+    result = {"cpu": this_cpu(), "threads": torch.get_num_threads(), "baseline": args.baseline, "gb_s": found}
     path = write_json(Path(args.out), "decode_attention", result, stamp())
     print(json.dumps({"written": str(path)}))
 

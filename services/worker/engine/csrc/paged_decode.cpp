@@ -111,7 +111,9 @@ using namespace conveyor_vec;
 constexpr int kAccRegs = W == 16 ? 24 : 12;
 
 // scores[t] = scale * q . k_t for the m <= W rows starting at rows[0] (offset: the KV head's columns);
-// D = W * NC, a compile-time count so that every accumulator lives in a register.
+// D = W * NC, a compile-time count so that every accumulator lives in a register. rows[m..W-1] must be readable
+// rows too (the caller pads a tail tile with its last row): every lane computes, the store keeps the first m,
+// and the loop has no branch.
 template <typename T, int NC>
 inline void scores_tile(float* scores, const float* q, const T* const* rows, int64_t off, int m, float sc) {
   vf acc[W];
@@ -120,12 +122,10 @@ inline void scores_tile(float* scores, const float* q, const T* const* rows, int
   for (int c = 0; c < NC; ++c) qc[c] = vload(q + W * c);
 #pragma GCC unroll 16
   for (int i = 0; i < W; ++i) {
-    acc[i] = vzero();
-    if (i < m) {
-      const T* k = rows[i] + off;
+    const T* k = rows[i] + off;
+    acc[i] = vmul(qc[0], vload(k));
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) acc[i] = vfmadd(qc[c], vload(k + W * c), acc[i]);
-    }
+    for (int c = 1; c < NC; ++c) acc[i] = vfmadd(qc[c], vload(k + W * c), acc[i]);
   }
   vstore_first(scores, vfirst(m), vmul(vreduce_rows(acc), vset1(sc)));
 }
@@ -145,71 +145,105 @@ inline float softmax_unnormalized(float* s, int64_t n) {
   return 1.f / vreduce_add(sum);
 }
 
-// Start loading the m rows at rows[0] (row_bytes each) into L1: the next tile's, while this one is computed.
-// Why: a tile's rows lie in one pool block, blocks lie anywhere, and the hardware prefetcher stops at each
-// page boundary.
+// Loads rows into L1 some distance ahead of the compute, a few cache lines at a time between the compute's own
+// instructions. A thread's rows are one list in the order it reads them (each sequence's K rows, then its V
+// rows, then the next sequence's), so the loads run on across the end of one sequence into the next.
+// Why at all: a tile's rows lie in one pool block, blocks lie anywhere, and the hardware prefetcher stops at each
+// page boundary; why a few at a time: a tile's lines issued at once fill the core's miss buffers and stall the
+// compute behind them.
 template <typename T>
-inline void prefetch_rows(const T* const* rows, int m, int64_t row_bytes) {
-  for (int i = 0; i < m; ++i) {
-    const char* r = reinterpret_cast<const char*>(rows[i]);
-    for (int64_t b = 0; b < row_bytes; b += 64) prefetch(r + b);
-  }
-}
+struct Prefetcher {
+  const T* const* rows;
+  int64_t total, lines;  // rows, and the cache lines of one
+  int64_t row = 0, line = 0;  // the next line to load
 
-// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for gc
-// query heads of one KV head: each V row is loaded once for all of them. GMAX (compile time, with gc <= GMAX
-// guarded) keeps the GMAX * NC accumulators in registers.
-template <typename T, int NC, int GMAX = (kAccRegs / NC > 0 ? kAccRegs / NC : 1)>
-inline void accumulate_tile(float* o, const float* p, int64_t n, const T* const* rows, int64_t off, int m, int gc) {
-  vf acc[GMAX * NC];
+  // Load up to `count` more lines, none of a row at or past `until`.
+  void step(int64_t count, int64_t until) {
+    until = std::min(until, total);
+    while (count > 0 && row < until) {
+      const char* r = reinterpret_cast<const char*>(rows[row]);
+      const int64_t stop = std::min(lines, line + count);
+      count -= stop - line;
+      for (; line < stop; ++line) prefetch(r + 64 * line);
+      if (line == lines) line = 0, ++row;
+    }
+  }
+};
+
+// How far ahead of the tile being computed the loads run, in rows (KVH * D values each); measured on Zen 5
+// (benchmarks/decode_attention.py): 8 to 32 rows within the VM's noise of each other, all well ahead of none.
+constexpr int64_t kAheadRows = 16;
+
+// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for GC
+// query heads of one KV head: each V row is loaded once for all of them. GC is a compile-time count so that the
+// GC * NC accumulators live in registers and the inner loop has no branch (accumulate_heads picks it).
+template <typename T, int NC, int GC>
+inline void accumulate_tile(float* o, const float* p, int64_t n, const T* const* rows, int64_t off, int m) {
+  vf acc[GC * NC];
 #pragma GCC unroll 24
-  for (int h = 0; h < GMAX; ++h)
-    if (h < gc)
+  for (int h = 0; h < GC; ++h)
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) acc[h * NC + c] = vload(o + h * W * NC + W * c);
+    for (int c = 0; c < NC; ++c) acc[h * NC + c] = vload(o + h * W * NC + W * c);
   for (int i = 0; i < m; ++i) {
     const T* v = rows[i] + off;
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
       const vf x = vload(v + W * c);
 #pragma GCC unroll 24
-      for (int h = 0; h < GMAX; ++h)
-        if (h < gc) acc[h * NC + c] = vfmadd(vset1(p[h * n + i]), x, acc[h * NC + c]);
+      for (int h = 0; h < GC; ++h) acc[h * NC + c] = vfmadd(vset1(p[h * n + i]), x, acc[h * NC + c]);
     }
   }
 #pragma GCC unroll 24
-  for (int h = 0; h < GMAX; ++h)
-    if (h < gc)
+  for (int h = 0; h < GC; ++h)
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) vstore(o + h * W * NC + W * c, acc[h * NC + c]);
+    for (int c = 0; c < NC; ++c) vstore(o + h * W * NC + W * c, acc[h * NC + c]);
 }
 
-// One sequence: os [H, D] = attention of qs [H, D] over the n K/V rows krows/vrows (KVH * D values each).
-// K, then V, in W-token tiles, every head of a tile before the next: a tile (part of one pool block) is
-// read from memory once, in order, and stays in L1 while the heads reuse it.
+// The query heads one pass over a tile's V rows can serve at head dim W * NC (their accumulators in registers).
+template <int NC>
+constexpr int kHeadsPerPass = kAccRegs / NC > 0 ? kAccRegs / NC : 1;
+
+// accumulate_tile for gc <= GC heads, gc known only at run time: one compiled body per count.
+template <typename T, int NC, int GC = kHeadsPerPass<NC>>
+inline void accumulate_heads(float* o, const float* p, int64_t n, const T* const* rows, int64_t off, int m, int gc) {
+  if constexpr (GC > 1) {
+    if (gc < GC) return accumulate_heads<T, NC, GC - 1>(o, p, n, rows, off, m, gc);
+  }
+  accumulate_tile<T, NC, GC>(o, p, n, rows, off, m);
+}
+
+// One sequence: os [H, D] = attention of qs [H, D] over its n K/V rows, krows[0..n) and vrows = krows + padded
+// (KVH * D values each; padded = n rounded up to a tile, the tail tile's rows repeated); `first` is krows'
+// index in the prefetcher's list. K, then V, in W-token tiles, every head of a tile before the next: a tile (part
+// of one pool block) is read from memory once, in order, and stays in L1 while the heads reuse it.
 template <typename T, int NC>
-void attend_sequence(float* os, const float* qs, const T* const* krows, const T* const* vrows, int64_t n, int64_t H,
-                     int64_t KVH, float sc, std::vector<float>& scores) {
+void attend_sequence(float* os, const float* qs, const T* const* krows, int64_t n, int64_t padded, int64_t first,
+                     int64_t H, int64_t KVH, float sc, std::vector<float>& scores, Prefetcher<T>& pf) {
   constexpr int64_t D = W * NC;
-  constexpr int kHeads = kAccRegs / NC > 0 ? kAccRegs / NC : 1;  // query heads per pass over a tile's V rows
-  const int64_t G = H / KVH, row_bytes = KVH * D * static_cast<int64_t>(sizeof(T));
+  constexpr int kHeads = kHeadsPerPass<NC>;
+  const int64_t G = H / KVH;
+  const T* const* vrows = krows + padded;
   auto tile = [n](int64_t t) { return static_cast<int>(std::min<int64_t>(W, n - t)); };
+  // A tile's lines spread over the calls that read it (H in the K pass, KVH in the V pass), plus a few so that
+  // the loads catch up to their distance after a start.
+  const int64_t k_lines = (W * pf.lines + H - 1) / H + 4, v_lines = (W * pf.lines + KVH - 1) / KVH + 4;
   scores.resize(H * n);  // [H, n]
   for (int64_t t = 0; t < n; t += W) {
-    if (t + W < n) prefetch_rows(krows + t + W, tile(t + W), row_bytes);
-    for (int64_t hq = 0; hq < H; ++hq)
+    for (int64_t hq = 0; hq < H; ++hq) {
+      pf.step(k_lines, first + t + W + kAheadRows);
       scores_tile<T, NC>(scores.data() + hq * n + t, qs + hq * D, krows + t, (hq / G) * D, tile(t), sc);
+    }
   }
   float inv[256];
   for (int64_t hq = 0; hq < H; ++hq) inv[hq] = softmax_unnormalized(scores.data() + hq * n, n);
   std::fill(os, os + H * D, 0.f);
-  prefetch_rows(vrows, tile(0), row_bytes);
   for (int64_t t = 0; t < n; t += W) {
-    if (t + W < n) prefetch_rows(vrows + t + W, tile(t + W), row_bytes);
-    for (int64_t g = 0; g < KVH; ++g)
+    for (int64_t g = 0; g < KVH; ++g) {
+      pf.step(v_lines, first + padded + t + W + kAheadRows);
       for (int64_t h = 0; h < G; h += kHeads)
-        accumulate_tile<T, NC>(os + (g * G + h) * D, scores.data() + (g * G + h) * n + t, n, vrows + t, g * D,
-                               tile(t), static_cast<int>(std::min<int64_t>(kHeads, G - h)));
+        accumulate_heads<T, NC>(os + (g * G + h) * D, scores.data() + (g * G + h) * n + t, n, vrows + t, g * D,
+                                tile(t), static_cast<int>(std::min<int64_t>(kHeads, G - h)));
+    }
   }
   for (int64_t hq = 0; hq < H; ++hq) {
     const vf w = vset1(inv[hq]);
@@ -221,21 +255,32 @@ template <typename T, int NC>
 void paged_decode_vec(const Operands<T>& a) {
   const auto [S, H, D, KVH, MB, block_size, window, sc, q_p, k_p, v_p, o_p, bt_p, len_p] = a;
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    // The block table lookups, once for all heads: this thread's sequences' K rows and V rows, each sequence's
+    // K (padded to a whole tile with its last row: scores_tile) and then its V, in the order they are read.
+    std::vector<const T*> rows;
+    std::vector<int64_t> first(end - begin + 1, 0);
+    for (int64_t s = begin; s < end; ++s) {
+      const Span sp = visible(len_p[s], window);
+      const int64_t padded = (sp.n + W - 1) / W * W, at = static_cast<int64_t>(rows.size());
+      first[s - begin] = at;
+      rows.resize(at + 2 * padded);
+      const int64_t* table = bt_p + s * MB;
+      for (int64_t t = 0; t < padded; ++t) {
+        const int64_t pos = sp.start + std::min(t, sp.n - 1);
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        rows[at + t] = k_p + slot * KVH * D;
+        rows[at + padded + t] = v_p + slot * KVH * D;
+      }
+    }
+    first[end - begin] = static_cast<int64_t>(rows.size());
+    Prefetcher<T> pf{rows.data(), static_cast<int64_t>(rows.size()), (KVH * D * static_cast<int64_t>(sizeof(T)) + 63) / 64};
     std::vector<float> scores;
-    std::vector<const T*> krows, vrows;
     for (int64_t s = begin; s < end; ++s) {
       const Span sp = visible(len_p[s], window);
       if (sp.n <= 0) continue;
-      const int64_t* table = bt_p + s * MB;
-      krows.resize(sp.n);
-      vrows.resize(sp.n);
-      for (int64_t t = 0; t < sp.n; ++t) {  // the block table lookups, once for all heads
-        const int64_t pos = sp.start + t;
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        krows[t] = k_p + slot * KVH * D;
-        vrows[t] = v_p + slot * KVH * D;
-      }
-      attend_sequence<T, NC>(o_p + s * H * D, q_p + s * H * D, krows.data(), vrows.data(), sp.n, H, KVH, sc, scores);
+      const int64_t at = first[s - begin], padded = (first[s - begin + 1] - at) / 2;
+      attend_sequence<T, NC>(o_p + s * H * D, q_p + s * H * D, rows.data() + at, sp.n, padded, at, H, KVH, sc,
+                             scores, pf);
     }
   });
 }
