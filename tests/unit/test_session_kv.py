@@ -255,3 +255,91 @@ def test_a_swapped_turn_waits_for_room_to_swap_in_rather_than_recompute_in_chunk
                 ends[o.request_id] = o
     assert ends["a2"].num_cached_tokens == 6 * BS  # swapped back in once "long" ended, not recomputed
     assert engine.sessions.swap_ins == 1 and engine.stats().num_preemptions == 0
+
+
+def run_all(engine: LLMEngine, add_later: tuple[int, EngineRequest] | None = None) -> tuple[dict, list]:
+    """Step the engine until every request ended; `add_later` = (after how many outputs of the running requests
+    together, the request to add then). -> ({request id: its output tokens}, [(request id, finished, its tokens so
+    far) per output, in the order the engine gave them])."""
+    tokens: dict[str, list[int]] = {}
+    order, emitted = [], 0
+    while engine.has_unfinished() or add_later:
+        if add_later and emitted >= add_later[0]:
+            engine.add_request(add_later[1])
+            add_later = None
+        for o in engine.step().outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            emitted += len(o.new_token_ids)
+            order.append((o.request_id, o.finished, len(tokens[o.request_id])))
+    return tokens, order
+
+
+def first_of(order: list, rid: str) -> int:
+    return next(i for i, (r, _, _) in enumerate(order) if r == rid)
+
+
+def end_of(order: list, rid: str) -> int:
+    return next(i for i, (r, finished, _) in enumerate(order) if r == rid and finished)
+
+
+def greedy(rid: str, tokens: list[int], max_tokens: int, session: str = "") -> EngineRequest:
+    return EngineRequest(rid, tokens, SamplingOptions(temperature=0.0, max_tokens=max_tokens), session_id=session)
+
+
+def first_token_engine(make_engine, tmp_path, least: int) -> LLMEngine:
+    return make_engine(
+        num_kv_blocks=20, session_swap_dir=str(tmp_path / "tier"), max_num_seqs=4, first_token_preempt_min_tokens=least
+    )
+
+
+def test_a_request_with_no_token_yet_preempts_one_that_has_had_its_share_and_both_answers_are_unchanged(
+    make_engine, tmp_path
+):
+    alone = {}
+    for rid, p in (("long", prompt(200)), ("new", prompt(120, start=5000))):
+        engine = first_token_engine(make_engine, tmp_path / rid, least=8)
+        engine.add_request(greedy(rid, p, 40))
+        alone[rid] = run_all(engine)[0][rid]
+    # "long" holds 14 of the 20 blocks and has emitted 10 tokens when "new" (8 blocks) arrives.
+    engine = first_token_engine(make_engine, tmp_path / "both", least=8)
+    engine.add_request(greedy("long", prompt(200), 40))
+    tokens, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    assert tokens == alone
+    assert first_of(order, "new") < end_of(order, "long"), "new got its first token before long's answer ended"
+    assert engine.stats().num_preemptions == 1
+    assert engine.sessions.swap_outs == 1 and engine.sessions.swap_ins == 1  # long's KV parked, not recomputed
+    engine.check_no_leak()
+
+
+def test_a_running_request_that_has_not_had_its_share_since_admission_is_not_preempted_for_a_first_token(
+    make_engine, tmp_path
+):
+    engine = first_token_engine(make_engine, tmp_path, least=30)
+    engine.add_request(greedy("long", prompt(200), 40))
+    _, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    long_before = max(n for rid, _, n in order[: first_of(order, "new")] if rid == "long")
+    assert long_before >= 30, "long emitted its 30 tokens before anyone could take its place"
+    assert engine.stats().num_preemptions == 1
+
+
+def test_with_the_minimum_at_zero_a_first_token_waits_for_the_running_answer_to_end(make_engine, tmp_path):
+    engine = first_token_engine(make_engine, tmp_path, least=0)
+    engine.add_request(greedy("long", prompt(200), 40))
+    _, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    assert end_of(order, "long") < first_of(order, "new") and engine.stats().num_preemptions == 0
+
+
+def test_a_swapped_session_turn_preempts_a_running_request_that_has_had_its_share_and_swaps_its_kv_in(
+    make_engine, tmp_path
+):
+    engine = swap_engine(make_engine, tmp_path, max_num_seqs=4, first_token_preempt_min_tokens=8)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session="a")
+    squeeze(engine)
+    engine.take_session_events()
+    # "long" holds 27 of the 32 blocks: a's next turn needs its 6 swapped blocks back, and finds 5.
+    engine.add_request(greedy("long", prompt(26 * BS, start=9000), 40))
+    tokens, order = run_all(engine, add_later=(10, greedy("a2", convo + out + [7], 2, session="a")))
+    assert end_of(order, "a2") < end_of(order, "long")
+    assert len(tokens["long"]) == 40 and engine.stats().num_preemptions == 1
+    assert engine.sessions.swap_ins == 2  # a's conversation, then long's parked KV

@@ -38,6 +38,10 @@ class EngineConfig:
     session_swap_dir: str | None = None
     session_swap_max_bytes: int = 4 << 30
     session_swap_min_tokens: int = 0
+    # First tokens first: a waiting request that has emitted nothing and finds no room may preempt, by parking its
+    # KV in the tier, a less or equally important running one that has emitted at least this many tokens since its
+    # admission (0: never; a running request is only ever preempted for a more important one's growth).
+    first_token_preempt_min_tokens: int = 32
     # Prompt-lookup speculative decoding of greedy requests (ngram.py): up to this many drafted tokens checked per
     # step and sequence (0: off), from n-grams of ngram_min..ngram_max tokens, while at most spec_max_batch
     # sequences decode (beyond, a step is compute-bound on a CPU and a wrong draft costs its rows in full).
@@ -56,6 +60,8 @@ class EngineConfig:
             problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.first_token_preempt_min_tokens < 0:
+            problems.append(f"first_token_preempt_min_tokens must be >= 0, got {self.first_token_preempt_min_tokens}")
         if self.max_num_batched_tokens < 1:
             problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.device.split(":")[0] not in _DEVICES:

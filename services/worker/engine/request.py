@@ -137,6 +137,7 @@ class Sequence:
         "prompt_lps",
         "draft",
         "ngrams",
+        "admitted_tokens",
     )
 
     def __init__(self, req: EngineRequest, arrival: int, eos_token_ids: frozenset[int]):
@@ -173,6 +174,7 @@ class Sequence:
         # scheduled with drafts), and its n-gram index (built at its first draft).
         self.draft: list[int] = []
         self.ngrams: object | None = None
+        self.admitted_tokens = 0  # num_tokens at its last admission (what it has emitted since: first tokens first)
 
     @property
     def num_tokens(self) -> int:

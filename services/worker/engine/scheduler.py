@@ -7,6 +7,12 @@ choices of one n > 1 request (a group) wait while a sibling computes their share
 When blocks run out the least important running sequence (highest priority number, then
 newest) is preempted: its blocks are released, its KV parked in the disk tier where there is one (session_kv.py),
 else recomputed at readmission.
+
+First tokens first: a waiting request that has emitted nothing and finds no room may preempt running ones that
+have emitted `first_token_preempt_min_tokens` since their admission (none more important than it, each parked in
+the tier, queued at the back): the time to a first token is what a waiting client feels most, and a conversation's
+next turn (a session) would otherwise wait for whole answers of others to end. The minimum bounds how often one
+request is paused (each admission gives it that many tokens).
 """
 
 from __future__ import annotations
@@ -121,11 +127,7 @@ class Scheduler:
             if self.sessions.reclaim():
                 continue
             victim = max(self.running, key=lambda s: s.importance_key)
-            for i, (s, k) in enumerate(batch.items):
-                if s is victim:  # already scheduled this step: un-schedule it
-                    del batch.items[i]
-                    budget_back += k
-                    break
+            budget_back += self._unschedule(victim, batch)
             self._preempt(victim, batch)
             preempted = True
             if victim is seq:
@@ -134,13 +136,25 @@ class Scheduler:
             seq.block_table.extend(self.blocks.allocate(need))
         return True, budget_back, preempted
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    @staticmethod
+    def _unschedule(seq: Sequence, batch: ScheduledBatch) -> int:
+        """Take `seq` out of this step's batch if it is in it; -> the budget it had."""
+        for i, (s, k) in enumerate(batch.items):
+            if s is seq:
+                del batch.items[i]
+                return k
+        return 0
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, front: bool = True) -> None:
         self.running.remove(seq)
         seq.draft = []  # un-scheduled: nothing of this step is computed for it
         self.sessions.park(seq)  # with a tier: its KV is swapped back at readmission, not recomputed
         self._free_blocks(seq)
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.num_preemptions += 1
         batch.transitions.append((seq.request_id, State.PREEMPTED))
         logger.debug("preempted %s (priority %d, %d tokens)", seq.request_id, seq.priority, seq.num_tokens)
@@ -156,6 +170,9 @@ class Scheduler:
                 continue
             hits: list[int] = []
             if (key := self.sessions.key_of(seq)) and not self.sessions.prepare(seq, key) and self.running:
+                if (back := self._preempt_for_first_token(seq, self.sessions.blocks_to_swap_in(key), batch)) >= 0:
+                    budget += back
+                    continue
                 break  # its KV waits in the tier until a running request ends and leaves the room to swap it in
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
@@ -171,7 +188,10 @@ class Scheduler:
             if not self.blocks.can_allocate(need, hits):
                 if self.sessions.reclaim(spare=key or ""):
                     continue  # a paused session gave its blocks back: try again
-                break  # head of line waits for blocks; admitting never preempts
+                if (back := self._preempt_for_first_token(seq, need, batch, hits)) >= 0:
+                    budget += back
+                    continue
+                break  # head of line waits for blocks
             self.blocks.acquire(hits)
             if key:
                 self.sessions.resumed(key)
@@ -185,6 +205,7 @@ class Scheduler:
                 # it finds its own blocks again (outputs too): recomputation saved, not a reuse to report.
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
             seq.num_registered_blocks = len(hits)
+            seq.admitted_tokens = seq.num_tokens
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SequenceStatus.PREFILLING
@@ -193,6 +214,39 @@ class Scheduler:
             budget -= n
             self._note_prefill(seq, computing)
         self.waiting.extendleft(reversed(held))
+
+    def _preempt_for_first_token(
+        self, seq: Sequence, need: int, batch: ScheduledBatch, hits: list[int] | None = None
+    ) -> int:
+        """Make room for `need` blocks (with `hits` acquired) for a waiting `seq` that has emitted nothing, by
+        preempting running requests that have had their share since admission (module docstring), least important
+        first, each parked in the tier and queued at the back. Nobody is preempted unless together they free the
+        room. -> the budget given back by un-scheduled victims, or -1 when no room was made."""
+        least = self.config.first_token_preempt_min_tokens
+        if least == 0 or seq.num_outputs > 0:
+            return -1
+        victims = sorted(
+            (
+                s
+                for s in self.running
+                if s.status == SequenceStatus.DECODING
+                and s.num_tokens - s.admitted_tokens >= least
+                and s.priority >= seq.priority
+                and self.sessions.can_park(s)
+            ),
+            key=lambda s: s.importance_key,
+            reverse=True,
+        )
+        if not victims or self.blocks.num_free_blocks + sum(len(v.block_table) for v in victims) < need:
+            return -1  # (blocks a victim shares with others free nothing: then the loop below stops short)
+        back = 0
+        for victim in victims:
+            if self.blocks.can_allocate(need, hits or ()):
+                break
+            back += self._unschedule(victim, batch)
+            self._preempt(victim, batch, front=False)
+        logger.debug("%s: first token first, %d running left", seq.request_id, len(self.running))
+        return back
 
     def _prompts_in_prefill(self) -> dict[str, int]:
         """group -> the fewest prompt blocks registered so far by a running sibling still computing the prompt."""

@@ -109,12 +109,18 @@ class SessionKV:
         """Where a sequence being admitted finds KV of its own: parked when it was preempted, else its session's."""
         return PARKED + seq.request_id if seq.status == SequenceStatus.PREEMPTED else seq.session_id
 
+    def can_park(self, seq: Sequence) -> bool:
+        """Whether preempting `seq` would park its KV in the tier (one is configured, the KV is worth the copy) rather
+        than leave it to be recomputed."""
+        n = seq.num_registered_blocks
+        return self.tier is not None and n > 0 and n * self.blocks.block_size >= self.swap_min_tokens
+
     def park(self, seq: Sequence) -> None:
         """A running sequence is being preempted: its computed full blocks go to the tier (when there is one and
         they are worth it), to be swapped back at its readmission. Call before its blocks are released."""
-        n = seq.num_registered_blocks
-        if self.tier is None or n == 0 or n * self.blocks.block_size < self.swap_min_tokens:
+        if not self.can_park(seq):
             return
+        n = seq.num_registered_blocks
         key = PARKED + seq.request_id
         try:
             if not self.tier.put(key, list(seq.block_hashes[:n]), self.runner.read_blocks(seq.block_table[:n])):
@@ -165,6 +171,11 @@ class SessionKV:
         self.pool_blocks += len(run)
         self.swap_ins += 1
         return True
+
+    def blocks_to_swap_in(self, key: str) -> int:
+        """The pool blocks what is swapped out under `key` needs to come back (0: nothing in the tier)."""
+        k = self.kept.get(key)
+        return k.num_blocks if k is not None and k.swapped else 0
 
     def resumed(self, session: str) -> None:
         """The sequence kept under `session` was admitted (it holds its own references now): what was kept for it,
