@@ -236,8 +236,11 @@ def test_under_pressure_an_idle_session_is_reclaimed_before_one_whose_next_turn_
 
 
 def test_a_swapped_turn_waits_for_room_to_swap_in_rather_than_recompute_in_chunks(make_engine, tmp_path):
-    # The worker's shape: a prefill chunk (here 2 blocks) is far smaller than a conversation's KV (6 blocks).
-    engine = swap_engine(make_engine, tmp_path, max_num_batched_tokens=2 * BS, max_num_seqs=4)
+    # The worker's shape: a prefill chunk (here 2 blocks) is far smaller than a conversation's KV (6 blocks). First
+    # tokens first is off: the turn waits (with it on, it preempts "long": the test after the policy's below).
+    engine = swap_engine(
+        make_engine, tmp_path, max_num_batched_tokens=2 * BS, max_num_seqs=4, first_token_preempt_min_tokens=0
+    )
     convo = prompt(100)
     out, _ = turn(engine, "a1", convo, session="a")
     squeeze(engine)
@@ -257,16 +260,15 @@ def test_a_swapped_turn_waits_for_room_to_swap_in_rather_than_recompute_in_chunk
     assert engine.sessions.swap_ins == 1 and engine.stats().num_preemptions == 0
 
 
-def run_all(engine: LLMEngine, add_later: tuple[int, EngineRequest] | None = None) -> tuple[dict, list]:
-    """Step the engine until every request ended; `add_later` = (after how many outputs of the running requests
+def run_all(engine: LLMEngine, *add_later: tuple[int, EngineRequest]) -> tuple[dict, list]:
+    """Step the engine until every request ended; each of `add_later` = (after how many outputs of the requests
     together, the request to add then). -> ({request id: its output tokens}, [(request id, finished, its tokens so
     far) per output, in the order the engine gave them])."""
     tokens: dict[str, list[int]] = {}
-    order, emitted = [], 0
-    while engine.has_unfinished() or add_later:
-        if add_later and emitted >= add_later[0]:
-            engine.add_request(add_later[1])
-            add_later = None
+    order, emitted, later = [], 0, sorted(add_later, key=lambda x: x[0])
+    while engine.has_unfinished() or later:
+        while later and emitted >= later[0][0]:
+            engine.add_request(later.pop(0)[1])
         for o in engine.step().outputs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             emitted += len(o.new_token_ids)
@@ -303,7 +305,7 @@ def test_a_request_with_no_token_yet_preempts_one_that_has_had_its_share_and_bot
     # "long" holds 14 of the 20 blocks and has emitted 10 tokens when "new" (8 blocks) arrives.
     engine = first_token_engine(make_engine, tmp_path / "both", least=8)
     engine.add_request(greedy("long", prompt(200), 40))
-    tokens, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    tokens, order = run_all(engine, (10, greedy("new", prompt(120, start=5000), 40)))
     assert tokens == alone
     assert first_of(order, "new") < end_of(order, "long"), "new got its first token before long's answer ended"
     assert engine.stats().num_preemptions == 1
@@ -316,7 +318,7 @@ def test_a_running_request_that_has_not_had_its_share_since_admission_is_not_pre
 ):
     engine = first_token_engine(make_engine, tmp_path, least=30)
     engine.add_request(greedy("long", prompt(200), 40))
-    _, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    _, order = run_all(engine, (10, greedy("new", prompt(120, start=5000), 40)))
     long_before = max(n for rid, _, n in order[: first_of(order, "new")] if rid == "long")
     assert long_before >= 30, "long emitted its 30 tokens before anyone could take its place"
     assert engine.stats().num_preemptions == 1
@@ -325,7 +327,7 @@ def test_a_running_request_that_has_not_had_its_share_since_admission_is_not_pre
 def test_with_the_minimum_at_zero_a_first_token_waits_for_the_running_answer_to_end(make_engine, tmp_path):
     engine = first_token_engine(make_engine, tmp_path, least=0)
     engine.add_request(greedy("long", prompt(200), 40))
-    _, order = run_all(engine, add_later=(10, greedy("new", prompt(120, start=5000), 40)))
+    _, order = run_all(engine, (10, greedy("new", prompt(120, start=5000), 40)))
     assert end_of(order, "long") < first_of(order, "new") and engine.stats().num_preemptions == 0
 
 
@@ -339,7 +341,22 @@ def test_a_swapped_session_turn_preempts_a_running_request_that_has_had_its_shar
     engine.take_session_events()
     # "long" holds 27 of the 32 blocks: a's next turn needs its 6 swapped blocks back, and finds 5.
     engine.add_request(greedy("long", prompt(26 * BS, start=9000), 40))
-    tokens, order = run_all(engine, add_later=(10, greedy("a2", convo + out + [7], 2, session="a")))
+    tokens, order = run_all(engine, (10, greedy("a2", convo + out + [7], 2, session="a")))
     assert end_of(order, "a2") < end_of(order, "long")
     assert len(tokens["long"]) == 40 and engine.stats().num_preemptions == 1
     assert engine.sessions.swap_ins == 2  # a's conversation, then long's parked KV
+
+
+def test_a_first_token_is_not_held_behind_a_preempted_request_waiting_for_room_to_resume(make_engine, tmp_path):
+    engine = first_token_engine(make_engine, tmp_path, least=8)
+    engine.add_request(greedy("long", prompt(200), 40))
+    # new1 preempts long (14 blocks), which then waits at the head of the queue for the room to swap back in;
+    # new2 comes in behind it while new1 runs and fits in what is free: it starts rather than wait behind long.
+    _, order = run_all(
+        engine,
+        (10, greedy("new1", prompt(120, start=5000), 40)),
+        (30, greedy("new2", prompt(120, start=7000), 40)),
+    )
+    assert first_of(order, "new2") < end_of(order, "new1")
+    assert engine.stats().num_preemptions == 1
+    engine.check_no_leak()

@@ -41,7 +41,7 @@ class EngineConfig:
     # First tokens first: a waiting request that has emitted nothing and finds no room may preempt, by parking its
     # KV in the tier, a less or equally important running one that has emitted at least this many tokens since its
     # admission (0: never; a running request is only ever preempted for a more important one's growth).
-    first_token_preempt_min_tokens: int = 32
+    first_token_preempt_min_tokens: int = 16
     # Prompt-lookup speculative decoding of greedy requests (ngram.py): up to this many drafted tokens checked per
     # step and sequence (0: off), from n-grams of ngram_min..ngram_max tokens, while at most spec_max_batch
     # sequences decode (beyond, a step is compute-bound on a CPU and a wrong draft costs its rows in full).

@@ -10,9 +10,10 @@ else recomputed at readmission.
 
 First tokens first: a waiting request that has emitted nothing and finds no room may preempt running ones that
 have emitted `first_token_preempt_min_tokens` since their admission (none more important than it, each parked in
-the tier, queued at the back): the time to a first token is what a waiting client feels most, and a conversation's
-next turn (a session) would otherwise wait for whole answers of others to end. The minimum bounds how often one
-request is paused (each admission gives it that many tokens).
+the tier, queued at the back), and a paused answer waiting for room never holds a first token behind it: the time
+to a first token is what a waiting client feels most, and a conversation's next turn (a session) would otherwise
+wait for whole answers of others to end. The minimum bounds how often one request is paused (each admission gives
+it that many tokens).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class Scheduler:
                 if (back := self._preempt_for_first_token(seq, self.sessions.blocks_to_swap_in(key), batch)) >= 0:
                     budget += back
                     continue
+                if self._first_token_to_front():
+                    continue
                 break  # its KV waits in the tier until a running request ends and leaves the room to swap it in
             if self.blocks.enable_prefix_caching:
                 # hash full blocks, but never serve the block holding the last token from cache:
@@ -190,6 +193,8 @@ class Scheduler:
                     continue  # a paused session gave its blocks back: try again
                 if (back := self._preempt_for_first_token(seq, need, batch, hits)) >= 0:
                     budget += back
+                    continue
+                if self._first_token_to_front():
                     continue
                 break  # head of line waits for blocks
             self.blocks.acquire(hits)
@@ -247,6 +252,19 @@ class Scheduler:
             self._preempt(victim, batch, front=False)
         logger.debug("%s: first token first, %d running left", seq.request_id, len(self.running))
         return back
+
+    def _first_token_to_front(self) -> bool:
+        """The head of the queue has emitted tokens (a preempted request) and waits for room: the first waiting
+        request that has emitted nothing goes before it, to be admitted, or to preempt for its first token, in its
+        stead (a first token is never held behind a paused answer). -> whether one moved."""
+        if self.config.first_token_preempt_min_tokens == 0 or self.waiting[0].num_outputs == 0:
+            return False
+        fresh = next((s for s in self.waiting if s.num_outputs == 0), None)
+        if fresh is None:
+            return False
+        self.waiting.remove(fresh)
+        self.waiting.appendleft(fresh)
+        return True
 
     def _prompts_in_prefill(self) -> dict[str, int]:
         """group -> the fewest prompt blocks registered so far by a running sibling still computing the prompt."""
