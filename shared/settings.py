@@ -371,10 +371,7 @@ class WorkerSettings(CommonSettings):
         "(recomputing them is cheaper: docs/benchmarks.md)",
     )
     first_token_preempt_min_tokens: int = Field(
-        16,
-        ge=0,
-        description="a waiting request with no token yet and no room may preempt (its KV parked on disk, swapped "
-        "back later) a running one that has emitted at least this many tokens since its admission; 0 = never",
+        16, ge=0, description="a request with no token yet preempts running ones that emitted this many; 0 = never"
     )
 
 
