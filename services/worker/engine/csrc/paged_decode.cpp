@@ -170,8 +170,9 @@ struct Prefetcher {
   }
 };
 
-// How far ahead of the tile being computed the loads run, in rows (KVH * D values each); measured on Zen 5
-// (benchmarks/decode_attention.py): 8 to 32 rows within the VM's noise of each other, all well ahead of none.
+// How far ahead of the tile being computed the loads run, in rows (KVH * D values each). Builds with 8, 16 and 32
+// measured side by side on Zen 5 were within the VM's noise of each other (docs/benchmarks.md, "Decode attention
+// that loads ahead").
 constexpr int64_t kAheadRows = 16;
 
 // o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for GC
