@@ -68,11 +68,11 @@ def test_a_gemm_plan_saved_on_a_cpu_with_other_flags_is_not_reused(tmp_path, mon
     monkeypatch.setattr(gemm, "_memory", {})
     monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN4.split())))
     store = gemm.PlanStore(tmp_path)
-    store.put(gemm.key(48, 32, torch.float32, 4), gemm.PlanEntry(("packed",) * 4))
+    store.put(gemm.key(48, 32, torch.float32, 4, gemm.offered(False)), gemm.PlanEntry(("packed",) * 4))
     store.save()
     monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a CPU of the same name without AVX-512
     monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN3.split())))
-    assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4)) is None
+    assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
 
 
 def test_others_busy_is_the_machines_busy_time_less_this_processs_over_all_cores():

@@ -4,7 +4,8 @@ Why C++: the paged decode attention (paged_decode.cpp) reads each sequence's K/V
 pool; in torch ops the same product needs a gather copy of every sequence's K/V per layer first (a third
 of a batch-32 decode step on the 2-core VM of docs/benchmarks.md). layer_ops.cpp fuses the small per-layer
 ops of the fused forward (fused_llama.py): residual add + RMSNorm, rotary, SiLU * up; sampling.cpp the
-sampler's inverse-CDF draw (sampler.py).
+sampler's inverse-CDF draw (sampler.py); gemv.cpp a linear layer at a few rows, one more kernel the GEMM plans
+(gemm.py) choose from.
 
 Which ISA: the sources are built as one extension per variant (ISAS: avx512, avx2, portable), each with
 explicit flags rather than -march=native, so that what runs is named, and every variant this CPU can run
@@ -44,6 +45,7 @@ HEADERS = (
     CSRC / "prefill_attention.cpp",
     CSRC / "layer_ops.cpp",
     CSRC / "sampling.cpp",
+    CSRC / "gemv.cpp",
     CSRC / "vec.h",
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
@@ -58,7 +60,7 @@ ISA_NEEDS = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "portable": frozenset(),
 }
-OPS = ("paged_decode", "prefill_attention", "add_rms_norm", "rotary", "silu_mul", "sample_rows")
+OPS = ("paged_decode", "prefill_attention", "add_rms_norm", "rotary", "silu_mul", "sample_rows", "gemv")
 
 
 def missing(isa: str, cpu: CpuInfo | None = None) -> frozenset[str]:
@@ -127,11 +129,16 @@ def active_isa() -> str | None:
     return _active.get("isa")
 
 
+def vector_path() -> bool:
+    """Whether the loaded variant has a vector path (not the portable loop)."""
+    return _active.get("isa", "portable") != "portable"
+
+
 def prefill_kernel_pays() -> bool:
     """Whether prefill attention should take the kernel: its vector builds run the products faster than torch's
     CPU flash kernel (docs/benchmarks.md: avx512 2.4-3.5x, avx2 1.05-1.7x), its portable loop 3-6x slower, so
     that one keeps torch's."""
-    return _active.get("isa", "portable") != "portable"
+    return vector_path()
 
 
 def ops() -> Any:

@@ -7,6 +7,8 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   onednn   oneDNN's linear (the primitive torch.compile's CPU backend uses)
   packed   oneDNN's linear on a copy of the weight reordered once into its blocked layout (what vLLM's
            CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
+  gemv     the engine's own kernel for a few rows (csrc/gemv.cpp, at most GEMV_MAX_ROWS): each thread streams
+           whole rows with software prefetches; offered only where the CPU kernels load with a vector path
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
 `onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
 measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU model and ISA flags:
@@ -44,11 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v4.json"  # v4: entries carry the load they were measured under
+PLAN_FILE = "gemm-plan-v5.json"  # v5: keys name the kernels offered (gemv or not)
 _REPS = 2  # timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time)
 _MARGIN = 0.9  # another kernel must be >= 10 % faster than `linear` to be chosen (the safe default)
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
@@ -79,8 +82,20 @@ def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: to
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
+def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    return cpu_ops.ops().gemv(x, w, b)
+
+
 # x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
-KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn, "packed": _packed}
+KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn, "packed": _packed, "gemv": _gemv}
+GEMV_MAX_ROWS = 16  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
+_MAX_ROWS = {"gemv": GEMV_MAX_ROWS}  # a kernel is measured (and chosen) only for buckets of at most this many rows
+
+
+def offered(gemv: bool) -> tuple[str, ...]:
+    """The kernels plans choose from; gemv only when the engine's CPU kernels are loaded with a vector path
+    (the portable loop is slower than any library's)."""
+    return tuple(n for n in KERNELS if n != "gemv" or gemv)
 
 
 @dataclass(frozen=True)
@@ -120,11 +135,10 @@ def needs_measuring(entry: PlanEntry | None, others_now: float | None) -> bool:
 _memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 
-def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int) -> str:
+def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, kernels: tuple[str, ...]) -> str:
     cpu = this_cpu().identity()  # the model name and a digest of its ISA flags: another CPU measures its own
-    return "|".join(
-        map(str, (cpu, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets))
-    )
+    fields = (cpu, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
+    return "|".join(map(str, (*fields, "+".join(kernels))))
 
 
 def _usable(name: str, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> bool:
@@ -139,7 +153,7 @@ def _usable(name: str, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | 
 
 
 @torch.inference_mode()
-def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, ...]]:
+def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """The fastest kernel per plan key for M = 1, 2, 4, ... 2**(buckets-1) rows.
 
     Timed as the engine runs them: whole passes over every target layer in forward order, so each
@@ -153,7 +167,7 @@ def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, .
     for m, k, _ in targets:
         if k not in names:
             probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-            names[k] = [n for n in KERNELS if n == "linear" or _usable(n, probe, m.weight, packs[id(m)])]
+            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, packs[id(m)])]
     plans: dict[str, list[str]] = {k: [] for k in names}
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
@@ -162,14 +176,15 @@ def measure(targets: list[tuple[nn.Linear, str, int]]) -> dict[str, tuple[str, .
             for m, _ in live
         }
         best: dict[tuple[str, str], float] = {}
+        here = [n for n in kernels if 2**i <= _MAX_ROWS.get(n, 2**i)]
         for rep in range(1 + _REPS):
-            for n in KERNELS:
+            for n in here:
                 sums = _timed_pass(n, live, names, xs, packs)
                 for k, v in sums.items():
                     if rep:
                         best[(k, n)] = min(best.get((k, n), float("inf")), v)
         for k in {k for _, k in live}:
-            winner = min(names[k], key=lambda n: best[(k, n)])
+            winner = min((n for n in names[k] if n in here), key=lambda n: best[(k, n)])
             plans[k].append(winner if best[(k, winner)] < _MARGIN * best[(k, "linear")] else "linear")
     return {k: tuple(v) for k, v in plans.items()}
 
@@ -283,20 +298,28 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def tune_linears(
-    layers: list[nn.Linear], head: nn.Linear | None, max_rows: int, max_head_rows: int, cache_dir: Path | str | None
+    layers: list[nn.Linear],
+    head: nn.Linear | None,
+    max_rows: int,
+    max_head_rows: int,
+    cache_dir: Path | str | None,
+    gemv: bool = False,
 ) -> int:
     """Give each of `layers` (plain nn.Linear) a measured kernel plan; returns how many use more than `linear`.
 
     max_rows: most rows a layer sees in one step (the step's token budget); max_head_rows: most rows
-    of the output head `head` (the sequences sampled in one step: only those rows reach it).
+    of the output head `head` (the sequences sampled in one step: only those rows reach it); gemv: offer the
+    engine's own kernel (the caller loaded the CPU kernels with a vector path).
     """
+    kernels = offered(gemv)
     targets: list[tuple[nn.Linear, str, int]] = []  # (layer, plan key, buckets)
     for module in layers:
         rows = max_head_rows if module is head else max_rows
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
-        targets.append((module, key(module.out_features, module.in_features, module.weight.dtype, buckets), buckets))
+        k = key(module.out_features, module.in_features, module.weight.dtype, buckets, kernels)
+        targets.append((module, k, buckets))
     store = PlanStore(cache_dir)
-    _measure_needed(store, targets)
+    _measure_needed(store, targets, kernels)
     mixed, packed_bytes = 0, 0
     for module, k, _ in targets:
         plan = store.get(k).kernels
@@ -319,7 +342,7 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]
 
 
-def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]]) -> None:
+def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...]) -> None:
     """Measure the plans not known yet, and the provisional ones if the machine is quiet now; one process at
     a time: workers starting together would otherwise time their kernels against each other."""
     seen = {k: store.get(k) for _, k, _ in targets}
@@ -332,7 +355,7 @@ def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]])
         todo = {k for k in todo if store.get(k) == seen[k]}  # what another process measured meanwhile is kept
         if todo:
             before = sample_cpu()
-            plans = measure([t for t in targets if t[1] in todo])
+            plans = measure([t for t in targets if t[1] in todo], kernels)
             busy = others_busy(before, sample_cpu())
             for k, plan in plans.items():
                 entry = PlanEntry(plan, busy, seen[k].tries + 1 if seen[k] else 1)

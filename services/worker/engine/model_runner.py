@@ -77,12 +77,15 @@ class ModelRunner:
         install_paged_attention(model)
         device = next(model.parameters()).device
         fused = FusedLlama.build(model) if config.fused_model else None
+        kernel = config.cpu_kernels and device.type == "cpu"
+        kernel = kernel and cpu_ops.load(config.tuning_cache_dir, config.cpu_isa)
         if config.gemm_tuning and device.type == "cpu":
             layers = fused.linears() if fused else plain_linears(model)
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            tune_linears(layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir)
-        kernel = config.cpu_kernels and device.type == "cpu"
-        kernel = kernel and cpu_ops.load(config.tuning_cache_dir, config.cpu_isa)
+            gemv = bool(kernel and cpu_ops.vector_path())
+            tune_linears(
+                layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir, gemv
+            )
         native = bool(kernel and fused and fused.use_native_ops())
         prefill = bool(kernel and cpu_ops.prefill_kernel_pays())
         num_blocks = kv_pool_blocks(config, model, device)

@@ -179,6 +179,24 @@ def test_silu_mul_equals_torch(kernels, width):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # each specialised row count, and chunks of 4 (+ 1)
+@pytest.mark.parametrize("shape", [(576, 1536), (37, 50), (3, 7)])  # whole groups/steps; row and K tails; < 1 group
+def test_gemv_equals_f_linear_with_and_without_bias(kernels, rows, shape):
+    torch.manual_seed(0)
+    n, k = shape
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(rows, k + 3)[:, :k]  # rows strided as a view of a wider tensor
+    torch.testing.assert_close(kernels.gemv(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.gemv(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_refuses_more_rows_than_it_takes(kernels):
+    from services.worker.engine.gemm import GEMV_MAX_ROWS
+
+    with pytest.raises(RuntimeError, match=f"at most {GEMV_MAX_ROWS} rows"):
+        kernels.gemv(torch.randn(GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8), None)
+
+
 @pytest.mark.parametrize("vocab", [1000, 37])  # whole 16-token chunks plus a tail; a vocabulary under 3 chunks
 def test_sample_rows_draws_the_token_whose_cdf_interval_holds_the_uniform(kernels, vocab):
     """Given the uniforms, the draw is deterministic: the token whose interval of softmax(x / temperature)'s CDF

@@ -36,7 +36,7 @@ def force(model: nn.Module, kernel: str) -> None:
             m.conveyor_packed = gemm.pack(m.weight.detach())
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("kernel", sorted(set(KERNELS) - {"gemv"}))  # gemv, per ISA: test_engine_cpu_kernels.py
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -48,6 +48,25 @@ def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(k
         got = model(x)
     assert got.shape == expected.shape == (1, rows, 16)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_is_chosen_only_for_buckets_of_rows_it_takes(monkeypatch):
+    """Even where it would time fastest at every size, gemv is neither measured nor chosen above its row limit."""
+    model = tiny_model()
+    targets = [(m, f"k{i}", 8) for i, m in enumerate(plain_linears(model))]  # buckets of 1 ... 128 rows
+    timed = []
+
+    def fake_pass(name, live, names, xs, packs):
+        timed.append((name, next(iter(xs.values())).shape[0]))
+        return {k: 0.0 if name == "gemv" else 1.0 for _, k in live}
+
+    monkeypatch.setattr(gemm, "_usable", lambda name, x, w, packed: True)
+    monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
+    plans = gemm.measure(targets, gemm.offered(True))
+    limit = gemm.GEMV_MAX_ROWS.bit_length()  # buckets 1, 2, 4, ... GEMV_MAX_ROWS
+    assert all(p == ("gemv",) * limit + ("linear",) * (8 - limit) for p in plans.values())
+    assert max(rows for name, rows in timed if name == "gemv") == gemm.GEMV_MAX_ROWS
+    assert "gemv" not in gemm.offered(False)
 
 
 def test_plan_bucket_is_the_next_power_of_two_of_the_row_count():
@@ -112,7 +131,7 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
         "logging.basicConfig(level=logging.INFO)\n"
         "gemm.others_busy = lambda before, after: 0.0  # each other's start is not load to re-measure for\n"
         "real = gemm.measure\n"
-        "gemm.measure = lambda t: time.sleep(1.0) or real(t)  # a window wide enough to overlap\n"
+        "gemm.measure = lambda t, k: time.sleep(1.0) or real(t, k)  # a window wide enough to overlap\n"
         "gemm.tune_linears([nn.Linear(32, 48), nn.Linear(48, 16)], None, 16, 16, sys.argv[1])\n"
     )
     procs = [
@@ -128,7 +147,7 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
 def measured_counts(monkeypatch) -> list[int]:
     """Counts gemm.measure's calls (it still measures)."""
     calls, real = [], gemm.measure
-    monkeypatch.setattr(gemm, "measure", lambda targets: calls.append(len(targets)) or real(targets))
+    monkeypatch.setattr(gemm, "measure", lambda targets, kernels: calls.append(len(targets)) or real(targets, kernels))
     return calls
 
 

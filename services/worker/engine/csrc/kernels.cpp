@@ -5,3 +5,4 @@
 #include "layer_ops.cpp"
 #include "sampling.cpp"
 #include "prefill_attention.cpp"
+#include "gemv.cpp"

@@ -182,6 +182,7 @@ inline vf vreduce_rows(const vf* v) {
 #undef CONVEYOR_EXP_BODY
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace conveyor_vec
 #endif
