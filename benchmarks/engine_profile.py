@@ -5,7 +5,8 @@ sequences (random 128-token prompts, greedy, ignore_eos); their batch-32 decode 
 rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also times a 512-token prefill
 (one prompt, one step). With --profile, torch.profiler's table of the chosen variant's decode step and prefill.
 
-Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all]
+Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all] [--batch 32]
+  The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ VARIANTS = {
     "fused": dict(cpu_kernels=False),
     "kernel": dict(fused_model=False),
     "all": {},
+    "no-gemv": dict(gemv_kernel=False),  # the GEMM plans without the engine's own GEMV kernel
 }
 
 
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     ap.add_argument("--profile", default=None, help="print torch.profiler tables for this variant")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=32, help="sequences decoding in the timed steps")
     ap.add_argument(
         "--threads",
         type=int,
@@ -112,12 +115,12 @@ def main() -> None:
             if r:
                 prefill[n].append(t)
     for i, e in enumerate(engines.values()):
-        fill(e, 32, 128, i)
+        fill(e, args.batch, 128, i)
     for _ in range(args.rounds):
         for n, e in engines.items():
             decode[n] += time_steps(e, args.steps)
     base = statistics.median(decode[names[0]])
-    print(f"threads {torch.get_num_threads()}; batch-32 decode step (ctx ~200) and 512-token prefill, ms")
+    print(f"threads {torch.get_num_threads()}; batch-{args.batch} decode step (ctx ~200) and 512-token prefill, ms")
     print(f"{'variant':8} {'decode min':>10} {'median':>8} {'x ' + names[0]:>9} {'prefill min':>11} {'median':>8}")
     for n in names:
         d, p = decode[n], prefill[n]
@@ -127,7 +130,7 @@ def main() -> None:
         )
     if args.profile:
         e = engines[args.profile]
-        print(f"\n[{args.profile}] 3 decode steps at batch 32\n" + profile_table(lambda: time_steps(e, 3)))
+        print(f"\n[{args.profile}] 3 decode steps at batch {args.batch}\n" + profile_table(lambda: time_steps(e, 3)))
         for seq in list(e.scheduler.running):
             e.abort_request(seq.request_id)
         e.step()

@@ -82,7 +82,7 @@ class ModelRunner:
         if config.gemm_tuning and device.type == "cpu":
             layers = fused.linears() if fused else plain_linears(model)
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            gemv = bool(kernel and cpu_ops.vector_path())
+            gemv = bool(kernel and config.gemv_kernel and cpu_ops.vector_path())
             tune_linears(
                 layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir, gemv
             )
