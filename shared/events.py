@@ -293,6 +293,8 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
     sessions_swapped: int = 0  # sessions whose KV it keeps in its second tier (disk)
     session_blocks_paused: int = 0  # KV blocks of its pool held by paused sessions (reclaimable under pressure)
     session_blocks_swapped: int = 0  # KV blocks' worth kept in its second tier
+    kv_swap_outs: int = 0  # KV runs copied to its second tier since start (paused sessions, parked preemptions)
+    kv_swap_ins: int = 0  # of those, runs copied back into its pool since start
     num_drafted: int = 0  # speculative decoding since start: draft tokens checked
     num_draft_accepted: int = 0  # of them, those the model agreed with (each one a step saved)
 

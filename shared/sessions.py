@@ -42,8 +42,16 @@ ALLOWED: dict[SessionState, frozenset[SessionState]] = {
     S.CLOSED: frozenset(),
 }
 KV_KEPT = frozenset({S.PAUSED, S.SWAPPED})  # states in which a worker holds the conversation's KV
-# A worker's session figures: fields of its Heartbeat and of its liveness entry, summed by /metrics and the dashboard.
-SESSION_FIGURES = ("sessions_paused", "sessions_swapped", "session_blocks_paused", "session_blocks_swapped")
+# A worker's session figures: fields of its Heartbeat and of its liveness entry, summed by /metrics and the dashboard
+# (the kv_swap_* ones count since the worker's start).
+SESSION_FIGURES = (
+    "sessions_paused",
+    "sessions_swapped",
+    "session_blocks_paused",
+    "session_blocks_swapped",
+    "kv_swap_outs",
+    "kv_swap_ins",
+)
 
 
 def predecessors(to: SessionState) -> list[SessionState]:

@@ -156,6 +156,10 @@ def test_a_request_without_a_session_makes_no_session(cluster):
     assert ids() == before
 
 
+def test_metrics_count_the_workers_kv_swaps_out_and_in(cluster):
+    assert _metric(cluster, "conveyor:kv_swap_outs_total") >= _metric(cluster, "conveyor:kv_swap_ins_total") >= 0
+
+
 def _metric(cluster, name: str) -> float:
     text = httpx.get(f"{cluster.url}/metrics", headers=auth(KEY_A), timeout=10).text
     for line in text.splitlines():

@@ -56,6 +56,8 @@ def test_a_finished_session_turn_keeps_its_computed_full_blocks(make_engine):
         "sessions_swapped": 0,
         "session_blocks_paused": 6,
         "session_blocks_swapped": 0,
+        "kv_swap_outs": 0,
+        "kv_swap_ins": 0,
     }
 
 
@@ -166,6 +168,15 @@ def test_under_pressure_a_paused_session_moves_to_the_disk_tier_and_its_next_tur
     assert end.num_cached_tokens == 6 * BS
     assert engine.sessions.swap_ins == 1 and engine.sessions.tier.num_entries == 0
     assert engine.stats().sessions["sessions_swapped"] == 0
+
+
+def test_the_stats_count_every_swap_out_and_swap_in_since_start(make_engine, tmp_path):
+    engine = swap_engine(make_engine, tmp_path)
+    convo = prompt(100)
+    out, _ = turn(engine, "a1", convo, session="a")
+    squeeze(engine)
+    turn(engine, "a2", convo + out + [7], session="a")
+    assert (engine.stats().sessions["kv_swap_outs"], engine.stats().sessions["kv_swap_ins"]) == (1, 1)
 
 
 def test_a_corrupt_swapped_entry_is_recomputed_never_read(make_engine, tmp_path):

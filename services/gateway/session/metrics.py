@@ -169,6 +169,12 @@ class _Snapshot:
         tiers.add_metric(["memory"], f["session_blocks_paused"])
         tiers.add_metric(["disk"], f["session_blocks_swapped"])
         yield tiers
+        yield CounterMetricFamily(
+            "conveyor:kv_swap_outs",
+            "KV runs live workers copied to their disk tier (paused, parked)",
+            f["kv_swap_outs"],
+        )
+        yield CounterMetricFamily("conveyor:kv_swap_ins", "KV runs live workers copied back from it", f["kv_swap_ins"])
 
 
 def _chunks(xs: list, n: int) -> list[list]:

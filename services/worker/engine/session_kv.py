@@ -272,4 +272,6 @@ class SessionKV:
             "sessions_swapped": len(swapped),
             "session_blocks_paused": sum(k.num_blocks for k in paused),
             "session_blocks_swapped": sum(k.num_blocks for k in swapped),
+            "kv_swap_outs": self.swap_outs,
+            "kv_swap_ins": self.swap_ins,
         }
