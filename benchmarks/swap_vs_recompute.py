@@ -4,8 +4,10 @@ The real default model on the torch engine, with the worker's default EngineConf
 512-token steps, so a long prefill runs in chunks as it would in the worker). For each length, each repetition:
 
   recompute    prefill of the whole conversation through LLMEngine (max_tokens=1: add_request to its token)
-  swap-out     runner.read_blocks(the conversation's blocks) + DiskTier.put
-  swap-in      DiskTier.get (the crc32 check included) + runner.write_blocks into other, free blocks
+  swap-out     DiskTier.put_parts(runner.read_slabs(the conversation's blocks)): the worker's path, one layer's
+               slab at a time through a reused buffer; beside it the whole payload gathered into a fresh array
+               (runner.read_blocks) + DiskTier.put, what the worker did before (2026-12-02)
+  swap-in      DiskTier.get (the checksum included) + runner.write_blocks into other, free blocks
   swap-in cold the same, after the file's pages are written back and dropped from the page cache
                (posix_fadvise on that file only): the read then comes from the disk
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 SIZES = (512, 2048, 8192)
 KEY = "session"
-STEPS = ("read_blocks", "put", "get", "write_blocks", "get_cold", "write_blocks_cold")
+STEPS = ("put_parts", "read_blocks", "put", "get", "write_blocks", "get_cold", "write_blocks_cold")
 
 
 def conversation(tokens: int, rep: int, vocab: int) -> list[int]:
@@ -85,11 +87,16 @@ def drop_page_cache(path: Path) -> None:
 
 
 def swap_out(runner, tier: DiskTier, blocks: list[int], t: dict[str, float]) -> None:
+    """Both ways (the whole payload first, then the slabs, whose entry is the one kept)."""
     t0 = time.perf_counter()
     payload = runner.read_blocks(blocks)
     t1 = time.perf_counter()
     stored = tier.put(KEY, [], payload)
     t["read_blocks"], t["put"] = t1 - t0, time.perf_counter() - t1
+    del payload
+    t0 = time.perf_counter()
+    stored = stored and tier.put_parts(KEY, [], len(blocks) * runner.block_bytes, runner.read_slabs(blocks))
+    t["put_parts"] = time.perf_counter() - t0
     assert stored, f"the tier's bound ({tier.max_bytes} bytes) is too small"
 
 
@@ -145,7 +152,8 @@ def measure(engine: LLMEngine, tier: DiskTier, tokens: int, reps: int) -> dict:
         "payload_bytes": len(blocks) * engine.runner.block_bytes,
         "file_bytes": file_bytes,
         "median_s": med,
-        "swap_out_s": med["read_blocks"] + med["put"],
+        "swap_out_s": med["put_parts"],
+        "swap_out_whole_payload_s": med["read_blocks"] + med["put"],
         "swap_in_s": swap_in,
         "swap_in_cold_s": swap_in_cold,
         "ratio_swap_in_to_recompute": swap_in / med["recompute"],

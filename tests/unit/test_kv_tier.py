@@ -40,6 +40,25 @@ def test_an_entry_reads_back_with_its_hashes_and_payload(tier):
     assert tier.bytes_used == entry_file(tier).stat().st_size
 
 
+def test_an_entry_put_in_parts_reads_back_as_their_concatenation(tier):
+    data = payload(10_000)
+    parts = [data[:1], data[1:4096], data[4096:]]
+    assert tier.put_parts("s", HASHES, data.nbytes, iter(parts))
+    got = tier.get("s")
+    assert got is not None and got.block_hashes == HASHES and np.array_equal(got.payload, data)
+
+
+@pytest.mark.parametrize("nbytes", [9_999, 10_001], ids=["parts-too-long", "parts-too-short"])
+def test_parts_that_do_not_add_up_are_refused_and_the_older_entry_stays(tier, nbytes):
+    old = payload(100, seed=1)
+    assert tier.put("s", HASHES, old)
+    used = tier.bytes_used
+    with pytest.raises(ValueError):
+        tier.put_parts("s", HASHES, nbytes, iter([payload(10_000)]))
+    assert np.array_equal(tier.get("s").payload, old)
+    assert tier.bytes_used == used and len(list(tier.directory.glob("*"))) == 2  # the entry and tier.lock
+
+
 def test_bytes_memoryview_and_typed_arrays_are_stored_as_their_bytes(tier):
     floats = np.linspace(0, 1, 300, dtype=np.float32).reshape(3, 100)
     for key, value in [("b", b"abc" * 100), ("m", memoryview(b"xyz" * 7)), ("f", floats)]:

@@ -71,9 +71,29 @@ def test_a_payload_or_ids_that_do_not_match_are_refused_and_nothing_is_written(i
     assert torch.equal(pool.key, before[0]) and torch.equal(pool.value, before[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_slabs_in_order_are_the_payload_of_read_blocks(dtype):
+    pool = filled_pool(dtype)
+    ids = [7, 2, 5]
+    expected = torch.stack([pool.key[:, ids], pool.value[:, ids]]).contiguous().view(torch.uint8).reshape(-1).numpy()
+    slabs = [bytes(s) for s in pool.read_slabs(ids)]  # each copied before the next is taken (one buffer)
+    assert len(slabs) == 2 * GEOMETRY.num_hidden_layers
+    assert b"".join(slabs) == expected.tobytes() == pool.read_blocks(ids).tobytes()
+
+
+def test_slabs_of_a_smaller_read_after_a_larger_one_hold_only_its_blocks():
+    pool = filled_pool(torch.float32)
+    list(pool.read_slabs([0, 1, 2, 3]))
+    first = next(iter(pool.read_slabs([6])))
+    assert first.nbytes == pool.block_bytes // (2 * GEOMETRY.num_hidden_layers)
+    assert bytes(first) == pool.key[0, 6].contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def test_reading_ids_outside_the_pool_is_refused():
     with pytest.raises(ValueError):
         filled_pool(torch.float32).read_blocks([10])
+    with pytest.raises(ValueError):  # before a slab is taken: the tier never opens a file for it
+        filled_pool(torch.float32).read_slabs([10])
 
 
 def sim_runner() -> SimRunner:

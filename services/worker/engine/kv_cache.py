@@ -11,6 +11,7 @@ dtype: numpy has no bfloat16, so every dtype travels as uint8 and is viewed back
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -57,6 +58,8 @@ class PagedKVCache:
         self.value = torch.zeros(shape, dtype=dtype, device=device)
         self._flat_key = self.key.view(layers, num_blocks * block_size, kv_heads, head_dim)
         self._flat_value = self.value.view(layers, num_blocks * block_size, kv_heads, head_dim)
+        self._staging: torch.Tensor | None = None  # read_slabs' slab buffer (and its CPU copy on a device)
+        self._host: torch.Tensor | None = None
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers, %.1f MiB on %s",
             num_blocks,
@@ -96,14 +99,39 @@ class PagedKVCache:
     @torch.inference_mode()
     def read_blocks(self, block_ids: Seq[int]) -> np.ndarray:
         """K and V of the blocks, all layers, as one contiguous uint8 CPU array of len(block_ids) * block_bytes
-        (layout in the module docstring). On CPU one copy (the gather straight into the result); on a device the
-        gather runs there and its result comes over in one transfer."""
+        (layout in the module docstring): read_slabs' slabs, copied one after the other."""
+        out = np.empty(len(block_ids) * self.block_bytes, dtype=np.uint8)
+        at = 0
+        for slab in self.read_slabs(block_ids):
+            out[at : at + slab.nbytes] = slab
+            at += slab.nbytes
+        return out
+
+    def read_slabs(self, block_ids: Seq[int]) -> Iterator[memoryview]:
+        """read_blocks' payload in its order, one slab at a time (one layer's K, or V, of all the blocks), each
+        gathered into a staging buffer the pool keeps and reuses for every slab: a slab is valid until the next
+        is taken. Why: a swap-out that gathered a conversation's ~100 MB into a fresh array page-faulted every page
+        of it (44 ms for 84 MB, against 12 ms for the scatter back into the pool: docs/benchmarks.md); one
+        layer's slab (~1.4 MB at 1,900 tokens of SmolLM2) is written to the tier while it is still in the cache.
+        ValueError for ids outside the pool (raised here, before any slab is taken)."""
         idx = self._block_index(block_ids)
         layers, _, bs, kvh, d = self.key.shape
-        out = torch.empty((2, layers, len(block_ids), bs, kvh, d), dtype=self.key.dtype, device=self.key.device)
-        torch.index_select(self.key, 1, idx, out=out[0])
-        torch.index_select(self.value, 1, idx, out=out[1])
-        return out.cpu().view(torch.uint8).reshape(-1).numpy()
+        n = len(block_ids) * bs * kvh * d
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(n, dtype=self.key.dtype, device=self.key.device)
+            self._host = self._staging if self.key.device.type == "cpu" else torch.empty(n, dtype=self.key.dtype)
+        slab = self._staging[:n].view(len(block_ids), bs, kvh, d)
+        host = self._host[:n]
+        return self._slabs(idx, slab, host, layers)
+
+    @torch.inference_mode()
+    def _slabs(self, idx: torch.Tensor, slab: torch.Tensor, host: torch.Tensor, layers: int) -> Iterator[memoryview]:
+        for pool in (self.key, self.value):
+            for layer in range(layers):
+                torch.index_select(pool[layer], 0, idx, out=slab)
+                if host.data_ptr() != slab.data_ptr():
+                    host.copy_(slab.view(-1))  # one transfer from a device
+                yield memoryview(host.view(torch.uint8).numpy())
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: Seq[int], payload) -> None:

@@ -127,6 +127,10 @@ class ModelRunner:
         """K and V of the blocks, all layers, as one uint8 CPU array (PagedKVCache.read_blocks)."""
         return self.kv_cache.read_blocks(block_ids)
 
+    def read_slabs(self, block_ids: list[int]):
+        """read_blocks' payload in slabs from one reused buffer (PagedKVCache.read_slabs)."""
+        return self.kv_cache.read_slabs(block_ids)
+
     def write_blocks(self, block_ids: list[int], payload) -> None:
         """read_blocks' payload back into these blocks; ValueError if it is not len(block_ids) blocks."""
         self.kv_cache.write_blocks(block_ids, payload)

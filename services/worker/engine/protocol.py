@@ -9,7 +9,7 @@ engine's own and the same whichever runner computes the steps.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence as Seq
+from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
 
 from services.worker.engine.outputs import EngineStats, StepResult, TokenLogprobs
 from services.worker.engine.request import EngineRequest, Sequence
@@ -72,6 +72,10 @@ class ModelRunner(Protocol):
     def read_blocks(self, block_ids: list[int]) -> Any:
         """K and V of these blocks, all layers, as one contiguous uint8 numpy array on the CPU (block_bytes per
         block), for the disk tier (kv_tier.py) to keep. ValueError for ids outside the pool."""
+
+    def read_slabs(self, block_ids: list[int]) -> Iterable[Any]:
+        """read_blocks' payload as consecutive buffers, for the tier's put_parts; a runner may reuse one buffer for
+        every slab (each valid until the next is taken). ValueError for ids outside the pool, before any slab."""
 
     def write_blocks(self, block_ids: list[int], payload: Any) -> None:
         """The inverse of read_blocks, into these (possibly other) blocks. payload: bytes, memoryview or numpy

@@ -8,7 +8,7 @@ needed the room. The next turn's admission takes its own references and the sess
 
 When the pool runs short (an allocation the scheduler cannot make), paused sessions are reclaimed least recently
 used first, before anyone is preempted: a run of at least `swap_min_tokens` tokens is copied to the tier (the
-runner's read_blocks, checksummed on disk by kv_tier.DiskTier) and its blocks released; a shorter one, or one the
+runner's read_slabs, checksummed on disk by kv_tier.DiskTier) and its blocks released; a shorter one, or one the
 tier has no room for, is released only (recomputing it costs less than the copy, docs/benchmarks.md). A swapped
 session's next turn is swapped back in at admission: blocks allocated, the KV written back, their hashes
 registered, so the prompt lookup finds them. A tier entry that fails its checksum is treated as missing: the turn
@@ -123,7 +123,9 @@ class SessionKV:
         n = seq.num_registered_blocks
         key = PARKED + seq.request_id
         try:
-            if not self.tier.put(key, list(seq.block_hashes[:n]), self.runner.read_blocks(seq.block_table[:n])):
+            nbytes = n * self.runner.block_bytes
+            slabs = self.runner.read_slabs(seq.block_table[:n])
+            if not self.tier.put_parts(key, list(seq.block_hashes[:n]), nbytes, slabs):
                 return
         except OSError as e:
             logger.warning("parking the KV of preempted %s failed (%s): it recomputes", seq.request_id, e)
@@ -225,8 +227,8 @@ class SessionKV:
 
     def _swap_out(self, session: str, k: Kept) -> bool:
         try:
-            payload = self.runner.read_blocks(k.blocks)
-            if not self.tier.put(session, k.hashes, payload):
+            slabs = self.runner.read_slabs(k.blocks)
+            if not self.tier.put_parts(session, k.hashes, len(k.blocks) * self.runner.block_bytes, slabs):
                 return False
         except OSError as e:  # a full or failing disk: the session is released instead
             logger.warning("session %s: swapping its KV out failed (%s): releasing it", session, e)

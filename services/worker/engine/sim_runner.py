@@ -172,6 +172,10 @@ class SimRunner:
         self._check_ids(block_ids)
         return np.zeros(len(block_ids) * SIM_BLOCK_BYTES, dtype=np.uint8)
 
+    def read_slabs(self, block_ids: list[int]) -> list[memoryview]:
+        """read_blocks' zeros as one slab."""
+        return [memoryview(self.read_blocks(block_ids))]
+
     def write_blocks(self, block_ids: list[int], payload) -> None:
         """Checks what the torch runner checks (the size, the ids) and stores nothing."""
         self._check_ids(block_ids)
