@@ -30,6 +30,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU: the engine's C++ paged decode and prefill attention (cpu_ops.py) over torch's
     cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     gemv_kernel: bool = True  # CPU: offer those kernels' GEMV (csrc/gemv.cpp) to the GEMM plans (they measure it)
+    huge_pages: bool = True  # CPU: the weights and the KV pool on transparent huge pages (huge_pages.py)
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
     # Conversation sessions (session_kv.py): the most blocks a paused session keeps in the pool (0: none kept),

@@ -18,7 +18,7 @@ import torch
 
 from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
 from services.worker.engine.config import EngineConfig
-from services.worker.engine import cpu_ops
+from services.worker.engine import cpu_ops, huge_pages
 from services.worker.engine.fused_llama import FusedLlama
 from services.worker.engine.gemm import plain_linears, tune_linears
 from services.worker.engine.kv_cache import PagedKVCache
@@ -91,6 +91,8 @@ class ModelRunner:
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
             kv_cache = PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, device)
+        if config.huge_pages and device.type == "cpu":
+            huge_pages.advise()  # the weights, their packed copies and the pool, all allocated by now
         logger.info(
             "torch runner on %s (%s): %d KV blocks, %s forward, decode attention by %s, prefill attention by %s",
             device,

@@ -28,7 +28,9 @@
 namespace {
 
 constexpr int64_t kKeyBlock = 64;   // keys per online-softmax step (S^T's rows)
-constexpr int64_t kTileCols = 128;  // query columns a work item aims at (G heads x positions)
+constexpr int64_t kTileCols = 64;   // query columns a work item aims at (G heads x positions): 64 rather than
+                                    // 128, Q^T, S^T and O^T of a tile (16 KB each) stay in L1 (+4-10 % GFLOPS on
+                                    // the Xeon of docs/benchmarks.md)
 constexpr float kMasked = -1e30f;   // a masked score: finite, so no inf - inf under -ffast-math
 
 // One call's operands: q/out [N, H, D] (the sequences' rows packed in order); key/value [slots, KVH, D];
