@@ -59,6 +59,20 @@ def test_parts_that_do_not_add_up_are_refused_and_the_older_entry_stays(tier, nb
     assert tier.bytes_used == used and len(list(tier.directory.glob("*"))) == 2  # the entry and tier.lock
 
 
+def test_a_part_producer_that_fails_leaves_no_file_and_the_older_entry(tier):
+    old = payload(100, seed=1)
+    assert tier.put("s", HASHES, old)
+
+    def parts():
+        yield payload(10)
+        raise RuntimeError("the pool's gather failed")
+
+    with pytest.raises(RuntimeError):
+        tier.put_parts("s", HASHES, 20, parts())
+    assert np.array_equal(tier.get("s").payload, old)
+    assert len(list(tier.directory.glob("*"))) == 2  # the entry and tier.lock: no temp file left
+
+
 def test_bytes_memoryview_and_typed_arrays_are_stored_as_their_bytes(tier):
     floats = np.linspace(0, 1, 300, dtype=np.float32).reshape(3, 100)
     for key, value in [("b", b"abc" * 100), ("m", memoryview(b"xyz" * 7)), ("f", floats)]:

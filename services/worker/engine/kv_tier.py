@@ -226,7 +226,7 @@ class DiskTier:
                 f.seek(_FIXED.size)
                 f.write(_SUM.pack(digest.intdigest()))
             os.replace(tmp, path)
-        except (OSError, ValueError):
+        except BaseException:  # a failing disk, parts that do not add up, or a part's own producer failing
             tmp.unlink(missing_ok=True)  # a half-written temp file must not linger (it counts on no budget)
             raise
 
