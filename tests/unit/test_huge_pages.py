@@ -13,6 +13,7 @@ MAPS = """\
 55d0c0000000-55d0c1000000 rw-p 00000000 00:00 0                          [heap]
 7f0000000000-7f0004000000 rw-p 00000000 00:00 0 
 7f0004000000-7f0004100000 rw-p 00000000 00:00 0 
+7f0008000000-7f0008400000 rw-p 00000000 00:00 0                          [anon:glibc malloc]
 7f0010000000-7f0014000000 r--p 00000000 00:00 0 
 7f0020000000-7f0024000000 rw-s 00000000 00:05 1234                       /dev/shm/x
 7f0030000000-7f0034000000 rw-p 00000000 fd:01 99                         /usr/lib/libtorch.so
@@ -21,7 +22,11 @@ MAPS = """\
 
 
 def test_only_private_anonymous_writable_mappings_of_2_mb_or_more_are_taken():
-    assert huge_pages.anon_regions(MAPS) == [(0x55D0C0000000, 0x55D0C1000000), (0x7F0000000000, 0x7F0004000000)]
+    assert huge_pages.anon_regions(MAPS) == [
+        (0x55D0C0000000, 0x55D0C1000000),
+        (0x7F0000000000, 0x7F0004000000),
+        (0x7F0008000000, 0x7F0008400000),  # an anonymous mapping with a name (prctl PR_SET_VMA_ANON_NAME)
+    ]
 
 
 def region_huge_bytes(t: torch.Tensor) -> int:

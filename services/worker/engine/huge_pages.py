@@ -44,7 +44,7 @@ def anon_regions(maps: str) -> list[tuple[int, int]]:
         parts = line.split()
         if len(parts) < 5 or not parts[1].startswith("rw") or not parts[1].endswith("p"):
             continue
-        if len(parts) > 5 and parts[5] != "[heap]":  # a file, the stack, vdso...
+        if len(parts) > 5 and parts[5] != "[heap]" and not parts[5].startswith("[anon:"):  # a file, the stack...
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         if hi - lo >= HUGE:
