@@ -48,9 +48,9 @@ chromium:
 # (9 GB before its engines were garbage-collected per test), the machine kept 13.8 GB available. Three processes on the
 # same 2 cores, measured 2026-12-02 on a Zen 5 VM: 1,429 tests in 763 s of pytest (12 min 48 s with lint) against
 # 859 s (14 min 25 s) with two the same hour: most e2e tests wait on their services' processes, so two left the
-# cores idle 17 % of the time. Four on the Intel Xeon of 2026-12-02 (the same clean clone, one run after the other):
-# 1,497 tests in 747 s of pytest against 844 s with three, all passing; a clean clone's whole `make test` then fits
-# the 15 minutes with ~1.5 minutes to spare instead of 4 s. TEST_WORKERS=0 runs one process.
+# cores idle 17 % of the time. Four on the Intel Xeon of 2026-12-02: a fresh clone 894 s wall, 838 s of pytest
+# (three: 896 s, 844 s), the same clone run again 747 s of pytest: no worse, all passing, within the run-to-run noise
+# from a fresh clone. TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 4
 FAST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
