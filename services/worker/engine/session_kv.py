@@ -123,9 +123,7 @@ class SessionKV:
         n = seq.num_registered_blocks
         key = PARKED + seq.request_id
         try:
-            nbytes = n * self.runner.block_bytes
-            slabs = self.runner.read_slabs(seq.block_table[:n])
-            if not self.tier.put_parts(key, list(seq.block_hashes[:n]), nbytes, slabs):
+            if not self._put(key, list(seq.block_hashes[:n]), seq.block_table[:n]):
                 return
         except OSError as e:
             logger.warning("parking the KV of preempted %s failed (%s): it recomputes", seq.request_id, e)
@@ -225,10 +223,13 @@ class SessionKV:
         else:
             self.wanted.pop(session, None)
 
+    def _put(self, key: str, hashes: list[bytes], blocks: list[int]) -> bool:
+        """The blocks' K/V into the tier under key, streamed a slab at a time (runner.read_slabs)."""
+        return self.tier.put_parts(key, hashes, len(blocks) * self.runner.block_bytes, self.runner.read_slabs(blocks))
+
     def _swap_out(self, session: str, k: Kept) -> bool:
         try:
-            slabs = self.runner.read_slabs(k.blocks)
-            if not self.tier.put_parts(session, k.hashes, len(k.blocks) * self.runner.block_bytes, slabs):
+            if not self._put(session, k.hashes, k.blocks):
                 return False
         except OSError as e:  # a full or failing disk: the session is released instead
             logger.warning("session %s: swapping its KV out failed (%s): releasing it", session, e)
