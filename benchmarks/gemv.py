@@ -7,7 +7,7 @@ reordered into its blocked layout) and `gemv` of each ISA variant this CPU runs.
 kernels (drift hits all alike); the median pass is reported, as ms and as GB/s of weights, with each kernel's
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
 
-Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16] [--passes 7]
+Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64] [--passes 7]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def passes(weights: list, packs: list, rows: int, fns: dict, n: int) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--passes", type=int, default=7)
     args = ap.parse_args()
     s = CommonSettings()

@@ -7,7 +7,7 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   onednn   oneDNN's linear (the primitive torch.compile's CPU backend uses)
   packed   oneDNN's linear on a copy of the weight reordered once into its blocked layout (what vLLM's
            CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
-  gemv     the engine's own kernel for a few rows (csrc/gemv.cpp, at most GEMV_MAX_ROWS): each thread streams
+  gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
            whole rows with software prefetches; offered only where the CPU kernels load with a vector path
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
 `onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
@@ -51,7 +51,7 @@ from services.worker.engine.cpu_info import others_busy, others_busy_now, sample
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v5.json"  # v5: keys name the kernels offered (gemv or not)
+PLAN_FILE = "gemm-plan-v6.json"  # v6: gemv takes up to 64 rows (v5: keys name the kernels offered)
 _REPS = 2  # timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time)
 _MARGIN = 0.9  # another kernel must be >= 10 % faster than `linear` to be chosen (the safe default)
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
@@ -88,7 +88,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torc
 
 # x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
 KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn, "packed": _packed, "gemv": _gemv}
-GEMV_MAX_ROWS = 16  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
+GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
 _MAX_ROWS = {"gemv": GEMV_MAX_ROWS}  # a kernel is measured (and chosen) only for buckets of at most this many rows
 
 

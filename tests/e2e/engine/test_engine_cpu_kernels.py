@@ -179,7 +179,8 @@ def test_silu_mul_equals_torch(kernels, width):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # each specialised row count, and chunks of 4 (+ 1)
+# The row path's counts and its chunks of 4 (+ 1); the register tiles' x rows from 1 to 6, whole tiles and a tail.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64])
 @pytest.mark.parametrize("shape", [(576, 1536), (37, 50), (3, 7)])  # whole groups/steps; row and K tails; < 1 group
 def test_gemv_equals_f_linear_with_and_without_bias(kernels, rows, shape):
     torch.manual_seed(0)
