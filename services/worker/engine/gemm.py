@@ -9,6 +9,7 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
            CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
   gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
            whole rows with software prefetches; offered only where the CPU kernels load with a vector path
+  gemv256  the same kernel of the avx2 build, beside an avx512 one (cpu_ops.narrow_ops)
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
 `onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
 measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU model and ISA flags:
@@ -51,9 +52,16 @@ from services.worker.engine.cpu_info import others_busy, others_busy_now, sample
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v6.json"  # v6: gemv takes up to 64 rows (v5: keys name the kernels offered)
-_REPS = 2  # timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time)
-_MARGIN = 0.9  # another kernel must be >= 10 % faster than `linear` to be chosen (the safe default)
+PLAN_FILE = "gemm-plan-v7.json"  # v7: gemv to 64 rows, gemv256, the own kernels' margin (v5: keys name kernels)
+# Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
+# rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
+_REPS = 2
+_REPS_FEW_ROWS = (8, 6)  # (up to this many rows, this many passes)
+# Another kernel must be >= 10 % faster than `linear` to be chosen (the safe default; a packed kernel also holds a
+# copy of the weight); the engine's own GEMV, which holds nothing more and is checked against F.linear in the
+# tests, >= 3 % (the plans' timing noise): at one row it draws 5-15 % more of the memory's bandwidth than MKL.
+_MARGIN = {"gemv": 0.97, "gemv256": 0.97}
+_DEFAULT_MARGIN = 0.9
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
 
@@ -86,16 +94,29 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torc
     return cpu_ops.ops().gemv(x, w, b)
 
 
+def _gemv256(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    return cpu_ops.narrow_ops().gemv(x, w, b)
+
+
 # x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
-KERNELS = {"linear": _linear, "flipped": _flipped, "onednn": _onednn, "packed": _packed, "gemv": _gemv}
+KERNELS = {
+    "linear": _linear,
+    "flipped": _flipped,
+    "onednn": _onednn,
+    "packed": _packed,
+    "gemv": _gemv,
+    "gemv256": _gemv256,
+}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
-_MAX_ROWS = {"gemv": GEMV_MAX_ROWS}  # a kernel is measured (and chosen) only for buckets of at most this many rows
+# a kernel is measured (and chosen) only for buckets of at most this many rows
+_MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS}
 
 
 def offered(gemv: bool) -> tuple[str, ...]:
     """The kernels plans choose from; gemv only when the engine's CPU kernels are loaded with a vector path
-    (the portable loop is slower than any library's)."""
-    return tuple(n for n in KERNELS if n != "gemv" or gemv)
+    (the portable loop is slower than any library's), gemv256 besides where cpu_ops.narrow_ops has one."""
+    own = {"gemv": gemv, "gemv256": gemv and cpu_ops.narrow_ops() is not None}
+    return tuple(n for n in KERNELS if own.get(n, True))
 
 
 @dataclass(frozen=True)
@@ -177,15 +198,17 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
         }
         best: dict[tuple[str, str], float] = {}
         here = [n for n in kernels if 2**i <= _MAX_ROWS.get(n, 2**i)]
-        for rep in range(1 + _REPS):
+        reps = _REPS_FEW_ROWS[1] if 2**i <= _REPS_FEW_ROWS[0] else _REPS
+        for rep in range(1 + reps):
             for n in here:
                 sums = _timed_pass(n, live, names, xs, packs)
                 for k, v in sums.items():
                     if rep:
                         best[(k, n)] = min(best.get((k, n), float("inf")), v)
         for k in {k for _, k in live}:
-            winner = min((n for n in names[k] if n in here), key=lambda n: best[(k, n)])
-            plans[k].append(winner if best[(k, winner)] < _MARGIN * best[(k, "linear")] else "linear")
+            bar = best[(k, "linear")]
+            fast = [n for n in names[k] if n in here and best[(k, n)] < _MARGIN.get(n, _DEFAULT_MARGIN) * bar]
+            plans[k].append(min(fast, key=lambda n: best[(k, n)]) if fast else "linear")
     return {k: tuple(v) for k, v in plans.items()}
 
 

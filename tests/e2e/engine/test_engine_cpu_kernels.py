@@ -223,6 +223,21 @@ def test_load_makes_the_requested_variant_the_engines(kernels, request, kernels_
     assert cpu_ops.active_isa() == isa and cpu_ops.ops() is kernels
 
 
+def test_the_avx2_gemv_is_offered_beside_avx512_only(kernels, request, kernels_dir):
+    """The GEMM plans also measure the avx2 build's GEMV where avx512 is the engine's (gemm.offered): with any other
+    variant loaded there is no second one."""
+    from services.worker.engine import gemm
+
+    isa = request.node.callspec.params["kernels"]
+    assert cpu_ops.load(kernels_dir, isa)
+    beside = cpu_ops.narrow_ops()
+    if isa == "avx512":
+        assert beside is cpu_ops.build("avx2", kernels_dir) and beside is not kernels
+        assert "gemv256" in gemm.offered(True) and "gemv256" not in gemm.offered(False)
+    else:
+        assert beside is None and "gemv256" not in gemm.offered(True)
+
+
 def test_prefill_attention_takes_the_kernel_only_where_a_vector_build_runs(kernels, request, kernels_dir):
     """The portable loop is slower than torch's flash kernel (docs/benchmarks.md): with it the engine keeps torch's."""
     isa = request.node.callspec.params["kernels"]

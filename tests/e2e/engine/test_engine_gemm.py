@@ -36,7 +36,8 @@ def force(model: nn.Module, kernel: str) -> None:
             m.conveyor_packed = gemm.pack(m.weight.detach())
 
 
-@pytest.mark.parametrize("kernel", sorted(set(KERNELS) - {"gemv"}))  # gemv, per ISA: test_engine_cpu_kernels.py
+# gemv and gemv256, per ISA: test_engine_cpu_kernels.py
+@pytest.mark.parametrize("kernel", sorted(set(KERNELS) - {"gemv", "gemv256"}))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -66,7 +67,29 @@ def test_gemv_is_chosen_only_for_buckets_of_rows_it_takes(monkeypatch):
     limit = gemm.GEMV_MAX_ROWS.bit_length()  # buckets 1, 2, 4, ... GEMV_MAX_ROWS
     assert all(p == ("gemv",) * limit + ("linear",) * (8 - limit) for p in plans.values())
     assert max(rows for name, rows in timed if name == "gemv") == gemm.GEMV_MAX_ROWS
-    assert "gemv" not in gemm.offered(False)
+    assert "gemv" not in gemm.offered(False) and "gemv256" not in gemm.offered(False)
+
+
+@pytest.mark.parametrize(
+    ("times", "chosen"),
+    [
+        ({"gemv": 0.95, "packed": 0.95}, "gemv"),  # the own kernel 5 % faster: chosen
+        ({"packed": 0.95}, "linear"),  # a library's packed kernel 5 % faster: under its 10 % bar
+        ({"packed": 0.85, "gemv": 0.95}, "packed"),  # both over their bars: the faster
+        ({"gemv": 0.98}, "linear"),  # within the noise
+    ],
+)
+def test_the_own_gemv_needs_a_smaller_lead_over_linear_than_a_packed_kernel(monkeypatch, times, chosen):
+    model = tiny_model()
+    targets = [(m, f"k{i}", 1) for i, m in enumerate(plain_linears(model))]  # one bucket: M = 1
+
+    def fake_pass(name, live, names, xs, packs):
+        return {k: times.get(name, 1.0) for _, k in live}
+
+    monkeypatch.setattr(gemm, "_usable", lambda name, x, w, packed: True)
+    monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
+    plans = gemm.measure(targets, ("linear", "packed", "gemv"))
+    assert all(p == (chosen,) for p in plans.values())
 
 
 def test_plan_bucket_is_the_next_power_of_two_of_the_row_count():
