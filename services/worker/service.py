@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 
+from services.worker.engine.outputs import step_line
 from services.worker.engine.warmup import warm_up
 from services.worker.engine import (
     EngineRequest,
@@ -239,6 +240,8 @@ class WorkerService(BusService):
         moved = self.publisher.publish(self.step_no, result, self.active, self.engine.request_kv_info)
         self.sessions.moved(self.engine.take_session_events())
         self.tracing.on_step(result, self.active, t_start_ns, time.time_ns())
+        if logger.isEnabledFor(logging.DEBUG):  # CONVEYOR_LOG_LEVEL=DEBUG: one line a step, for profiling a run
+            logger.debug(step_line(self.step_no, result, self.engine.stats(), (time.time_ns() - t_start_ns) / 1e9))
         for out in result.outputs:
             if out.finished:
                 self.active.pop(out.request_id, None)

@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.service import WorkerService
 from shared.constants import EVENT_FIELD, GROUP_WORKER
 from shared.events import Constraint, Failed, Sampling, decode
 from shared.grammar import ANY_OBJECT, KIND_JSON_SCHEMA
-from shared.settings import WorkerSettings
-from tests.support.cache import CACHE_DIR
-from tests.support.scheduling import WORKER, deliver, heartbeat, preprocessed_request, scheduler, state
+from tests.support.scheduling import deliver, heartbeat, preprocessed_request, scheduler, sim_worker, state
 
 JSON_OUT = Sampling(max_tokens=4, temperature=0.0, constraint=Constraint(kind=KIND_JSON_SCHEMA, spec=ANY_OBJECT))
 
 
 @pytest.fixture
 def worker(redis_server, names, model_dir):
-    w = WorkerService(
-        WorkerSettings(
-            redis_url=redis_server.url, namespace=names.ns, engine="sim", cache_dir=CACHE_DIR, instance_id=WORKER
-        )
-    )
-    w.bus.ensure_group(w.stream, GROUP_WORKER)
-    return w
+    return sim_worker(redis_server, names)
 
 
 def place(redis_server, names, *samplings: Sampling) -> list[str]:

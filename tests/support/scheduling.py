@@ -11,10 +11,12 @@ import redis.asyncio as aioredis
 from services.scheduler import batch
 from services.scheduler.service import SchedulerService
 from shared.bus import Delivery
+from shared.constants import GROUP_WORKER
 from shared.context_store import ContextStore
 from shared.events import Heartbeat, Preprocessed, Sampling, decode
 from shared.lifecycle import Lifecycle, State
-from shared.settings import SchedulerSettings
+from shared.settings import SchedulerSettings, WorkerSettings
+from tests.support.cache import CACHE_DIR
 
 WORKER = "w1"
 
@@ -23,6 +25,19 @@ def scheduler(redis_server, names, **kw) -> SchedulerService:
     s = SchedulerService(SchedulerSettings(redis_url=redis_server.url, namespace=names.ns, **kw))
     s.ensure_groups()
     return s
+
+
+def sim_worker(redis_server, names):
+    """The worker's real service (simulated engine) as WORKER, its consumer group made, nothing run yet."""
+    from services.worker.service import WorkerService  # (the scheduler-only tests need not import the worker)
+
+    w = WorkerService(
+        WorkerSettings(
+            redis_url=redis_server.url, namespace=names.ns, engine="sim", cache_dir=CACHE_DIR, instance_id=WORKER
+        )
+    )
+    w.bus.ensure_group(w.stream, GROUP_WORKER)
+    return w
 
 
 def heartbeat(worker_id: str = WORKER, **kw) -> Heartbeat:

@@ -63,3 +63,17 @@ class EngineStats:
     sessions: dict[str, int] = field(default_factory=dict)  # SessionKV.figures(): paused / swapped sessions, blocks
     num_drafted: int = 0  # speculative decoding (spec.py): draft tokens checked, and those the model agreed with
     num_draft_accepted: int = 0
+
+
+def step_line(step_no: int, result: StepResult, stats: EngineStats, total_s: float) -> str:
+    """One engine step in one line (the worker logs it at DEBUG): what a run's time went to, step by step, without
+    a profiler: the step's and its forward's time, the whole step with its publish, the tokens it computed, the
+    queues after it, and the running totals of swaps and preemptions (the difference to the line before is this
+    step's)."""
+    s = stats.sessions
+    return (
+        f"step {step_no}: {result.step_time_s * 1e3:.1f} ms (forward {result.forward_time_s * 1e3:.1f}, "
+        f"with publish {total_s * 1e3:.1f}), prefill {result.num_prefill_tokens} tokens, decode "
+        f"{result.num_decode_tokens}, running {stats.num_running}, waiting {stats.num_waiting}; totals: swap-outs "
+        f"{s.get('kv_swap_outs', 0)}, swap-ins {s.get('kv_swap_ins', 0)}, preemptions {stats.num_preemptions}"
+    )
