@@ -281,7 +281,7 @@ class WorkerSettings(CommonSettings):
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV pool size on CPU, in bytes")
     gpu_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free CUDA memory for the KV pool")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(256, ge=16, description="token budget of one step (EngineConfig: why 256)")
+    max_num_batched_tokens: int = Field(512, ge=16, description="token budget of one step")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
     gemm_tuning: bool = Field(

@@ -20,11 +20,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # KV pool size on CPU
     gpu_memory_fraction: float = 0.85  # share of free CUDA memory (after loading the model) for the pool
     max_num_seqs: int = 64  # most sequences running at once (and in one step)
-    # Token budget of one step (decodes + prefill chunks). 256 rather than 512: on the 2-core CPUs a step of 256
-    # prompt rows already runs the GEMMs at the cores' rate, and the finer steps give a burst's first tokens and the
-    # running answers' next ones sooner (docs/benchmarks.md, 2026-12-02, sixth session: multi-turn TTFT at turns 5-6
-    # 0.17-0.33 of vLLM's against 0.25-0.52, prefill-heavy serving rows 1.1-1.2x faster).
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto (cuda when present), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
