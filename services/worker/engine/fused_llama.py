@@ -23,6 +23,7 @@ from torch import nn
 
 from services.worker.engine import cpu_ops
 from services.worker.engine.attention import PagedAttentionMetadata, paged_attention
+from services.worker.engine.gemm import KERNEL_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class FusedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scaling = self.head_dim**-0.5
         self.native_ops = False  # set by the runner once the CPU kernels are loaded (use_native_ops)
+        self.stacked = False  # decode-only steps through csrc/decode_layers.cpp (use_native_ops)
+        self._stack: tuple | None = None  # its operands that do not change (_stacked_layers)
+        self._stack_codes: dict[int, list[int]] = {}  # its kernel codes per bucket of rows
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
@@ -143,10 +147,13 @@ class FusedLlama:
             return None
         return cls(model)
 
-    def use_native_ops(self) -> bool:
+    def use_native_ops(self, stacked: bool = True) -> bool:
         """Run the small per-layer ops through csrc/layer_ops.cpp (loaded by the caller); float32 on CPU only
-        (other dtypes keep the torch ops). Returns whether it is on."""
+        (other dtypes keep the torch ops). Returns whether it is on. stacked: a decode-only step's layers in one
+        call (csrc/decode_layers.cpp), where every norm has one epsilon (the kernel takes one)."""
         self.native_ops = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
+        eps = {n[1] for x in self.layers for n in (x.norm1, x.norm2)}
+        self.stacked = self.native_ops and stacked and len(eps) == 1
         return self.native_ops
 
     def linears(self) -> list[nn.Linear]:
@@ -188,7 +195,8 @@ class FusedLlama:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
         if self.native_ops:
-            h = self._native_layers(h, cos[0].contiguous(), sin[0].contiguous(), meta)
+            layers = self._stacked_layers if self._decode_only(meta, h.shape[0]) else self._native_layers
+            h = layers(h, cos[0].contiguous(), sin[0].contiguous(), meta)
         else:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
             for x in self.layers:
@@ -222,3 +230,64 @@ class FusedLlama:
             else:
                 h += mlp
         return h
+
+    def _decode_only(self, meta: PagedAttentionMetadata, t: int) -> bool:
+        """Whether this step can take _stacked_layers: every row a decode row through the CPU kernel, float32 pool."""
+        d = meta.decode
+        return (
+            self.stacked
+            and d is not None
+            and d.context_lens is not None
+            and not meta.prefills
+            and meta.num_decode_tokens == t
+            and meta.kv_cache.key.dtype == torch.float32
+        )
+
+    def _stacked_layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """_native_layers in one C++ call (csrc/decode_layers.cpp): the same kernels in the same order, each
+        linear through the kernel its GEMM plan picked for this many rows, so the same bits."""
+        if self._stack is None:
+            linears = [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
+            weights = [
+                w
+                for x in self.layers
+                for w in (x.qkv.weight, x.o.weight, x.gate_up.weight, x.down.weight, x.norm1[0], x.norm2[0])
+            ]
+            packed = [getattr(lin, "conveyor_packed", None) for lin in linears]
+            windows = [x.window or 0 for x in self.layers]
+            self._stack = (linears, weights, [lin.bias for lin in linears], packed, windows, self.layers[0].norm1[1])
+        linears, weights, biases, packed, windows, eps = self._stack
+        t, cache, d = h.shape[0], meta.kv_cache, meta.decode
+        bucket = (t - 1).bit_length()
+        codes = self._stack_codes.get(bucket)
+        if codes is None:
+            codes = self._stack_codes[bucket] = [_kernel_code(lin, t) for lin in linears]
+        key, value = cache.slots()
+        cpu_ops.ops().decode_layers(
+            h,
+            cos,
+            sin,
+            weights,
+            biases,
+            packed,
+            codes,
+            key,
+            value,
+            meta.slot_mapping,
+            d.block_tables,
+            d.context_lens,
+            cache.block_size,
+            self.scaling,
+            windows,
+            eps,
+            self.num_heads,
+        )
+        return h
+
+
+def _kernel_code(linear: nn.Linear, rows: int) -> int:
+    """The code (gemm.KERNEL_CODES) of the kernel linear's GEMM plan runs at this many rows; F.linear unplanned."""
+    plan = getattr(linear, "conveyor_gemm_plan", None)
+    return KERNEL_CODES[plan.kernel_for(rows) if plan is not None else "linear"]

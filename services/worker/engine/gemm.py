@@ -107,6 +107,8 @@ KERNELS = {
     "gemv": _gemv,
     "gemv256": _gemv256,
 }
+# each kernel's code for csrc/decode_layers.cpp, which runs the planned kernels itself (its LinearKernel enum)
+KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
 # a kernel is measured (and chosen) only for buckets of at most this many rows
 _MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS}
@@ -320,6 +322,13 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def apply_plan(module: nn.Linear, plan: Plan) -> None:
+    """Run `module` by `plan` from now on (its packed weight copy made here if the plan uses one)."""
+    module.conveyor_gemm_plan = plan
+    module.conveyor_packed = pack(module.weight.detach()) if "packed" in plan.kernels else None
+    module.forward = types.MethodType(_planned_forward, module)
+
+
 def tune_linears(
     layers: list[nn.Linear],
     head: nn.Linear | None,
@@ -346,10 +355,8 @@ def tune_linears(
     mixed, packed_bytes = 0, 0
     for module, k, _ in targets:
         plan = store.get(k).kernels
-        module.conveyor_gemm_plan = Plan(plan)
-        module.conveyor_packed = pack(module.weight.detach()) if "packed" in plan else None
+        apply_plan(module, Plan(plan))
         packed_bytes += module.weight.nbytes if "packed" in plan else 0
-        module.forward = types.MethodType(_planned_forward, module)
         mixed += any(n != "linear" for n in plan)
     logger.info(
         "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; packed weight copies %.1f MiB",

@@ -74,6 +74,10 @@ class PagedKVCache:
         self._flat_key[layer].index_copy_(0, slots, key)
         self._flat_value[layer].index_copy_(0, slots, value)
 
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """key, value of all layers as [layers, num_blocks * block_size, KVH, D] (views, no copy)."""
+        return self._flat_key, self._flat_value
+
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """key, value of one layer as [num_blocks * block_size, KVH, D] (contiguous views, no copy)."""
         return self._flat_key[layer], self._flat_value[layer]

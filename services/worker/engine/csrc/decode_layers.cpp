@@ -1,0 +1,137 @@
+// A decode-only step's decoder layers in one call: what fused_llama.FusedLlama._native_layers does op by op from
+// Python (fused RMSNorm, the planned linears, rotary, the K/V write, paged decode attention, SiLU * up, the residual
+// adds), in the same order through the same functions of this translation unit, so the result is the same to the
+// bit. Registered as torch.ops.conveyor_<isa>.decode_layers; the engine calls it for steps whose rows are all
+// decode rows through the CPU attention kernel (fused_llama.py decides), else the Python loop runs.
+//
+// Why: at one to a few sequences a step is ~120 memory-bound linears of 1-7 MB with ~15 small ops between each
+// pair, and each op crossed from Python (module call, GEMM-plan lookup, views, dispatch): ~4 ms of a ~25 ms step
+// at one sequence on the 2-core Xeon of docs/benchmarks.md, time in which memory sits idle. Here the loop costs
+// microseconds a layer.
+//
+// The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
+// code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
+// build directly, that of the avx2 build (gemv256) through the dispatcher.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+
+namespace {
+
+// gemm.KERNELS' order
+enum LinearKernel : int64_t { kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kNumKernels };
+
+c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
+
+at::Tensor boxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                     const c10::optional<at::Tensor>& packed) {
+  switch (kernel) {
+    case kFlipped: {  // gemm._flipped
+      at::Tensor y = at::mm(w, x.t()).t().contiguous();
+      return b.has_value() ? at::add(y, *b) : y;
+    }
+    case kOnednn:
+    case kPacked: {  // gemm._onednn / _packed: oneDNN's linear on the weight or its packed copy
+      static const c10::OperatorHandle op =
+          c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      TORCH_CHECK(kernel == kOnednn || packed.has_value(), "decode_layers: a packed kernel without a packed weight");
+      return boxed(op, {x, kernel == kPacked ? *packed : w, opt(b), std::string("none"),
+                        c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>(std::string())});
+    }
+    case kGemv:
+      return gemv(x, w, b);
+    case kGemv256: {  // the avx2 build's GEMV, loaded beside this one (cpu_ops.narrow_ops)
+      static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("conveyor_avx2::gemv", "");
+      return boxed(op, {x, w, opt(b)});
+    }
+    default:
+      return at::linear(x, w, b);
+  }
+}
+
+// K and V of each row (columns [k0, k0 + n) and [v0, v0 + n) of qkv) into its slot of the layer's pool.
+void write_kv(float* key, float* value, const at::Tensor& qkv, const int64_t* slots, int64_t k0, int64_t v0,
+              int64_t n) {
+  const float* p = qkv.data_ptr<float>();
+  const int64_t rs = qkv.stride(0);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    std::memcpy(key + slots[t] * n, p + t * rs + k0, n * sizeof(float));
+    std::memcpy(value + slots[t] * n, p + t * rs + v0, n * sizeof(float));
+  }
+}
+
+// h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
+// gate_up, down, input norm, post-attention norm), four biases and four packed copies (qkv, o, gate_up, down; None
+// where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T], block_tables
+// [T, MB], context_lens [T]; windows per layer (0: none).
+void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                   const c10::List<c10::optional<at::Tensor>>& biases,
+                   const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef kernels, const at::Tensor& key,
+                   const at::Tensor& value, const at::Tensor& slots, const at::Tensor& block_tables,
+                   const at::Tensor& context_lens, int64_t block_size, double scale, at::IntArrayRef windows,
+                   double eps, int64_t num_heads) {
+  const int64_t L = key.size(0), KVH = key.size(2), D = key.size(3), T = h.size(0), H = num_heads;
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "decode_layers: float32 h [T, n]");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.is_contiguous() &&
+                  value.is_contiguous() && key.dim() == 4 && value.sizes() == key.sizes(),
+              "decode_layers: contiguous float32 key/value pools [layers, slots, KVH, D]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
+                  static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(kernels.size()) == 4 * L &&
+                  static_cast<int64_t>(windows.size()) == L,
+              "decode_layers: 6 weights, 4 biases, 4 packed copies, 4 kernels and a window per layer");
+  for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "decode_layers: kernel code ", k);
+  auto slot_ids = slots.contiguous();
+  TORCH_CHECK(slot_ids.scalar_type() == at::kLong && slot_ids.numel() == T, "decode_layers: slots [T] long");
+  const int64_t* slot_p = slot_ids.data_ptr<int64_t>();
+  const int64_t per_slot = KVH * D;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < key.size(1), "decode_layers: slot ", slot_p[t], " outside the pool");
+  at::Tensor normed = at::empty_like(h), q = at::empty({T, H, D}, h.options()), attn = at::empty({T, H, D}, h.options());
+  add_rms_norm(normed, h, c10::nullopt, weights[4], eps);
+  for (int64_t i = 0; i < L; ++i) {
+    auto lin = [&](int64_t j, const at::Tensor& in) {  // linear j of the layer: qkv, o, gate_up, down
+      return linear_by(kernels[4 * i + j], in, weights[6 * i + j], biases.get(4 * i + j), packed.get(4 * i + j));
+    };
+    at::Tensor qkv = lin(0, normed);
+    rotary(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);
+    at::Tensor key_l = key.select(0, i), value_l = value.select(0, i);
+    write_kv(key_l.data_ptr<float>(), value_l.data_ptr<float>(), qkv, slot_p, H * D, (H + KVH) * D, per_slot);
+    q.copy_(qkv.narrow(1, 0, H * D).view({T, H, D}));
+    paged_decode(attn, q, key_l, value_l, block_tables, context_lens, block_size, scale, windows[i]);
+    add_rms_norm(normed, h, lin(1, attn.view({T, H * D})), weights[6 * i + 5], eps);
+    at::Tensor gate_up = lin(2, normed);
+    at::Tensor act = at::empty({T, gate_up.size(1) / 2}, h.options());
+    silu_mul(act, gate_up);
+    at::Tensor mlp = lin(3, act);
+    if (i + 1 < L) {
+      add_rms_norm(normed, h, mlp, weights[6 * (i + 1) + 4], eps);
+    } else {
+      h.add_(mlp);
+    }
+  }
+}
+
+}  // namespace
+
+CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
+  m.def(
+      "decode_layers(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
+      "int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor block_tables, Tensor context_lens, "
+      "int block_size, float scale, int[] windows, float eps, int num_heads) -> ()");
+  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+  // oneDNN's packed weight copies (gemm.pack) are MkldnnCPU tensors: with one among the operands, that key dispatches
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
+}
