@@ -7,7 +7,7 @@ rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also
 
 Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all] [--batch 32]
   The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
-  A decode step's layers in one C++ call or op by op from Python: --variants all,no-stack --batch 1
+  A step's layers in one C++ call or op by op from Python: --variants all,no-stack --batch 1
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ VARIANTS = {
     "kernel": dict(fused_model=False),
     "all": {},
     "no-gemv": dict(gemv_kernel=False),  # the GEMM plans without the engine's own GEMV kernel
-    "no-stack": dict(decode_layers=False),  # decode-only steps' layers op by op from Python (no decode_layers.cpp)
+    "no-stack": dict(layer_stack=False),  # the layers op by op from Python (no csrc/layer_stack.cpp)
 }
 
 

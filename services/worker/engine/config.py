@@ -30,7 +30,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU: the engine's C++ paged decode and prefill attention (cpu_ops.py) over torch's
     cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     gemv_kernel: bool = True  # CPU: offer those kernels' GEMV (csrc/gemv.cpp) to the GEMM plans (they measure it)
-    decode_layers: bool = True  # CPU: a decode-only step's layers in one C++ call (csrc/decode_layers.cpp)
+    layer_stack: bool = True  # CPU: a step's layers in one C++ call (csrc/layer_stack.cpp), not op by op
     huge_pages: bool = True  # CPU: the weights and the KV pool on transparent huge pages (huge_pages.py)
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)

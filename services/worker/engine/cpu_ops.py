@@ -5,7 +5,7 @@ pool; in torch ops the same product needs a gather copy of every sequence's K/V 
 of a batch-32 decode step on the 2-core VM of docs/benchmarks.md). layer_ops.cpp fuses the small per-layer
 ops of the fused forward (fused_llama.py): residual add + RMSNorm, rotary, SiLU * up; sampling.cpp the
 sampler's inverse-CDF draw (sampler.py); gemv.cpp a linear layer at a few rows, one more kernel the GEMM plans
-(gemm.py) choose from; decode_layers.cpp a decode-only step's layers in one call (the fused forward's loop).
+(gemm.py) choose from; layer_stack.cpp a step's layers in one call (the fused forward's loop).
 
 Which ISA: the sources are built as one extension per variant (ISAS: avx512, avx2, portable), each with
 explicit flags rather than -march=native, so that what runs is named, and every variant this CPU can run
@@ -46,7 +46,7 @@ HEADERS = (
     CSRC / "layer_ops.cpp",
     CSRC / "sampling.cpp",
     CSRC / "gemv.cpp",
-    CSRC / "decode_layers.cpp",
+    CSRC / "layer_stack.cpp",
     CSRC / "vec.h",
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
@@ -69,7 +69,7 @@ OPS = (
     "silu_mul",
     "sample_rows",
     "gemv",
-    "decode_layers",
+    "layer_stack",
 )
 
 

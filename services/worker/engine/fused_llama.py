@@ -8,9 +8,9 @@ k together with cos/sin computed once per step, and the engine's paged attention
 the LM head run on the sampled rows only. The arithmetic is transformers' own (same RMSNorm and rotary
 formulas, same order of residual adds), so greedy outputs stay those of transformers.
 
-With the CPU kernels loaded, the small ops run in csrc/layer_ops.cpp, and a decode-only step's whole layer loop
-in one call (csrc/decode_layers.cpp, the same functions in the same order): at one sequence the Python between the
-kernels cost ~4 of a ~26 ms step.
+With the CPU kernels loaded, the small ops run in csrc/layer_ops.cpp, and a step's whole layer loop in one call
+(csrc/layer_stack.cpp, the same functions in the same order): at one sequence the Python between the kernels cost
+~4 of a ~26 ms step.
 
 The fused weights are new tensors; the transformers projections are re-pointed at views of them, so
 memory is not doubled and the module forward (fused_model=False) still works on the same weights.
@@ -123,9 +123,9 @@ class FusedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scaling = self.head_dim**-0.5
         self.native_ops = False  # set by the runner once the CPU kernels are loaded (use_native_ops)
-        self.stacked = False  # decode-only steps through csrc/decode_layers.cpp (use_native_ops)
+        self.stacked = False  # steps through csrc/layer_stack.cpp (use_native_ops)
         # its operands that do not change, and its kernel codes per bucket of rows: both taken at the first
-        # decode-only step, when the GEMM plans are on the layers (gemm.tune_linears, at the engine's start)
+        # step through it, when the GEMM plans are on the layers (gemm.tune_linears, at the engine's start)
         self._stack: tuple | None = None
         self._stack_codes: dict[int, list[int]] = {}
         self.layers = []
@@ -155,8 +155,8 @@ class FusedLlama:
 
     def use_native_ops(self, stacked: bool = True) -> bool:
         """Run the small per-layer ops through csrc/layer_ops.cpp (loaded by the caller); float32 on CPU only
-        (other dtypes keep the torch ops). Returns whether it is on. stacked: a decode-only step's layers in one
-        call (csrc/decode_layers.cpp), where every norm has one epsilon (the kernel takes one)."""
+        (other dtypes keep the torch ops). Returns whether it is on. stacked: a step's layers in one call
+        (csrc/layer_stack.cpp), where every norm has one epsilon (the kernel takes one)."""
         self.native_ops = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
         eps = {n[1] for x in self.layers for n in (x.norm1, x.norm2)}
         self.stacked = self.native_ops and stacked and len(eps) == 1
@@ -201,7 +201,7 @@ class FusedLlama:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
         if self.native_ops:
-            layers = self._stacked_layers if self._decode_only(meta, h.shape[0]) else self._native_layers
+            layers = self._stacked_layers if self._all_kernels(meta, h.shape[0]) else self._native_layers
             h = layers(h, cos[0].contiguous(), sin[0].contiguous(), meta)
         else:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
@@ -237,23 +237,23 @@ class FusedLlama:
                 h += mlp
         return h
 
-    def _decode_only(self, meta: PagedAttentionMetadata, t: int) -> bool:
-        """Whether this step can take _stacked_layers: every row a decode row through the CPU kernel, float32 pool."""
+    def _all_kernels(self, meta: PagedAttentionMetadata, t: int) -> bool:
+        """Whether this step can take _stacked_layers: every attention group through a CPU kernel (decode rows with
+        context_lens, prefill chunks with spans), over a float32 pool."""
         d = meta.decode
+        groups = ([] if d is None else [d.context_lens]) + [p.spans for p in meta.prefills]
         return (
             self.stacked
-            and d is not None
-            and d.context_lens is not None
-            and not meta.prefills
-            and meta.num_decode_tokens == t
+            and bool(groups)
+            and all(g is not None for g in groups)
             and meta.kv_cache.key.dtype == torch.float32
         )
 
     def _stacked_layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        """_native_layers in one C++ call (csrc/decode_layers.cpp): the same kernels in the same order, each
-        linear through the kernel its GEMM plan picked for this many rows, so the same bits."""
+        """_native_layers in one C++ call (csrc/layer_stack.cpp): the same kernels in the same order, each linear
+        through the kernel its GEMM plan picked for this many rows, so the same bits."""
         if self._stack is None:
             linears = [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
             weights = [
@@ -270,8 +270,11 @@ class FusedLlama:
         codes = self._stack_codes.get(bucket)
         if codes is None:
             codes = self._stack_codes[bucket] = [_kernel_code(lin, t) for lin in linears]
+        groups = ([] if d is None else [(meta.num_decode_tokens, d.block_tables, d.context_lens)]) + [
+            (p.num_rows, p.block_tables, p.spans) for p in meta.prefills
+        ]
         key, value = cache.slots()
-        cpu_ops.ops().decode_layers(
+        cpu_ops.ops().layer_stack(
             h,
             cos,
             sin,
@@ -282,8 +285,10 @@ class FusedLlama:
             key,
             value,
             meta.slot_mapping,
-            d.block_tables,
-            d.context_lens,
+            [g[1] for g in groups],
+            [g[2] for g in groups],
+            [g[0] for g in groups],
+            d is not None,
             cache.block_size,
             self.scaling,
             windows,

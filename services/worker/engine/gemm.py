@@ -107,7 +107,7 @@ KERNELS = {
     "gemv": _gemv,
     "gemv256": _gemv256,
 }
-# each kernel's code for csrc/decode_layers.cpp, which runs the planned kernels itself (its LinearKernel enum)
+# each kernel's code for csrc/layer_stack.cpp, which runs the planned kernels itself (its LinearKernel enum)
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
 # a kernel is measured (and chosen) only for buckets of at most this many rows

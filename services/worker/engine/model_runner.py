@@ -86,7 +86,7 @@ class ModelRunner:
             tune_linears(
                 layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir, gemv
             )
-        native = bool(kernel and fused and fused.use_native_ops(config.decode_layers))
+        native = bool(kernel and fused and fused.use_native_ops(config.layer_stack))
         prefill = bool(kernel and cpu_ops.prefill_kernel_pays())
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():
@@ -98,7 +98,7 @@ class ModelRunner:
             device,
             model.dtype,
             num_blocks,
-            (("fused, C++ layer ops" + (", decode layers in one call" if fused.stacked else "")) if native else "fused")
+            (("fused, C++ layer ops" + (", layers in one call" if fused.stacked else "")) if native else "fused")
             if fused
             else "transformers",
             f"CPU kernel ({cpu_ops.active_isa()})" if kernel else "gather + SDPA",

@@ -1,13 +1,14 @@
-// A decode-only step's decoder layers in one call: what fused_llama.FusedLlama._native_layers does op by op from
-// Python (fused RMSNorm, the planned linears, rotary, the K/V write, paged decode attention, SiLU * up, the residual
-// adds), in the same order through the same functions of this translation unit, so the result is the same to the
-// bit. Registered as torch.ops.conveyor_<isa>.decode_layers; the engine calls it for steps whose rows are all
-// decode rows through the CPU attention kernel (fused_llama.py decides), else the Python loop runs.
+// A step's decoder layers in one call: what fused_llama.FusedLlama._native_layers does op by op from Python (fused
+// RMSNorm, the planned linears, rotary, the K/V write, the paged attention kernels, SiLU * up, the residual adds), in
+// the same order through the same functions of this translation unit, so the result is the same to the bit.
+// Registered as torch.ops.conveyor_<isa>.layer_stack; the engine calls it for every step whose attention groups all
+// go through the CPU kernels (decode rows: paged_decode; prefill chunks and drafts: prefill_attention) over a float32
+// pool (fused_llama.py decides), else the Python loop runs.
 //
 // Why: at one to a few sequences a step is ~120 memory-bound linears of 1-7 MB with ~15 small ops between each
-// pair, and each op crossed from Python (module call, GEMM-plan lookup, views, dispatch): ~4 ms of a ~25 ms step
-// at one sequence on the 2-core Xeon of docs/benchmarks.md, time in which memory sits idle. Here the loop costs
-// microseconds a layer.
+// pair, and each op crossed from Python (module call, GEMM-plan lookup, views, dispatch): ~4 ms of a ~26 ms step
+// at one sequence on the 2-core Xeon of docs/benchmarks.md, time in which memory sits idle; a 128-token prefill
+// pays the same ~4 ms of its ~115. Here the loop costs microseconds a layer.
 //
 // The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
@@ -47,7 +48,7 @@ at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, c
     case kPacked: {  // gemm._onednn / _packed: oneDNN's linear on the weight or its packed copy
       static const c10::OperatorHandle op =
           c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      TORCH_CHECK(kernel == kOnednn || packed.has_value(), "decode_layers: a packed kernel without a packed weight");
+      TORCH_CHECK(kernel == kOnednn || packed.has_value(), "layer_stack: a packed kernel without a packed weight");
       return boxed(op, {x, kernel == kPacked ? *packed : w, opt(b), std::string("none"),
                         c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>(std::string())});
     }
@@ -73,32 +74,56 @@ void write_kv(float* key, float* value, const at::Tensor& qkv, const int64_t* sl
   }
 }
 
+// The step's attention groups, in row order: the decode rows first (paged_decode, when decode_rows > 0), then each
+// prefill group (prefill_attention); each with its block tables and its context lengths or (start, len) spans.
+struct Groups {
+  at::TensorList block_tables, lens;
+  at::IntArrayRef rows;  // each group's rows
+  bool decode_first;
+
+  void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+              int64_t block_size, double scale, int64_t window) const {
+    int64_t row = 0;
+    for (size_t g = 0; g < rows.size(); ++g) {
+      at::Tensor o = out.narrow(0, row, rows[g]), qg = q.narrow(0, row, rows[g]);
+      auto kernel = g == 0 && decode_first ? paged_decode : prefill_attention;
+      kernel(o, qg, key, value, block_tables[g], lens[g], block_size, scale, window);
+      row += rows[g];
+    }
+  }
+};
+
 // h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
 // gate_up, down, input norm, post-attention norm), four biases and four packed copies (qkv, o, gate_up, down; None
-// where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T], block_tables
-// [T, MB], context_lens [T]; windows per layer (0: none).
-void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                   const c10::List<c10::optional<at::Tensor>>& biases,
-                   const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef kernels, const at::Tensor& key,
-                   const at::Tensor& value, const at::Tensor& slots, const at::Tensor& block_tables,
-                   const at::Tensor& context_lens, int64_t block_size, double scale, at::IntArrayRef windows,
-                   double eps, int64_t num_heads) {
+// where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
+// groups (Groups); windows per layer (0: none).
+void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                 const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
+                 at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                 at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
+                 int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads) {
   const int64_t L = key.size(0), KVH = key.size(2), D = key.size(3), T = h.size(0), H = num_heads;
-  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "decode_layers: float32 h [T, n]");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "layer_stack: float32 h [T, n]");
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.is_contiguous() &&
                   value.is_contiguous() && key.dim() == 4 && value.sizes() == key.sizes(),
-              "decode_layers: contiguous float32 key/value pools [layers, slots, KVH, D]");
+              "layer_stack: contiguous float32 key/value pools [layers, slots, KVH, D]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
                   static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(kernels.size()) == 4 * L &&
                   static_cast<int64_t>(windows.size()) == L,
-              "decode_layers: 6 weights, 4 biases, 4 packed copies, 4 kernels and a window per layer");
-  for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "decode_layers: kernel code ", k);
+              "layer_stack: 6 weights, 4 biases, 4 packed copies, 4 kernels and a window per layer");
+  for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
+  TORCH_CHECK(block_tables.size() == rows.size() && lens.size() == rows.size() && !rows.empty(),
+              "layer_stack: block tables, lens and rows for each attention group");
+  int64_t covered = 0;
+  for (const int64_t r : rows) covered += r;
+  TORCH_CHECK(covered == T, "layer_stack: the attention groups cover ", covered, " rows of ", T);
+  const Groups groups{block_tables, lens, rows, decode_first};
   auto slot_ids = slots.contiguous();
-  TORCH_CHECK(slot_ids.scalar_type() == at::kLong && slot_ids.numel() == T, "decode_layers: slots [T] long");
+  TORCH_CHECK(slot_ids.scalar_type() == at::kLong && slot_ids.numel() == T, "layer_stack: slots [T] long");
   const int64_t* slot_p = slot_ids.data_ptr<int64_t>();
   const int64_t per_slot = KVH * D;
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < key.size(1), "decode_layers: slot ", slot_p[t], " outside the pool");
+    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < key.size(1), "layer_stack: slot ", slot_p[t], " outside the pool");
   at::Tensor normed = at::empty_like(h), q = at::empty({T, H, D}, h.options()), attn = at::empty({T, H, D}, h.options());
   add_rms_norm(normed, h, c10::nullopt, weights[4], eps);
   for (int64_t i = 0; i < L; ++i) {
@@ -110,7 +135,7 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, a
     at::Tensor key_l = key.select(0, i), value_l = value.select(0, i);
     write_kv(key_l.data_ptr<float>(), value_l.data_ptr<float>(), qkv, slot_p, H * D, (H + KVH) * D, per_slot);
     q.copy_(qkv.narrow(1, 0, H * D).view({T, H, D}));
-    paged_decode(attn, q, key_l, value_l, block_tables, context_lens, block_size, scale, windows[i]);
+    groups.attend(attn, q, key_l, value_l, block_size, scale, windows[i]);
     add_rms_norm(normed, h, lin(1, attn.view({T, H * D})), weights[6 * i + 5], eps);
     at::Tensor gate_up = lin(2, normed);
     at::Tensor act = at::empty({T, gate_up.size(1) / 2}, h.options());
@@ -128,10 +153,10 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, a
 
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def(
-      "decode_layers(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
-      "int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor block_tables, Tensor context_lens, "
-      "int block_size, float scale, int[] windows, float eps, int num_heads) -> ()");
-  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+      "layer_stack(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
+      "int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
+      "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads) -> ()");
+  m.impl("layer_stack", c10::DispatchKey::CPU, TORCH_FN(layer_stack));
   // oneDNN's packed weight copies (gemm.pack) are MkldnnCPU tensors: with one among the operands, that key dispatches
-  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
+  m.impl("layer_stack", c10::DispatchKey::MkldnnCPU, TORCH_FN(layer_stack));
 }

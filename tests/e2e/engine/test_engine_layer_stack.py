@@ -1,0 +1,99 @@
+"""A step's layers in one C++ call (csrc/layer_stack.cpp) give the bits of the Python loop they replace
+(fused_llama.FusedLlama._native_layers): decode steps with whichever kernel the GEMM plans give the linears, prefill
+steps, chunks that continue a cached context beside decode rows, and drafted rows; a step whose attention is not
+all in the CPU kernels keeps the Python loop. (Biases and sliding windows: test_engine_architectures runs Qwen2
+and Mistral through it.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.engine import run_to_completion
+
+from services.worker.engine import EngineRequest, SamplingOptions, cpu_ops, gemm
+
+REPEAT = "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon."
+
+
+def stacked_engine(make_engine, **config):
+    engine = make_engine(**config)
+    fused = engine.runner.fused
+    if fused is None or not fused.stacked:
+        pytest.skip("no layer_stack here: the engine's CPU kernels did not load (see test_engine_cpu_kernels)")
+    return engine, fused
+
+
+def spy_on_the_stack(fused) -> list[tuple[int, bool]]:
+    """Every step through the stack runs the Python loop first (on a copy of the residual stream), then the C++
+    call; the list gets (rows, whether the two agree to the bit). The second K/V write puts the same values in the
+    same slots."""
+    seen: list[tuple[int, bool]] = []
+    stacked, loop = fused._stacked_layers, fused._native_layers
+
+    def both(h, cos, sin, meta):
+        expected = loop(h.clone(), cos, sin, meta)
+        out = stacked(h, cos, sin, meta)
+        seen.append((h.shape[0], torch.equal(out, expected)))
+        return out
+
+    fused._stacked_layers = both
+    return seen
+
+
+def add_ragged_requests(engine, n: int = 3, prompt_step: int = 17) -> None:
+    for i in range(n):
+        prompt = [(37 * i + 11 * j) % 5000 + 100 for j in range(5 + prompt_step * i)]  # ragged contexts
+        engine.add_request(
+            EngineRequest(f"r{i}", prompt, SamplingOptions(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True))
+        )
+
+
+@pytest.mark.parametrize("kernel", list(gemm.KERNELS))
+def test_the_stack_equals_the_python_loop_to_the_bit_with_every_gemm_kernel(make_engine, kernel):
+    engine, fused = stacked_engine(make_engine)
+    if kernel not in gemm.offered(gemv=cpu_ops.vector_path()):
+        pytest.skip(f"the GEMM plans do not offer {kernel} on this CPU/build")
+    for linear in fused.linears()[:-1]:  # the kernel up to 64 rows (the GEMV's most), F.linear beyond
+        gemm.apply_plan(linear, gemm.Plan((kernel,) * 7 + ("linear",)))
+    seen = spy_on_the_stack(fused)
+    add_ragged_requests(engine)
+    run_to_completion(engine)
+    assert [rows for rows, _ in seen][:4] == [66, 3, 3, 3]  # the prompts' step, then decode steps at 3, 2, 1 rows
+    assert all(equal for _, equal in seen)
+
+
+def test_chunks_continuing_a_context_beside_decode_rows_equal_the_python_loop(make_engine):
+    engine, fused = stacked_engine(make_engine, max_num_batched_tokens=32)  # 5/39/73-token prompts in chunks
+    seen = spy_on_the_stack(fused)
+    add_ragged_requests(engine, prompt_step=34)
+    run_to_completion(engine)
+    assert len({rows for rows, _ in seen}) > 3 and all(equal for _, equal in seen)
+
+
+def test_drafted_rows_equal_the_python_loop(make_engine, chat):
+    engine, fused = stacked_engine(make_engine, spec_ngram_tokens=4)
+    seen = spy_on_the_stack(fused)
+    engine.add_request(EngineRequest("r", chat(REPEAT), SamplingOptions(temperature=0, max_tokens=32)))
+    run_to_completion(engine)
+    assert engine.stats().num_drafted > 0 and all(equal for _, equal in seen)
+    assert any(rows > 1 for rows, _ in seen[1:])  # decode steps with drafted rows went through the stack
+
+
+def test_a_step_whose_prefill_attention_runs_in_torch_keeps_the_python_loop(make_engine):
+    engine, fused = stacked_engine(make_engine)
+    engine.runner.prefill_kernel = False  # prefill chunks through torch's attention: no spans for the kernel
+    calls: list[tuple[str, int]] = []
+
+    def counted(name, layers):
+        def run(h, cos, sin, meta):
+            calls.append((name, h.shape[0]))
+            return layers(h, cos, sin, meta)
+
+        return run
+
+    fused._native_layers = counted("loop", fused._native_layers)
+    fused._stacked_layers = counted("stack", fused._stacked_layers)
+    add_ragged_requests(engine, n=2)
+    engine.step()  # both prompts (5 and 22 tokens): a prefill step
+    engine.step()  # two decode rows
+    assert calls == [("loop", 27), ("stack", 2)]
