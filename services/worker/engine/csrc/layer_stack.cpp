@@ -74,7 +74,7 @@ void write_kv(float* key, float* value, const at::Tensor& qkv, const int64_t* sl
   }
 }
 
-// The step's attention groups, in row order: the decode rows first (paged_decode, when decode_rows > 0), then each
+// The step's attention groups, in row order: the decode rows first (paged_decode, when decode_first), then each
 // prefill group (prefill_attention); each with its block tables and its context lengths or (start, len) spans.
 struct Groups {
   at::TensorList block_tables, lens;
