@@ -10,23 +10,21 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
            whole rows with software prefetches; offered only where the CPU kernels load with a vector path
   gemv256  the same kernel of the avx2 build, beside an avx512 one (cpu_ops.narrow_ops)
-Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms
-`onednn` and ~10 ms `packed`; at M=1 `linear` wins. So the choice is
-measured, not guessed: once per (weight shape, dtype, thread count, torch build, CPU model and ISA flags:
-cpu_info.py) and per power-of-two bucket of M, at engine start, over passes through the model's layers in
-order (see measure); then kept in memory and in a JSON file under the cache directory, so a restarted
-worker does not measure again.
+Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms `onednn` and
+~10 ms `packed`; at M=1 `linear` wins. So the choice is measured, not guessed: once per (weight shape, dtype,
+thread count, torch build, CPU model and ISA flags: cpu_info.py) and per power-of-two bucket of M, at engine
+start, over passes through the model's layers in order (see measure); then kept in memory and in a JSON file
+under the cache directory, so a restarted worker does not measure again.
 
-A plan measured while other processes kept the machine busy (cpu_info.others_busy over the measurement,
->= LOADED_SHARE of the cores) is kept but provisional: their load skews the timings (a kernel that
-streams memory suffers more than one that computes), so a later start that finds the machine quiet
-measures it again, up to MAX_TRIES measurements in all; after that the last one is kept, load or not
-(a machine that is never quiet still gets a plan, and starts stay bounded).
+A plan measured while other processes kept the machine busy (cpu_info.others_busy over the measurement, >=
+LOADED_SHARE of the cores) is kept but provisional: their load skews the timings (a kernel that streams memory
+suffers more than one that computes), so a later start that finds the machine quiet measures it again, up to
+MAX_TRIES measurements in all; after that the last one is kept, load or not (a machine that is never quiet still
+gets a plan, and starts stay bounded).
 
-How it is applied: each nn.Linear keeps its type, weights and ties (the LM head still shares the
-embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses
-`packed` for some M also holds the packed copy (one more copy of that weight: memory for speed, on
-CPU only).
+How it is applied (apply_plan): each nn.Linear keeps its type, weights and ties (the LM head still shares the
+embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses `packed` for some
+M also holds the packed copy (one more copy of that weight: memory for speed, on CPU only).
 """
 
 from __future__ import annotations
@@ -99,14 +97,7 @@ def _gemv256(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: t
 
 
 # x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
-KERNELS = {
-    "linear": _linear,
-    "flipped": _flipped,
-    "onednn": _onednn,
-    "packed": _packed,
-    "gemv": _gemv,
-    "gemv256": _gemv256,
-}
+KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed, gemv=_gemv, gemv256=_gemv256)
 # each kernel's code for csrc/layer_stack.cpp, which runs the planned kernels itself (its LinearKernel enum)
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
