@@ -75,6 +75,40 @@ def test_paged_decode_kernel_equals_gather_and_sdpa(kernels, shape, window, dtyp
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+SPLITS = {  # lens whose tokens the threads share by cutting sequences (csrc/paged_decode.cpp, plan_parts)
+    "one-long": [700],  # a single stream: its tokens cut among all threads
+    "long-first": [900, 40, 3, 17, 1, 260],  # the oldest and longest first, then short ones
+    "cut-near-edges": [70, 70, 70, 70],  # cuts that would leave a part under the minimum
+}
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_paged_decode_kernel_splits_sequences_among_threads_exactly(kernels, case, window, threads):
+    """Sequences cut among the threads (parts computed apart, merged by their softmax maxima and sums) give the
+    reference's attention, with and without a window, at two and three threads."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    lens = SPLITS[case]
+    per_seq = -(-max(lens) // block_size)
+    blocks = len(lens) * per_seq + 3
+    key = torch.randn(blocks * block_size, kv_heads, dim)
+    value = torch.randn(blocks * block_size, kv_heads, dim)
+    tables = torch.randperm(blocks)[: len(lens) * per_seq].view(len(lens), per_seq)
+    lens = torch.tensor(lens)
+    q = torch.randn(len(lens), heads, dim) * 3  # peaked scores: parts' maxima differ, the merge must rescale
+    out = torch.empty_like(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.paged_decode(out, q, key, value, tables, lens, block_size, dim**-0.5, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference(q, key, value, tables, lens, block_size, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def prefill_reference(q, key, value, tables, spans, block_size, window):
     """Each sequence's rows: SDPA over its keys 0 .. start + len - 1 (gathered, repeated per query head), masked
     causally (and to the window) by position."""
