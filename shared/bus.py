@@ -37,6 +37,18 @@ def write_event(pipe, names: Names, stream: str, event: Event, maxlen: int = STR
         pipe.expire(stream, ttl)
 
 
+# How a Lua script writes an event (the write_event of scripts): ARGV[a], ARGV[a + 1], ARGV[a + 2] are what
+# event_argv gives for the stream KEYS[k]. Its XADD's reply is the entry id.
+LUA_XADD_EVENT = """redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
+  if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[k], tonumber(ARGV[a + 1])) end"""
+
+
+def event_argv(names: Names, stream: str, event: Event) -> list[str | bytes]:
+    """A script's arguments for writing `event` to `stream` as write_event does (LUA_XADD_EVENT): its encoding,
+    the stream's TTL (0: none) and its cap."""
+    return [encode(event), str(private_stream_ttl(names, stream) or 0), str(STREAM_MAXLEN)]
+
+
 @dataclass(frozen=True)
 class Delivery:
     stream: str  # stream it came from

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from shared import telemetry
-from shared.bus import write_event
-from shared.constants import LIFECYCLE_FEED_FIELDS, LIFECYCLE_FEED_MAXLEN, STREAM_MAXLEN, Names, private_stream_ttl
-from shared.events import Event, State, encode
+from shared.bus import LUA_XADD_EVENT, event_argv, write_event
+from shared.constants import LIFECYCLE_FEED_FIELDS, LIFECYCLE_FEED_MAXLEN, Names
+from shared.events import Event, State
 from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
@@ -160,8 +160,7 @@ local out = {'ok', cur, now}
 local first = 13 + tonumber(ARGV[9])
 for k = first, #KEYS do
   local a = 15 + 3 * (k - first)
-  out[#out + 1] = redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[a + 2], '*', 'e', ARGV[a])
-  if ARGV[a + 1] ~= '0' then redis.call('EXPIRE', KEYS[k], tonumber(ARGV[a + 1])) end
+  out[#out + 1] = @XADD_EVENT
 end
 if ARGV[14] ~= '' and out[4] then redis.call('HSET', KEYS[3], 'placed_entry', cjson.encode(out[4])) end
 return out
@@ -184,6 +183,7 @@ return out
     )
     .replace("@TERMINAL(cur)", lua_in("cur", TERMINAL))
     .replace("@QUEUED", State.QUEUED.value)
+    .replace("@XADD_EVENT", LUA_XADD_EVENT)
 )
 
 
@@ -356,7 +356,7 @@ class Lifecycle:
             json.dumps(owner.nonce) if owner is not None and owner.nonce else "",
         ]
         for x in now:
-            argv += [encode(x.event), str(private_stream_ttl(n, x.stream)), str(STREAM_MAXLEN)]
+            argv += event_argv(n, x.stream, x.event)
         return keys, argv, tuple(x for x in publish if not n.colocated(x.stream, p))
 
     def interpret(self, request_id: str, to: State, raw) -> TransitionResult:

@@ -2,8 +2,9 @@
 
 Per step: one token_generated per reply destination (never one message per token), then the
 state changes, then each ended request's settlement (FINISHED + completed, or FAILED +
-failed), in that order on every reply stream. On a single Redis all of it is one MULTI/EXEC;
-on a Redis Cluster one pipeline of fenced writes, then the reply events (_publish_fenced).
+failed), in that order on every reply stream. On a single Redis a step that only adds tokens is one
+script, one with state changes one MULTI/EXEC (_publish_transaction); on a Redis Cluster one pipeline of
+fenced writes, then the reply events (_publish_fenced). Their scripts: publish_scripts.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass, field
 
 import redis
 
+from services.worker.publish_scripts import APPEND_LUA, ATTEMPTS_LUA, FENCED, TOKENS_LUA
 from shared.backoff import backoff_s
-from shared.bus import write_event
+from shared.bus import event_argv, write_event
 from shared.constants import Names
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.context_store import ContextStore
@@ -26,30 +28,11 @@ from shared.events import Completed, Failed, PromptLogprobs, Scheduled, TokenDel
 from shared.lifecycle import Lifecycle, Publish, State
 from shared.logprobs import pack as pack_logprobs
 from shared.logprobs import pack_prompt
+from shared.replies import as_text
 
 logger = logging.getLogger(__name__)
 
 REFUSED_FOR_S = 120.0  # error replies to a step's writes for this long end the process (see publish)
-
-# KEYS: exec layers. The attempt each was placed with (nil: the context is gone).
-_ATTEMPTS_LUA = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'attempt') end return out"
-
-# KEYS: a request's tokens list, its exec layer. ARGV: the attempt the worker holds it with ('': not checked, the
-# caller WATCHes the exec layer), index of the first token in the output, the tokens..., ttl.
-# Appends the tokens the list does not have yet, so a step published twice (its first try failed after some of
-# its writes were made: a Redis Cluster failover in the middle) appends nothing twice. Returns -1; or the list's
-# length when it is shorter than the index (it lost its tail in a failover): the caller sends the missing tokens
-# with its next step; or FENCED when exec.attempt moved on (the request was placed elsewhere): nothing written.
-FENCED = -2
-_APPEND_LUA = """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[2], 'attempt') ~= ARGV[1] then return -2 end
-local n = redis.call('LLEN', KEYS[1])
-local at = tonumber(ARGV[2])
-if n < at then return n end
-for i = 3 + n - at, #ARGV - 1 do redis.call('RPUSH', KEYS[1], ARGV[i]) end
-redis.call('EXPIRE', KEYS[1], ARGV[#ARGV])
-return -1
-"""
 
 
 @dataclass
@@ -80,15 +63,16 @@ class StepPublisher:
         self.worker_id = worker_id
         self.lifecycle = lifecycle
         self.store = store
-        self._append = client.register_script(_APPEND_LUA)
-        self._behind: dict[str, int] = {}  # request id -> length of its tokens list, when short (see _APPEND_LUA)
+        self._append = client.register_script(APPEND_LUA)
+        self._tokens = client.register_script(TOKENS_LUA)
+        self._behind: dict[str, int] = {}  # request id -> length of its tokens list, when short (see APPEND_LUA)
 
     def publish(self, step: int, result, active: dict[str, Active], kv_info) -> set[str]:
-        """Publish the step. On a single Redis one MULTI/EXEC: tokens reach the client and the request's token list
-        together or not at all, so a request moved to another worker resumes exactly after what its client has.
-        Fenced: nothing is written for a request that was placed elsewhere since (this worker hung and woke up);
-        those are returned, to be dropped. Retried while Redis is away (the engine does not step meanwhile:
-        nothing is lost, generation pauses)."""
+        """Publish the step. On a single Redis one script or one MULTI/EXEC: tokens reach the client and the
+        request's token list together or not at all, so a request moved to another worker resumes exactly after
+        what its client has. Fenced: nothing is written for a request that was placed elsewhere since (this worker
+        hung and woke up); those are returned, to be dropped. Retried while Redis is away (the engine does not step
+        meanwhile: nothing is lost, generation pauses)."""
         new = {o.request_id: o.new_token_ids for o in result.outputs if o.new_token_ids and o.request_id in active}
         refused_since = None
         for attempt in itertools.count():
@@ -129,7 +113,7 @@ class StepPublisher:
         for group in self._by_slot(rids):
             keys = [self.names.layer(rid, "exec") for rid in group]
             # execute_command, not eval(): a cluster pipeline refuses eval(), but runs a command while WATCHing
-            found.update(zip(group, client.execute_command("EVAL", _ATTEMPTS_LUA, len(keys), *keys)))
+            found.update(zip(group, client.execute_command("EVAL", ATTEMPTS_LUA, len(keys), *keys)))
         return {rid for rid, at in found.items() if at is None or int(at) != active[rid].attempt}
 
     def _by_slot(self, rids: list[str]) -> list[list[str]]:
@@ -180,18 +164,49 @@ class StepPublisher:
     def _publish_transaction(
         self, step: int, result, active: dict[str, Active], kv_info, new: dict, touched: list[str]
     ) -> set[str]:
-        """A single Redis: one MULTI/EXEC for the whole step, reply events included, WATCHing the exec layers."""
+        """A single Redis. A step that only adds tokens (most of them): TOKENS_LUA, one round trip. A step that
+        moves states too: one MULTI/EXEC WATCHing the exec layers, the same script first, then the transitions."""
+        if not (self._deferred or result.transitions or any(o.finished for o in result.outputs)):
+            return self._publish_tokens(step, result, active, new, touched)
         with self.r.pipeline(transaction=True) as pipe:
             lost = self._stale(pipe, touched, active)
             pipe.multi()
-            mine = [rid for rid in touched if rid not in lost]
-            appended = self._queue_appends(pipe, result, active, new, mine)
-            self._queue_tokens(pipe, step, result, active, new, lost)
-            queued = self._queue_step(pipe, result, active, new, kv_info, set(mine))
+            rids = [rid for rid in touched if rid in new and rid not in lost]
+            keys, args = self._tokens_args(step, result, active, new, rids, lost)
+            self._tokens(keys=keys, args=args, client=pipe)
+            queued = self._queue_step(pipe, result, active, new, kv_info, set(touched) - lost)
             replies = pipe.execute()
-        self._note_behind(appended, replies[: len(appended)])
-        self._check(replies, queued, active)
+        self._note_tokens(rids, replies[0])
+        self._check(replies[1:], queued, active)
         return lost
+
+    def _publish_tokens(self, step: int, result, active: dict[str, Active], new: dict, touched: list[str]) -> set:
+        lost: set[str] = set()
+        while True:
+            rids = [rid for rid in touched if rid in new and rid not in lost]
+            keys, args = self._tokens_args(step, result, active, new, rids, lost)
+            reply = self._tokens(keys=keys, args=args)
+            if as_text(reply[0]) == "ok":
+                self._note_tokens(rids, reply)
+                return lost
+            lost |= {rids[i - 1] for i in reply[1:]}  # placed elsewhere since: left out, the rest sent again
+
+    def _tokens_args(self, step: int, result, active: dict[str, Active], new: dict, rids, lost) -> tuple[list, list]:
+        first = {o.request_id: o.first_index for o in result.outputs}
+        keys: list = []
+        args: list = [len(rids), self.token_ttl_s]
+        for rid in rids:
+            at, tokens = self._from(rid, first[rid], new[rid], active[rid])
+            keys += [self.names.tokens(rid), self.names.layer(rid, "exec")]
+            args += [active[rid].attempt, at, len(tokens), *tokens]
+        for reply_to, ev in self._token_events(step, result, active, new, lost):
+            keys.append(reply_to)
+            args += event_argv(self.names, reply_to, ev)
+        return keys, args
+
+    def _note_tokens(self, rids: list[str], reply: list) -> None:
+        short = dict(zip(reply[1::2], reply[2::2]))  # position -> the list's length
+        self._note_behind(rids, [short.get(i, -1) for i in range(1, len(rids) + 1)])
 
     def _publish_fenced(
         self, step: int, result, active: dict[str, Active], kv_info, new: dict, touched: list[str]
@@ -225,15 +240,20 @@ class StepPublisher:
         return appended
 
     def _queue_append(self, pipe, rid: str, at: int, tokens, a: Active) -> None:
-        """Append the step's tokens to the request's list (first in the transaction: its reply comes first);
-        from where the list stopped when it is known to be short."""
-        if (n := self._behind.get(rid)) is not None and n < at:
-            tokens, at = [*a.output_token_ids[n:], *tokens], n
+        """Append the step's tokens to the request's list (first in the pipeline: its reply comes first)."""
+        at, tokens = self._from(rid, at, tokens, a)
         self._append(
             keys=[self.names.tokens(rid), self.names.layer(rid, "exec")],
-            args=["" if (f := self._fence(a)) is None else f, at, *tokens, self.token_ttl_s],
+            args=[a.attempt, at, *tokens, self.token_ttl_s],
             client=pipe,
         )
+
+    def _from(self, rid: str, at: int, tokens, a: Active) -> tuple[int, list[int]]:
+        """Where the step's tokens go in the request's list, and which: from where the list stopped when it is
+        known to be short (a failover lost its tail)."""
+        if (n := self._behind.get(rid)) is not None and n < at:
+            return n, [*a.output_token_ids[n:], *tokens]
+        return at, list(tokens)
 
     def _fence(self, a: Active) -> int | None:
         """The attempt a write checks in its script: on a cluster (_publish_fenced); a single Redis's transaction
@@ -256,7 +276,11 @@ class StepPublisher:
                 self._behind.pop(rid, None)
 
     def _queue_tokens(self, pipe, step: int, result, active: dict[str, Active], new: dict, lost: set[str]) -> None:
-        """One token_generated per reply stream for the step's new tokens, in output order."""
+        for reply_to, ev in self._token_events(step, result, active, new, lost):
+            write_event(pipe, self.names, reply_to, ev)
+
+    def _token_events(self, step: int, result, active: dict[str, Active], new: dict, lost) -> list:
+        """One token_generated per reply stream for the step's new tokens, in output order: [(stream, event)]."""
         by_reply: dict[str, list[TokenDelta]] = defaultdict(list)
         for out in result.outputs:
             if out.request_id in new and out.request_id not in lost:
@@ -269,9 +293,10 @@ class StepPublisher:
                         _prompt(out, active[out.request_id]),
                     )
                 )
-        for reply_to, items in by_reply.items():
-            ev = TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items))
-            write_event(pipe, self.names, reply_to, ev)
+        return [
+            (reply_to, TokenGenerated(worker_id=self.worker_id, step=step, items=tuple(items)))
+            for reply_to, items in by_reply.items()
+        ]
 
     def _queue_step(self, pipe, result, active: dict[str, Active], new: dict, kv_info, mine: set[str]) -> list:
         """The step's transitions of the requests in `mine` (deferred scheduling decisions, the step's own, then

@@ -103,3 +103,23 @@ def _burst_in_one_tick(s, redis_server, redis_client, names, monkeypatch):
     with RoundTrips(monkeypatch) as trips:
         s.tick()
     return events, trips
+
+
+def test_a_workers_tokens_only_step_is_one_round_trip(redis_server, redis_client, names, monkeypatch):
+    """The step a decoding batch repeats hundreds of times a second: fencing, appends and reply events in one script
+    (services/worker/publisher.py, _TOKENS_LUA), not WATCH, a check, SCRIPT EXISTS and MULTI/EXEC."""
+    import time
+
+    from services.worker.engine.outputs import RequestOutput, StepResult
+    from services.worker.publisher import Active
+    from tests.support.scheduling import placed, step_publisher
+
+    s = scheduler(redis_server, names)
+    evs = [placed(redis_server, names, s) for _ in range(3)]
+    pub = step_publisher(redis_client, names)
+    active = {e.request_id: Active(e.request_id, e.reply_to, "", 3, time.time() + 60, attempt=1) for e in evs}
+    for i in range(2):  # the first loads the script
+        step = StepResult(outputs=[RequestOutput(e.request_id, [5 + i], i) for e in evs])
+        with RoundTrips(monkeypatch) as trips:
+            assert pub.publish(i + 1, step, active, lambda rid: None) == set()
+    assert trips.n == 1
