@@ -41,6 +41,12 @@ def _run(step: list[str]) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(step, 1, "", f"timed out after {INSTALL_TIMEOUT_S} s")
 
 
+def _link_runtime(venv: Path) -> None:
+    """Point the venv at this runtime's packages (the .pth of reuse_runtime)."""
+    pth = next(venv.glob("lib/python*/site-packages")) / "conveyor-runtime.pth"
+    pth.write_text("\n".join(site.getsitepackages()) + "\n")
+
+
 def peer_python(name: str, requirement: str, module: str | None = None, reuse_runtime: bool = False) -> Path:
     """The python of the venv `name` with `requirement` (pinned: `dist==version`) installed and `module` importable,
     made if need be (one maker at a time: a lock file beside it); skips the test when it cannot be made."""
@@ -48,13 +54,14 @@ def peer_python(name: str, requirement: str, module: str | None = None, reuse_ru
     PEERS.mkdir(parents=True, exist_ok=True)
     with open(PEERS / f"{name}.lock", "w") as lock:  # parallel test processes
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if reuse_runtime and python.exists():
+            _link_runtime(venv)  # made by another clone's runtime, perhaps since removed: this one's now
         if _ready(python, requirement, module):
             return python
         shutil.rmtree(venv, ignore_errors=True)
         done = _run([sys._base_executable, "-m", "venv", str(venv)])
         if done.returncode == 0 and reuse_runtime:
-            pth = next(venv.glob("lib/python*/site-packages")) / "conveyor-runtime.pth"
-            pth.write_text("\n".join(site.getsitepackages()) + "\n")
+            _link_runtime(venv)
         if done.returncode == 0:
             # --no-compile: no .pyc for the hundreds of modules the client never imports (CPU the suite's other
             # process needs); what it imports is compiled at its first import
