@@ -133,6 +133,12 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
+    keep_alive_s: float = Field(
+        75.0,
+        ge=1,
+        description="how long an idle HTTP connection is kept open: longer than clients keep one in their pools "
+        "(aiohttp 15 s), or a request sent as the server closes it fails in the client",
+    )
     sse_write_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -110,6 +110,7 @@ def serve(app, settings: GatewaySettings) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+        timeout_keep_alive=settings.keep_alive_s,
         backlog=settings.listen_backlog,
     )
     GracefulServer(config, settings.shutdown_grace_s).run()
