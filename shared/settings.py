@@ -38,9 +38,7 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the streams and contexts")
     redis_password: SecretStr = Field(
-        SecretStr(""),
-        description="Redis AUTH password when redis_url has none (keeps "
-        "it out of URLs, which end up in logs and process listings); empty = none",
+        SecretStr(""), description="Redis AUTH password when redis_url has none (kept out of URLs, logs); empty = none"
     )
     redis_cluster: bool = Field(
         False,
@@ -134,10 +132,7 @@ class GatewaySettings(CommonSettings):
     request_timeout_s: float = Field(300.0, gt=0, description="timeout when a request gives none")
     shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM, time requests in flight get to finish")
     keep_alive_s: float = Field(
-        75.0,
-        ge=1,
-        description="how long an idle HTTP connection is kept open: longer than clients keep one in their pools "
-        "(aiohttp 15 s), or a request sent as the server closes it fails in the client",
+        75.0, ge=1, description="idle HTTP connections kept this long: past clients' pool time (aiohttp 15 s)"
     )
     sse_write_timeout_s: float = Field(
         30.0,
