@@ -366,13 +366,13 @@ class WorkerSettings(CommonSettings):
     )
     session_swap_max_bytes: int = Field(4 << 30, ge=0, description="most bytes the disk tier holds")
     session_swap_min_tokens: int = Field(
-        0,
-        ge=0,
-        description="paused sessions shorter than this are released under pressure, not swapped "
-        "(recomputing them is cheaper: docs/benchmarks.md)",
+        0, ge=0, description="paused sessions shorter than this are released under pressure, not swapped (docs)"
     )
     first_token_preempt_min_tokens: int = Field(
         16, ge=0, description="a request with no token yet preempts running ones that emitted this many; 0 = never"
+    )
+    session_prefill_tokens: int = Field(
+        256, ge=0, description="while a session's turn waits for its first token, prompt tokens a step computes at most"
     )
 
 

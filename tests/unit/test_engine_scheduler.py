@@ -110,3 +110,60 @@ def test_max_num_seqs_caps_running():
         sched.add(seq(2))
     batch = sched.schedule()
     assert len(batch.items) == 2 and len(sched.waiting) == 1
+
+
+def session_seq(prompt_len, session="conv-1", first_token=1):
+    req = EngineRequest(
+        f"r{next(_ids)}", list(range(first_token, first_token + prompt_len)), GREEDY, session_id=session
+    )
+    return Sequence(req, next(_ids), frozenset({0}))
+
+
+def make_capped(cap, budget=64):
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=256, max_num_batched_tokens=budget, max_num_seqs=8, session_prefill_tokens=cap
+    )
+    return Scheduler(cfg, BlockManager(256, 4, True))
+
+
+def prompt_tokens(batch) -> int:
+    return sum(n for s, n in batch.items if s.status != SequenceStatus.DECODING)
+
+
+def test_a_waiting_session_turn_caps_the_steps_prompt_tokens():
+    sched = make_capped(cap=16)
+    running = seq(3)
+    sched.add(running)
+    advance(sched, sched.schedule())  # now decoding
+    turns = [session_seq(30, f"conv-{i}", 100 * i) for i in range(3)]
+    for t in turns:
+        sched.add(t)
+    batch = sched.schedule()
+    assert (running, 1) in batch.items, "the decodes run as ever"
+    assert prompt_tokens(batch) == 16, "prompt tokens held to session_prefill_tokens"
+
+
+def test_a_session_turn_in_prefill_keeps_the_cap_until_its_first_token():
+    sched = make_capped(cap=16)
+    turn = session_seq(40)
+    sched.add(turn)
+    sizes = []
+    while turn.num_outputs == 0:
+        batch = sched.schedule()
+        sizes.append(prompt_tokens(batch))
+        advance(sched, batch)
+    assert sizes == [16, 16, 8], "each step of the turn's prefill computes at most the cap"
+
+
+def test_without_sessions_a_step_keeps_its_whole_budget():
+    sched = make_capped(cap=16)
+    for i in range(3):
+        sched.add(seq(30, first_token=100 * i))
+    assert prompt_tokens(sched.schedule()) == 64
+
+
+def test_session_prefill_tokens_zero_keeps_the_whole_budget():
+    sched = make_capped(cap=0)
+    for i in range(3):
+        sched.add(session_seq(30, f"conv-{i}", 100 * i))
+    assert prompt_tokens(sched.schedule()) == 64

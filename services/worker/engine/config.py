@@ -45,6 +45,9 @@ class EngineConfig:
     # KV in the tier, a less or equally important running one that has emitted at least this many tokens since its
     # admission (0: never; a running request is only ever preempted for a more important one's growth).
     first_token_preempt_min_tokens: int = 16
+    # While a session's turn waits for its first token, a step computes at most this many prompt tokens (its decodes
+    # as ever; 0: the whole max_num_batched_tokens): scheduler.Scheduler._prompt_room says why.
+    session_prefill_tokens: int = 256
     # Prompt-lookup speculative decoding of greedy requests (ngram.py): up to this many drafted tokens checked per
     # step and sequence (0: off), from n-grams of ngram_min..ngram_max tokens, while at most spec_max_batch
     # sequences decode (beyond, a step is compute-bound on a CPU and a wrong draft costs its rows in full).
@@ -65,6 +68,8 @@ class EngineConfig:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.first_token_preempt_min_tokens < 0:
             problems.append(f"first_token_preempt_min_tokens must be >= 0, got {self.first_token_preempt_min_tokens}")
+        if self.session_prefill_tokens < 0:
+            problems.append(f"session_prefill_tokens must be >= 0, got {self.session_prefill_tokens}")
         if self.max_num_batched_tokens < 1:
             problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.device.split(":")[0] not in _DEVICES:

@@ -83,6 +83,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        room = self._prompt_room()  # of the budget, the most prompt (non-decode) tokens this step computes
         preempted = False
         # decode-format first (one token left to compute), then ongoing prefills; most important first
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.importance_key))
@@ -95,6 +96,10 @@ class Scheduler:
             if seq not in self.running:  # preempted while making room for a more important one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1:  # a prefill chunk (or a recomputation after preemption)
+                if (n := min(n, room)) == 0:
+                    continue
+                room -= n
             seq.draft = self._draft(seq, budget - 1) if drafting and n == 1 else []
             n += len(seq.draft)
             got, budget_back, any_preempted = self._reserve(seq, n, batch)
@@ -104,8 +109,28 @@ class Scheduler:
                 batch.items.append((seq, n))
                 budget -= n
         if not preempted:
-            self._admit(batch, budget)
+            self._admit(batch, min(budget, room))
         return batch
+
+    def _prompt_room(self) -> int:
+        """The step's budget for prompt tokens: the whole budget, or session_prefill_tokens while a session's turn
+        waits for its first token (queued, or its prompt in prefill). Why: a conversation's turns come in bursts (the
+        answers of many conversations end together, their users answer within seconds), each a few hundred new
+        tokens; in steps half as long, each turn's first token comes at the end of a short step instead of a chunk
+        of a long one, and the answers running beside them advance twice as often (docs/benchmarks.md, issue 26).
+        Traffic without sessions keeps the whole budget (long prompts prefill fastest in large steps)."""
+        cap, whole = self.config.session_prefill_tokens, self.config.max_num_batched_tokens
+        if cap == 0 or cap >= whole:
+            return whole
+        if self.sessions.wanted or any(
+            s.session_id and s.num_outputs == 0 for s in self.running if self._prefilling(s)
+        ):
+            return cap
+        return whole
+
+    @staticmethod
+    def _prefilling(seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens > 1
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for seq's step (set on seq.draft for the runner; the engine clears it once checked), within `room`
