@@ -167,3 +167,11 @@ def test_session_prefill_tokens_zero_keeps_the_whole_budget():
     for i in range(3):
         sched.add(session_seq(30, f"conv-{i}", 100 * i))
     assert prompt_tokens(sched.schedule()) == 64
+
+
+def test_the_session_prefill_setting_reaches_the_engine():
+    from services.worker.build import engine_config
+    from shared.settings import WorkerSettings
+
+    assert engine_config(WorkerSettings(session_prefill_tokens=128)).session_prefill_tokens == 128
+    assert engine_config(WorkerSettings()).session_prefill_tokens == 256
