@@ -145,7 +145,10 @@ def test_a_waiting_session_turn_caps_the_steps_prompt_tokens():
 
 def test_a_session_turn_in_prefill_keeps_the_cap_until_its_first_token():
     sched = make_capped(cap=16)
-    turn = session_seq(40)
+    running = seq(3)
+    sched.add(running)
+    advance(sched, sched.schedule())  # now decoding: the steps are shared
+    turn = session_seq(40, first_token=100)
     sched.add(turn)
     sizes = []
     while turn.num_outputs == 0:
@@ -175,3 +178,9 @@ def test_the_session_prefill_setting_reaches_the_engine():
 
     assert engine_config(WorkerSettings(session_prefill_tokens=128)).session_prefill_tokens == 128
     assert engine_config(WorkerSettings()).session_prefill_tokens == 256
+
+
+def test_a_session_turn_alone_prefills_with_the_whole_budget():
+    sched = make_capped(cap=16)
+    sched.add(session_seq(100))
+    assert prompt_tokens(sched.schedule()) == 64, "no one to share the steps with"

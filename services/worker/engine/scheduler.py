@@ -118,9 +118,10 @@ class Scheduler:
         answers of many conversations end together, their users answer within seconds), each a few hundred new
         tokens; in steps half as long, each turn's first token comes at the end of a short step instead of a chunk
         of a long one, and the answers running beside them advance twice as often (docs/benchmarks.md, issue 26).
-        Traffic without sessions keeps the whole budget (long prompts prefill fastest in large steps)."""
+        Traffic without sessions keeps the whole budget (long prompts prefill fastest in large steps), and so does a
+        turn alone in the engine (no one to share the steps with)."""
         cap, whole = self.config.session_prefill_tokens, self.config.max_num_batched_tokens
-        if cap == 0 or cap >= whole:
+        if cap == 0 or cap >= whole or len(self.running) + len(self.waiting) < 2:
             return whole
         if self.sessions.wanted or any(
             s.session_id and s.num_outputs == 0 for s in self.running if self._prefilling(s)
