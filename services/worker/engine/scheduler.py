@@ -86,7 +86,7 @@ class Scheduler:
         room = self._prompt_room()  # of the budget, the most prompt (non-decode) tokens this step computes
         preempted = False
         # decode-format first (one token left to compute), then ongoing prefills; most important first
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.importance_key))
+        order = sorted(self.running, key=lambda s: (self._prefilling(s), s.importance_key))
         drafting = self.spec_tokens > 0 and sum(s.status == SequenceStatus.DECODING for s in order) <= (
             self.config.spec_max_batch
         )
