@@ -96,10 +96,9 @@ class Scheduler:
             if seq not in self.running:  # preempted while making room for a more important one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:  # a prefill chunk (or a recomputation after preemption)
-                if (n := min(n, room)) == 0:
-                    continue
-                room -= n
+            if n > 1 and (n := min(n, room)) == 0:  # a prefill chunk (or a recomputation) past the prompt room
+                continue
+            prompt = n if n > 1 else 0
             seq.draft = self._draft(seq, budget - 1) if drafting and n == 1 else []
             n += len(seq.draft)
             got, budget_back, any_preempted = self._reserve(seq, n, batch)
@@ -108,6 +107,7 @@ class Scheduler:
             if got:
                 batch.items.append((seq, n))
                 budget -= n
+                room -= prompt
         if not preempted:
             self._admit(batch, min(budget, room))
         return batch
