@@ -23,6 +23,14 @@ from tests.support.cache import CACHE_DIR
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
 
+def _threads_beside_other_test_processes() -> dict[str, str]:
+    """Under pytest-xdist (`make test`: four test processes on two cores) a cluster's services run torch on one
+    thread, as the test processes themselves do (tests/conftest.py): several workers' two-thread OpenMP teams spin at
+    their joins against each other's, and a test of six 24-token requests took 116 s in the suite against 9 s alone
+    (2026-12-03, Intel Xeon VM). Alone (no xdist) they keep the machine's default."""
+    return {"OMP_NUM_THREADS": "1"} if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else {}
+
+
 class ExternalRedis:
     """A Redis the test started itself (a Redis Cluster: tests/support/redis_cluster.py): the cluster only points
     at it."""
@@ -74,6 +82,7 @@ class Cluster:
             # Nor the warm-up over every shape bucket (~10 s of both cores per torch worker): only its smallest
             # prefill, the first forward's one-off costs (tests/e2e/engine/test_warmup.py covers the rest).
             "CONVEYOR_WARMUP_BUDGET_S": "0",
+            **_threads_beside_other_test_processes(),
             **(env or {}),
         }
         self.workers = workers
