@@ -50,7 +50,9 @@ chromium:
 # 859 s (14 min 25 s) with two the same hour: most e2e tests wait on their services' processes, so two left the
 # cores idle 17 % of the time. Four on the Intel Xeon of 2026-12-02: a fresh clone 894 s wall, 838 s of pytest
 # (three: 896 s, 844 s), the same clone run again 747 s of pytest: no worse, all passing, within the run-to-run noise
-# from a fresh clone. TEST_WORKERS=0 runs one process.
+# from a fresh clone. 2026-12-03, the same Xeon: the clusters' services on one thread under xdist
+# (tests/support/cluster.py) took a clean clone from 905 s wall (856 s of pytest) to 715 s (661 s). TEST_WORKERS=0
+# runs one process.
 TEST_WORKERS ?= 4
 FAST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
