@@ -19,6 +19,7 @@ import pytest
 
 from shared.model_files import resolve_model_dir
 from tests.support.cache import CACHE_DIR
+from tests.support.xdist import sharing_the_cores
 
 # tests/docker builds an image and starts a compose cluster (minutes): `make test-docker` runs it, `make test` not.
 collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
@@ -49,7 +50,7 @@ def pytest_configure(config):
     references) runs on one thread, or their thread pools oversubscribe the machine and every step waits on the
     others' spinning threads (engine tests took minutes and timed out so). The services' processes keep their
     default (their GEMM plans on disk are measured for it)."""
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    if sharing_the_cores():
         import torch
 
         torch.set_num_threads(1)

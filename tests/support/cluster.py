@@ -19,6 +19,7 @@ from shared.constants import Names
 from shared.redis_server import RedisServer, die_with_parent, free_port
 from shared.settings import CommonSettings
 from tests.support.cache import CACHE_DIR
+from tests.support.xdist import sharing_the_cores
 
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
@@ -28,7 +29,7 @@ def _threads_beside_other_test_processes() -> dict[str, str]:
     thread, as the test processes themselves do (tests/conftest.py): several workers' two-thread OpenMP teams spin at
     their joins against each other's, and a test of six 24-token requests took 116 s in the suite against 9 s alone
     (2026-12-03, Intel Xeon VM). Alone (no xdist) they keep the machine's default."""
-    return {"OMP_NUM_THREADS": "1"} if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else {}
+    return {"OMP_NUM_THREADS": "1"} if sharing_the_cores() else {}
 
 
 class ExternalRedis:
