@@ -90,8 +90,8 @@ class Launcher:
 
     def _start_redis(self) -> str:
         data = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-        self.redis = RedisServer(data, appendonly=True).start()
-        logger.info("redis-server on %s (data in %s)", self.redis.url, data)
+        self.redis = RedisServer(data, appendonly=True, unix_socket=True).start()
+        logger.info("redis-server on %s and %s (data in %s)", self.redis.url, self.redis.tcp_url, data)
         return self.redis.url
 
     def _wait_ready(self, stop: StopFlag) -> bool:

@@ -63,6 +63,9 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its terminating NUL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,16 +73,28 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server child process on 127.0.0.1."""
+    """A redis-server child process on 127.0.0.1; with unix_socket, also on a Unix socket in its data folder, and
+    `url` names that socket. Why: a loopback TCP round trip goes through the TCP stack twice; on this project's 2-core
+    VM a PING or a step's publish script took 2-16 % longer on TCP than on the socket (benchmarks/redis_socket.py,
+    docs/benchmarks.md), and each hop of a request's way and each step's publish is one. The port stays open (tools,
+    redis-cli)."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = False):
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = False, unix_socket: bool = False):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        socket_path = self.data_dir.resolve() / "redis.sock"
+        # A Unix socket's path has at most 107 bytes (sun_path): a longer one stays on TCP alone.
+        self.socket = socket_path if unix_socket and len(str(socket_path).encode()) <= MAX_SOCKET_PATH else None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        """What the services connect to: the Unix socket when there is one."""
+        return f"unix://{self.socket}?db=0" if self.socket else self.tcp_url
+
+    @property
+    def tcp_url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
@@ -99,6 +114,8 @@ class RedisServer:
             "--daemonize",
             "no",
         ]
+        if self.socket:  # only this user's processes may connect (0700), as the port is bound to 127.0.0.1
+            cmd += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
         )

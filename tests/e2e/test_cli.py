@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
+import redis
 
 from shared.redis_server import free_port
 from tests.support.cache import CACHE_DIR
@@ -103,6 +105,21 @@ def test_conveyor_up_engine_sim_gives_simulated_engines_to_the_workers_only(tmp_
         assert len(workers) == 2 and all(w.environ().get("CONVEYOR_ENGINE") == "sim" for w in workers)
         assert all("libtorch" not in Path(f"/proc/{w.pid}/maps").read_text() for w in workers)
         assert gateway[0].environ().get("CONVEYOR_ENGINE") is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_conveyor_up_connects_every_service_to_its_redis_on_a_unix_socket(tmp_path):
+    with conveyor_up(tmp_path, "--engine", "sim") as (proc, url):
+        r = httpx.post(f"{url}/generate", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        children = psutil.Process(proc.pid).children()
+        services = [c for c in children if c.cmdline()[-2:-1] == ["services.cli"]]
+        urls = {c.environ()["CONVEYOR_REDIS_URL"] for c in services}
+        assert len(urls) == 1 and next(iter(urls)).startswith("unix://")
+        sock = urlsplit(next(iter(urls))).path
+        clients = redis.Redis(unix_socket_path=sock).client_list()
+        assert len(clients) >= 5 and all(c["addr"].startswith(sock) for c in clients)  # none on the TCP port
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
 
