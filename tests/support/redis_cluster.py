@@ -27,6 +27,13 @@ SLOTS = 16384
 BUS_PORT_OFFSET = 10_000  # Redis < 7 puts a node's cluster bus on port + 10000, which must be free too
 
 
+PORT_TRIES = 5  # ports a node is started on before the cluster gives up (see LocalRedisCluster._answering)
+
+
+class _PortTaken(Exception):
+    """A node exited because its port was bound by someone else between the check and its start."""
+
+
 def _free_port_pair(taken: set[int]) -> int:
     """A port p with p and p + 10000 both free on 127.0.0.1 (bound together to check), not in taken."""
     for _ in range(1000):
@@ -107,8 +114,8 @@ class LocalRedisCluster:
                 taken |= {port, port + BUS_PORT_OFFSET}
                 self.nodes.append(self._spawn(server, port))
             deadline = t0 + timeout_s
-            for node in self.nodes:
-                self._wait_answers(node, deadline)
+            for i, node in enumerate(self.nodes):
+                self.nodes[i] = self._answering(server, node, taken, deadline)
             create = subprocess.run(
                 [
                     cli,
@@ -215,10 +222,25 @@ class LocalRedisCluster:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
         return Node(port, proc, log)
 
+    def _answering(self, server: str, node: Node, taken: set[int], deadline: float) -> Node:
+        """node once it answers. A port found free can be taken before the node binds it (by another test process,
+        or as an outgoing connection's ephemeral port): such a node is started again on a fresh port."""
+        for _ in range(PORT_TRIES):
+            try:
+                self._wait_answers(node, deadline)
+                return node
+            except _PortTaken:
+                port = _free_port_pair(taken)
+                taken |= {port, port + BUS_PORT_OFFSET}
+                node = self._spawn(server, port)
+        raise FatalError(f"no redis-server of the cluster could bind a port in {PORT_TRIES} tries")
+
     def _wait_answers(self, node: Node, deadline: float) -> None:
         while True:
             if not node.alive:
                 tail = node.log.read_text()[-1500:] if node.log.exists() else ""
+                if "Address already in use" in tail:
+                    raise _PortTaken(node.port)
                 raise FatalError(f"redis-server on port {node.port} exited with {node.proc.returncode}: {tail}")
             try:
                 node.client.ping()
