@@ -75,7 +75,7 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process on 127.0.0.1; with unix_socket, also on a Unix socket in its data folder, and
     `url` names that socket. Why: a loopback TCP round trip goes through the TCP stack twice; on this project's 2-core
-    VM a PING or a step's publish script took 2-16 % longer on TCP than on the socket (benchmarks/redis_socket.py,
+    VM a PING or a step's publish script took 0.95-1.16x as long on TCP as on the socket (benchmarks/redis_socket.py,
     docs/benchmarks.md), and each hop of a request's way and each step's publish is one. The port stays open (tools,
     redis-cli)."""
 
@@ -84,7 +84,7 @@ class RedisServer:
         self.port = port or free_port()
         self.appendonly = appendonly
         socket_path = self.data_dir.resolve() / "redis.sock"
-        # A Unix socket's path has at most 107 bytes (sun_path): a longer one stays on TCP alone.
+        # a longer path than a socket's address holds: TCP alone
         self.socket = socket_path if unix_socket and len(str(socket_path).encode()) <= MAX_SOCKET_PATH else None
         self.proc: subprocess.Popen | None = None
 
