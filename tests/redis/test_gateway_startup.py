@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
+
+import pytest
 
 from services.gateway.edge import server
 from services.gateway.app import create_app
@@ -17,6 +20,39 @@ def test_the_gateway_listens_with_the_configured_backlog(monkeypatch):
     monkeypatch.setattr(server.GracefulServer, "run", lambda self: seen.append(self.config.backlog))
     server.serve(object(), GatewaySettings(listen_backlog=5000))
     assert seen == [5000]
+
+
+def _gateway_config(monkeypatch):
+    seen = []
+    monkeypatch.setattr(server.GracefulServer, "run", lambda self: seen.append(self.config))
+    server.serve(create_app(GatewaySettings(cache_dir=CACHE_DIR)), GatewaySettings())
+    return seen[0]
+
+
+def test_the_gateway_serves_on_uvloop_and_httptools(monkeypatch):
+    import uvloop
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    config = _gateway_config(monkeypatch)
+    config.load()
+    loop = config.get_loop_factory()()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    assert config.http_protocol_class is HttpToolsProtocol
+
+
+def test_a_gateway_without_uvloop_or_httptools_refuses_to_start_rather_than_run_slower(monkeypatch):
+    config = _gateway_config(monkeypatch)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: importing it raises
+    monkeypatch.setitem(sys.modules, "httptools", None)
+    for name in [m for m in sys.modules if m.startswith(("uvicorn.loops.uvloop", "uvicorn.protocols.http.httptools"))]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError):
+        config.get_loop_factory()
+    with pytest.raises(ImportError):
+        config.load()
 
 
 def test_the_default_backlog_takes_a_burst_of_thousands_of_connects():

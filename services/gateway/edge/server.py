@@ -103,15 +103,23 @@ def _attached(core) -> list:
     return [h for h in core.handles.values() if not h.detached]
 
 
-def serve(app, settings: GatewaySettings) -> None:
-    config = uvicorn.Config(
+def config_for(app, settings: GatewaySettings) -> uvicorn.Config:
+    """uvicorn's settings for the gateway. uvloop and httptools by name, not uvicorn's "auto" (which falls back to
+    asyncio's loop and the pure-Python h11 without a word when they are missing): they are what the gateway's
+    per-token cost was measured with (docs/benchmarks.md), so an install without them fails at start."""
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        loop="uvloop",
+        http="httptools",
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
         timeout_keep_alive=settings.keep_alive_s,
         backlog=settings.listen_backlog,
     )
-    GracefulServer(config, settings.shutdown_grace_s).run()
+
+
+def serve(app, settings: GatewaySettings) -> None:
+    GracefulServer(config_for(app, settings), settings.shutdown_grace_s).run()
     logger.info("gateway stopped")
