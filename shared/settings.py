@@ -374,6 +374,12 @@ class WorkerSettings(CommonSettings):
     session_prefill_tokens: int = Field(
         256, ge=0, description="while a session's turn waits for its first token, prompt tokens a step computes at most"
     )
+    prefill_overshoot_tokens: int = Field(
+        32,
+        ge=0,
+        description="a prompt this many tokens (at most a sixteenth of the step's room) over it is finished in one "
+        "step rather than leave its tail to the next; 0 = the token budget is strict",
+    )
 
 
 @contextlib.contextmanager

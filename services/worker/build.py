@@ -34,6 +34,7 @@ def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
         session_swap_min_tokens=s.session_swap_min_tokens,
         first_token_preempt_min_tokens=s.first_token_preempt_min_tokens,
         session_prefill_tokens=s.session_prefill_tokens,
+        prefill_overshoot_tokens=s.prefill_overshoot_tokens,
         spec_ngram_tokens=s.spec_ngram_tokens,
         spec_ngram_min=s.spec_ngram_min,
         spec_ngram_max=s.spec_ngram_max,

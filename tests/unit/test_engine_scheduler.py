@@ -184,3 +184,75 @@ def test_a_session_turn_alone_prefills_with_the_whole_budget():
     sched = make_capped(cap=16)
     sched.add(session_seq(100))
     assert prompt_tokens(sched.schedule()) == 64, "no one to share the steps with"
+
+
+def make_overshoot(overshoot=32, budget=512):
+    cfg = EngineConfig(
+        block_size=16,
+        num_kv_blocks=512,
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        prefill_overshoot_tokens=overshoot,
+    )
+    return Scheduler(cfg, BlockManager(512, 16, True))
+
+
+def chunks_until_first_token(sched: Scheduler, prompt: Sequence) -> list[int]:
+    sizes = []
+    while prompt.num_outputs == 0:
+        batch = sched.schedule()
+        sizes.append(dict((s.request_id, n) for s, n in batch.items).get(prompt.request_id, 0))
+        advance(sched, batch)
+    return sizes
+
+
+def test_a_prompt_a_few_tokens_over_the_budget_is_finished_in_one_step():
+    sched = make_overshoot()
+    prompt = seq(515)
+    sched.add(prompt)
+    assert chunks_until_first_token(sched, prompt) == [515], "not 512 and then a step for its last 3 tokens"
+
+
+def test_a_burst_of_prompts_just_over_the_budget_gets_a_first_token_every_step():
+    sched = make_overshoot()
+    burst = [seq(515, first_token=1000 * i) for i in range(8)]
+    for s in burst:
+        sched.add(s)
+    steps_to_first = {}
+    for step in range(1, 12):
+        advance(sched, sched.schedule())
+        for s in burst:
+            if s.num_outputs and s.request_id not in steps_to_first:
+                steps_to_first[s.request_id] = step
+    assert [steps_to_first[s.request_id] for s in burst] == list(range(1, 9)), "each one step, beside the decodes"
+
+
+def test_a_prompt_well_over_the_budget_is_chunked_at_the_budget():
+    sched = make_overshoot()
+    prompt = seq(600)
+    sched.add(prompt)
+    assert chunks_until_first_token(sched, prompt) == [512, 88]
+
+
+def test_the_overshoot_is_at_most_a_sixteenth_of_the_room():
+    sched = make_overshoot(overshoot=32, budget=64)  # a sixteenth: 4 tokens
+    near, far = seq(68), seq(69, first_token=500)
+    sched.add(near)
+    assert chunks_until_first_token(sched, near) == [68]
+    sched.add(far)
+    assert chunks_until_first_token(sched, far) == [63, 6], "beside near's decode: 63 of room, 6 over the 3 allowed"
+
+
+def test_prefill_overshoot_zero_keeps_the_budget_strict():
+    sched = make_overshoot(overshoot=0)
+    prompt = seq(515)
+    sched.add(prompt)
+    assert chunks_until_first_token(sched, prompt) == [512, 3]
+
+
+def test_the_prefill_overshoot_setting_reaches_the_engine():
+    from services.worker.build import engine_config
+    from shared.settings import WorkerSettings
+
+    assert engine_config(WorkerSettings(prefill_overshoot_tokens=0)).prefill_overshoot_tokens == 0
+    assert engine_config(WorkerSettings()).prefill_overshoot_tokens == 32

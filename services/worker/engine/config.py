@@ -48,6 +48,10 @@ class EngineConfig:
     # While a session's turn waits for its first token, a step computes at most this many prompt tokens (its decodes
     # as ever; 0: the whole max_num_batched_tokens): scheduler.Scheduler._prompt_room says why.
     session_prefill_tokens: int = 256
+    # A prompt whose remaining tokens overshoot the step's room by at most this many (and by at most a sixteenth of
+    # the room) is finished in that step instead of leaving a tail of a few tokens to a step of its own: the
+    # scheduler's _chunk says why. 0: the budget is strict.
+    prefill_overshoot_tokens: int = 32
     # Prompt-lookup speculative decoding of greedy requests (ngram.py): up to this many drafted tokens checked per
     # step and sequence (0: off), from n-grams of ngram_min..ngram_max tokens, while at most spec_max_batch
     # sequences decode (beyond, a step is compute-bound on a CPU and a wrong draft costs its rows in full).
@@ -70,6 +74,8 @@ class EngineConfig:
             problems.append(f"first_token_preempt_min_tokens must be >= 0, got {self.first_token_preempt_min_tokens}")
         if self.session_prefill_tokens < 0:
             problems.append(f"session_prefill_tokens must be >= 0, got {self.session_prefill_tokens}")
+        if self.prefill_overshoot_tokens < 0:
+            problems.append(f"prefill_overshoot_tokens must be >= 0, got {self.prefill_overshoot_tokens}")
         if self.max_num_batched_tokens < 1:
             problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.device.split(":")[0] not in _DEVICES:

@@ -91,12 +91,13 @@ class Scheduler:
             self.config.spec_max_batch
         )
         for seq in order:
-            if budget == 0:
+            if budget <= 0:  # below 0: a prompt's last chunk overshot it (_chunk)
                 break
             if seq not in self.running:  # preempted while making room for a more important one
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and (n := min(n, room)) == 0:  # a prefill chunk (or a recomputation) past the prompt room
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = 1 if left == 1 else self._chunk(left, min(budget, room))
+            if n == 0:  # a prefill chunk (or a recomputation) past the prompt room
                 continue
             prompt = n if n > 1 else 0
             seq.draft = self._draft(seq, budget - 1) if drafting and n == 1 else []
@@ -128,6 +129,18 @@ class Scheduler:
         ):
             return cap
         return whole
+
+    def _chunk(self, left: int, room: int) -> int:
+        """Of a prompt's `left` tokens still to compute, those this step takes with `room` tokens of budget left: all
+        of them when they overshoot the room by at most prefill_overshoot_tokens and a sixteenth of the room, else
+        the room. Why: a prompt a few tokens over the budget (a 515-token prompt at 512) otherwise finishes in a
+        step of its own, or a step later than the rest of it, and its first token with it: a burst of such prompts
+        got every first token a step late (docs/benchmarks.md, issue 29). The sixteenth bounds how much longer a
+        step gets for the decodes beside it, and keeps a small budget strict."""
+        if room <= 0:
+            return 0
+        over = min(self.config.prefill_overshoot_tokens, room // 16)
+        return left if left <= room + over else room
 
     @staticmethod
     def _prefilling(seq: Sequence) -> bool:
@@ -212,7 +225,7 @@ class Scheduler:
                     limit = min(limit, cap // bs)
                 hits = self.blocks.lookup_prefix(seq.block_hashes, limit)
             cached = len(hits) * bs
-            n = min(seq.num_tokens - cached, budget)
+            n = self._chunk(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_for(cached + n) - len(hits)
             if not self.blocks.can_allocate(need, hits):
                 if self.sessions.reclaim(spare=key or ""):
