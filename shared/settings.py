@@ -1,7 +1,6 @@
 """Validated settings, read once from the environment (prefix CONVEYOR_).
 
-Every service has exactly one settings class here (a subclass of CommonSettings); nothing
-else in the project reads the environment.
+Every service has exactly one settings class here (a subclass of CommonSettings); nothing else reads the environment.
 """
 
 from __future__ import annotations
@@ -300,14 +299,14 @@ class WorkerSettings(CommonSettings):
     )
     fused_model: bool = Field(
         True,
-        description="Llama-family models run the engine's own forward (fused QKV and "
-        "gate/up GEMMs, rotary once per step); off = transformers' module forward",
+        description="Llama-family models run the engine's own forward (fused QKV and gate/up GEMMs, rotary once per "
+        "step); off = transformers' module forward",
     )
     warmup_budget_s: float = Field(
         60.0,
         ge=0,
-        description="torch engine: most seconds the start-up warm-up may take, running one step of every prefill "
-        "and decode shape bucket before the worker takes work (engine/warmup.py); 0 = the smallest prefill only",
+        description="torch engine: most seconds the start-up warm-up may take, running one step of every prefill and "
+        "decode shape bucket before the worker takes work (engine/warmup.py); 0 = the smallest prefill only",
     )
     spec_ngram_tokens: int = Field(
         4,
@@ -375,18 +374,14 @@ class WorkerSettings(CommonSettings):
         256, ge=0, description="while a session's turn waits for its first token, prompt tokens a step computes at most"
     )
     prefill_overshoot_tokens: int = Field(
-        32,
-        ge=0,
-        description="a prompt this many tokens (at most a sixteenth of the step's room) over it is finished in one "
-        "step rather than leave its tail to the next; 0 = the token budget is strict",
+        32, ge=0, description="a prompt this many (and 1/16 of the room) over a step's room ends in it; 0 = strict"
     )
 
 
 @contextlib.contextmanager
 def this_pythons_bin_on_path() -> Iterator[None]:
-    """While it lasts, PATH starts with this interpreter's bin folder (a venv's tools, e.g. the pinned ninja, for
-    a process started as .venv/bin/python without the venv on PATH); restored after. Process plumbing, not a
-    setting; here because this module is the one place that touches the environment."""
+    """While it lasts, PATH starts with this interpreter's bin folder (a venv's tools, e.g. the pinned ninja, for a
+    process started as .venv/bin/python); restored after. Here: this module is the one that touches the environment."""
     import os
 
     old = os.environ.get("PATH", "")
@@ -398,8 +393,8 @@ def this_pythons_bin_on_path() -> Iterator[None]:
 
 
 def child_environment(**overrides: str) -> dict[str, str]:
-    """The environment for a child service process: this one's, with some CONVEYOR_* settings set.
-    (Settings are environment variables; this module is the one place that touches the environment.)"""
+    """The environment for a child service process: this one's, with some CONVEYOR_* settings (this module touches
+    the environment; nothing else does)."""
     import os
 
     return {**os.environ, **overrides}
