@@ -330,7 +330,8 @@ def tune_linears(
 ) -> int:
     """Give each of `layers` (plain nn.Linear) a measured kernel plan; returns how many use more than `linear`.
 
-    max_rows: most rows a layer sees in one step (the step's token budget); max_head_rows: most rows
+    max_rows: the step's token budget (a prompt's last chunk may overshoot it by a sixteenth: Plan.kernel_for
+    runs those rows with the top bucket's kernel); max_head_rows: most rows
     of the output head `head` (the sequences sampled in one step: only those rows reach it); gemv: offer the
     engine's own kernel (the caller loaded the CPU kernels with a vector path).
     """
