@@ -3,9 +3,10 @@
 What a decode step at a few sequences does with its linears: every weight of the model's fused forward (SmolLM2:
 121 weights, 538 MB of float32, the LM head last) multiplied in forward order by M rows, so each weight comes in
 from memory as it does in a step. Kernels: `linear` (F.linear: MKL's sgemm), `packed` (oneDNN on the weight
-reordered into its blocked layout) and `gemv` of each ISA variant this CPU runs. Passes alternate across the
-kernels (drift hits all alike); the median pass is reported, as ms and as GB/s of weights, with each kernel's
-ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
+reordered into its blocked layout) and `gemv` of each ISA variant this CPU runs, with and without (`-near`, gemm.py's
+*_near) its L2 prefetches. Passes alternate across the kernels (drift hits all alike); the median pass is reported,
+as ms and as GB/s of weights, with each kernel's ratio to F.linear, next to a read of a 1 GiB tensor on the same
+threads (torch.sum: the memory's read rate).
 
 Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64] [--passes 7]
 """
@@ -30,7 +31,8 @@ def kernels(cache_dir: str) -> dict:
     out = {"linear": lambda x, w, p: F.linear(x, w), "packed": lambda x, w, p: gemm._packed(x, w, None, p)}
     for isa in cpu_ops.available():
         if isa != "portable" and (ops := cpu_ops.build(isa, cache_dir)) is not None:
-            out[f"gemv-{isa}"] = (lambda o: lambda x, w, p: o.gemv(x, w, None))(ops)
+            out[f"gemv-{isa}"] = (lambda o: lambda x, w, p: o.gemv(x, w, None, gemm.FAR_LINES))(ops)
+            out[f"gemv-{isa}-near"] = (lambda o: lambda x, w, p: o.gemv(x, w, None, 0))(ops)  # no L2 prefetches
     return out
 
 

@@ -10,6 +10,9 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
            whole rows with software prefetches; offered only where the CPU kernels load with a vector path
   gemv256  the same kernel of the avx2 build, beside an avx512 one (cpu_ops.narrow_ops)
+  gemv_near, gemv256_near  the same two without their L2 prefetches (far_lines 0), at up to NEAR_MAX_ROWS rows:
+           on a 2-core Xeon the prefetches 8 KB ahead gain up to 20 % at 4 rows, on an AMD Zen 3 they cost 10-15 %
+           at 1-4 (28.3 against 24.2 ms over SmolLM2's weights at one row, docs/benchmarks.md), so plans measure both
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms `onednn` and
 ~10 ms `packed`; at M=1 `linear` wins. So the choice is measured, not guessed: once per (weight shape, dtype,
 thread count, torch build, CPU model and ISA flags: cpu_info.py) and per power-of-two bucket of M, at engine
@@ -39,7 +42,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +53,7 @@ from services.worker.engine.cpu_info import others_busy, others_busy_now, sample
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v7.json"  # v7: gemv to 64 rows, gemv256, the own kernels' margin (v5: keys name kernels)
+PLAN_FILE = "gemm-plan-v8.json"  # v8: the *_near GEMVs (v7: gemv to 64 rows, gemv256; v5: keys name kernels)
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2
@@ -58,7 +61,7 @@ _REPS_FEW_ROWS = (8, 6)  # (up to this many rows, this many passes)
 # Another kernel must be >= 10 % faster than `linear` to be chosen (the safe default; a packed kernel also holds a
 # copy of the weight); the engine's own GEMV, which holds nothing more and is checked against F.linear in the
 # tests, >= 3 % (the plans' timing noise): at one row it draws 5-15 % more of the memory's bandwidth than MKL.
-_MARGIN = {"gemv": 0.97, "gemv256": 0.97}
+_MARGIN = {"gemv": 0.97, "gemv256": 0.97, "gemv_near": 0.97, "gemv256_near": 0.97}
 _DEFAULT_MARGIN = 0.9
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
@@ -88,27 +91,31 @@ def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: to
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    return cpu_ops.ops().gemv(x, w, b)
+def _own(build: Callable[[], Any], far_lines: int) -> Callable[..., torch.Tensor]:
+    """csrc/gemv.cpp of a build (cpu_ops.ops: the engine's, narrow_ops: the avx2 one beside avx512)."""
+    return lambda x, w, b, packed: build().gemv(x, w, b, far_lines)
 
 
-def _gemv256(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    return cpu_ops.narrow_ops().gemv(x, w, b)
-
-
+FAR_LINES = 128  # csrc/gemv.cpp's kFarLines: its L2 prefetch distance in cache lines
 # x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
-KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed, gemv=_gemv, gemv256=_gemv256)
+KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed)
+KERNELS |= dict(gemv=_own(cpu_ops.ops, FAR_LINES), gemv256=_own(cpu_ops.narrow_ops, FAR_LINES))
+KERNELS |= dict(gemv_near=_own(cpu_ops.ops, 0), gemv256_near=_own(cpu_ops.narrow_ops, 0))
 # each kernel's code for csrc/layer_stack.cpp, which runs the planned kernels itself (its LinearKernel enum)
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
+# From 8 rows the avx2 GEMV computes in register tiles (the avx512 build's from 2), where all *_near drops is the
+# burst at a run's start (3-4 % at 8 rows on the Zen 3, level from 16 to 64): measured only where it may differ.
+NEAR_MAX_ROWS = 8
 # a kernel is measured (and chosen) only for buckets of at most this many rows
-_MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS}
+_MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_MAX_ROWS, "gemv256_near": NEAR_MAX_ROWS}
 
 
 def offered(gemv: bool) -> tuple[str, ...]:
     """The kernels plans choose from; gemv only when the engine's CPU kernels are loaded with a vector path
     (the portable loop is slower than any library's), gemv256 besides where cpu_ops.narrow_ops has one."""
-    own = {"gemv": gemv, "gemv256": gemv and cpu_ops.narrow_ops() is not None}
+    narrow = gemv and cpu_ops.narrow_ops() is not None
+    own = {"gemv": gemv, "gemv256": narrow, "gemv_near": gemv, "gemv256_near": narrow}
     return tuple(n for n in KERNELS if own.get(n, True))
 
 

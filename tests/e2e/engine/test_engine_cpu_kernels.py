@@ -216,13 +216,20 @@ def test_silu_mul_equals_torch(kernels, width):
 # The row path's counts and its chunks of 4 (+ 1); the register tiles' x rows from 1 to 6, whole tiles and a tail.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64])
 @pytest.mark.parametrize("shape", [(576, 1536), (37, 50), (3, 7)])  # whole groups/steps; row and K tails; < 1 group
-def test_gemv_equals_f_linear_with_and_without_bias(kernels, rows, shape):
+@pytest.mark.parametrize("far_lines", [128, 0, 1024])  # the default L2 prefetch distance, none (gemv_near), the most
+def test_gemv_equals_f_linear_with_and_without_bias(kernels, rows, shape, far_lines):
     torch.manual_seed(0)
     n, k = shape
     w, b = torch.randn(n, k), torch.randn(n)
     x = torch.randn(rows, k + 3)[:, :k]  # rows strided as a view of a wider tensor
-    torch.testing.assert_close(kernels.gemv(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kernels.gemv(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.gemv(x, w, None, far_lines), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.gemv(x, w, b, far_lines), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("far_lines", [-1, 1025])
+def test_gemv_refuses_a_prefetch_distance_out_of_its_range(kernels, far_lines):
+    with pytest.raises(RuntimeError, match=r"far_lines in \[0, 1024\], got"):
+        kernels.gemv(torch.randn(1, 8), torch.randn(4, 8), None, far_lines)
 
 
 def test_gemv_refuses_more_rows_than_it_takes(kernels):
@@ -267,9 +274,10 @@ def test_the_avx2_gemv_is_offered_beside_avx512_only(kernels, request, kernels_d
     beside = cpu_ops.narrow_ops()
     if isa == "avx512":
         assert beside is cpu_ops.build("avx2", kernels_dir) and beside is not kernels
-        assert "gemv256" in gemm.offered(True) and "gemv256" not in gemm.offered(False)
+        assert {"gemv256", "gemv256_near"} <= set(gemm.offered(True))
+        assert not {"gemv256", "gemv256_near"} & set(gemm.offered(False))
     else:
-        assert beside is None and "gemv256" not in gemm.offered(True)
+        assert beside is None and not {"gemv256", "gemv256_near"} & set(gemm.offered(True))
 
 
 def test_prefill_attention_takes_the_kernel_only_where_a_vector_build_runs(kernels, request, kernels_dir):

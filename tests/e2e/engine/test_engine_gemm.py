@@ -36,8 +36,8 @@ def force(model: nn.Module, kernel: str) -> None:
             m.conveyor_packed = gemm.pack(m.weight.detach())
 
 
-# gemv and gemv256, per ISA: test_engine_cpu_kernels.py
-@pytest.mark.parametrize("kernel", sorted(set(KERNELS) - {"gemv", "gemv256"}))
+# the own GEMVs (gemv, gemv256 and their *_near), per ISA: test_engine_cpu_kernels.py
+@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith("gemv")))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -51,23 +51,37 @@ def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(k
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_gemv_is_chosen_only_for_buckets_of_rows_it_takes(monkeypatch):
-    """Even where it would time fastest at every size, gemv is neither measured nor chosen above its row limit."""
+def measure_where_fastest(monkeypatch, fastest: str) -> tuple[dict, list[tuple[str, int]]]:
+    """Plans for 8 buckets (1 ... 128 rows) where `fastest` times fastest at every size; -> (plans, every
+    (kernel, rows) timed)."""
     model = tiny_model()
-    targets = [(m, f"k{i}", 8) for i, m in enumerate(plain_linears(model))]  # buckets of 1 ... 128 rows
+    targets = [(m, f"k{i}", 8) for i, m in enumerate(plain_linears(model))]
     timed = []
 
     def fake_pass(name, live, names, xs, packs):
         timed.append((name, next(iter(xs.values())).shape[0]))
-        return {k: 0.0 if name == "gemv" else 1.0 for _, k in live}
+        return {k: 0.0 if name == fastest else 1.0 for _, k in live}
 
     monkeypatch.setattr(gemm, "_usable", lambda name, x, w, packed: True)
     monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
-    plans = gemm.measure(targets, gemm.offered(True))
+    return gemm.measure(targets, gemm.offered(True)), timed
+
+
+def test_gemv_is_chosen_only_for_buckets_of_rows_it_takes(monkeypatch):
+    """Even where it would time fastest at every size, gemv is neither measured nor chosen above its row limit."""
+    plans, timed = measure_where_fastest(monkeypatch, "gemv")
     limit = gemm.GEMV_MAX_ROWS.bit_length()  # buckets 1, 2, 4, ... GEMV_MAX_ROWS
     assert all(p == ("gemv",) * limit + ("linear",) * (8 - limit) for p in plans.values())
     assert max(rows for name, rows in timed if name == "gemv") == gemm.GEMV_MAX_ROWS
     assert "gemv" not in gemm.offered(False) and "gemv256" not in gemm.offered(False)
+
+
+def test_the_gemv_without_l2_prefetches_is_measured_up_to_its_own_row_limit(monkeypatch):
+    plans, timed = measure_where_fastest(monkeypatch, "gemv_near")
+    near = gemm.NEAR_MAX_ROWS.bit_length()  # buckets 1, 2, 4, 8
+    assert all(p[:near] == ("gemv_near",) * near and "gemv_near" not in p[near:] for p in plans.values())
+    assert max(rows for name, rows in timed if name == "gemv_near") == gemm.NEAR_MAX_ROWS
+    assert "gemv_near" not in gemm.offered(False) and "gemv256_near" not in gemm.offered(False)
 
 
 @pytest.mark.parametrize(

@@ -35,16 +35,20 @@ constexpr int64_t kBlockFromRows = 8;
 #endif
 // Prefetch distances in cache lines, from a sweep on a 2-core Xeon (docs/benchmarks.md): into L1 16 lines ahead
 // (what the next steps load), into L2 128 lines (8 KB) ahead, so that DRAM's latency is covered from a weight's
-// first row on instead of after the hardware prefetchers have learnt the stream.
+// first row on instead of after the hardware prefetchers have learnt the stream. The L2 distance is the caller's
+// (`far_lines`, 0: none): on an AMD Zen 3 the same L2 prefetches cost 10-15 % at 1-4 rows (its own prefetchers
+// keep up, the extra requests only queue), so gemm.py offers the plans both and they keep the faster.
 constexpr int64_t kAheadLines = 16;
-constexpr int64_t kFarLines = 128;
+constexpr int64_t kFarLines = 128;  // the default of `far_lines`
+constexpr int64_t kMaxFarLines = 1024;
 
 #if defined(CONVEYOR_VEC)
 using namespace conveyor_vec;
 
 // sums[m][r] += the W-lane partial sums of x row m . w row (MC rows of x from m0), K = n floats.
 template <int MC>
-inline void row_dot(const float* x, int64_t xs, const float* wr, int64_t K, const float* stop, vf* acc_out) {
+inline void row_dot(const float* x, int64_t xs, const float* wr, int64_t K, const float* stop, int64_t far_lines,
+                    vf* acc_out) {
   vf acc[MC][2];
   for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = vzero();
   int64_t k = 0;
@@ -54,8 +58,8 @@ inline void row_dot(const float* x, int64_t xs, const float* wr, int64_t K, cons
       prefetch(ahead);
       if (W == 16) prefetch(ahead + 16);  // two lines a step (2 x 16 floats); avx2's step is one line
     }
-    const float* far = wr + k + 16 * kFarLines;
-    if (far < stop) {
+    const float* far = wr + k + 16 * far_lines;
+    if (far_lines && far < stop) {
       prefetch_l2(far);
       if (W == 16) prefetch_l2(far + 16);
     }
@@ -75,9 +79,9 @@ inline void row_dot(const float* x, int64_t xs, const float* wr, int64_t K, cons
 
 // Output columns [n0, n1) of every x row; n0 is a multiple of W.
 void gemv_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t K, const float* bias, float* y,
-                  int64_t ys, int64_t n0, int64_t n1) {
+                  int64_t ys, int64_t n0, int64_t n1, int64_t far_lines) {
   const float* stop = w + n1 * K;
-  for (int64_t line = 0; line < kFarLines; ++line) {  // the run's start, before the first loads wait on it
+  for (int64_t line = 0; line < std::max(kAheadLines, far_lines); ++line) {  // the run's start, before loads wait
     const float* p = std::min(w + n0 * K + 16 * line, stop - 1);
     line < kAheadLines ? prefetch(p) : prefetch_l2(p);
   }
@@ -94,10 +98,10 @@ void gemv_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const float* xm = x + m0 * xs;
         switch (std::min<int64_t>(4, M - m0)) {
-          case 1: row_dot<1>(xm, xs, wr, K, stop, at + m0 * W); break;
-          case 2: row_dot<2>(xm, xs, wr, K, stop, at + m0 * W); break;
-          case 3: row_dot<3>(xm, xs, wr, K, stop, at + m0 * W); break;
-          default: row_dot<4>(xm, xs, wr, K, stop, at + m0 * W); break;
+          case 1: row_dot<1>(xm, xs, wr, K, stop, far_lines, at + m0 * W); break;
+          case 2: row_dot<2>(xm, xs, wr, K, stop, far_lines, at + m0 * W); break;
+          case 3: row_dot<3>(xm, xs, wr, K, stop, far_lines, at + m0 * W); break;
+          default: row_dot<4>(xm, xs, wr, K, stop, far_lines, at + m0 * W); break;
         }
       }
     }
@@ -157,9 +161,9 @@ inline void block_dot(const float* x, int64_t xs, const float* const* wr, int64_
 
 // Output columns [n0, n1) of every x row, by register tiles; n0 is a multiple of W.
 void gemm_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t K, const float* bias, float* y,
-                  int64_t ys, int64_t n0, int64_t n1) {
+                  int64_t ys, int64_t n0, int64_t n1, int64_t far_lines) {
   const float* stop = w + n1 * K;
-  for (int64_t line = 0; line < kFarLines; ++line) prefetch_l2(std::min(w + n0 * K + 16 * line, stop - 1));
+  for (int64_t line = 0; line < far_lines; ++line) prefetch_l2(std::min(w + n0 * K + 16 * line, stop - 1));
   const int64_t steps = (M + kTileM - 1) / kTileM * (W / kTileN) * ((K + W - 1) / W);  // k-steps a group takes
   const int64_t pf_step = (W * K / 16 + steps - 1) / steps;  // lines of the next group to prefetch per k-step
   vf sums[kTileM * W];  // [m][r]: x row m0 + m's partial sums for the group's row r
@@ -198,7 +202,7 @@ void gemm_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t
 constexpr int64_t kGroup = W;
 #else
 void gemv_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t K, const float* bias, float* y,
-                  int64_t ys, int64_t n0, int64_t n1) {
+                  int64_t ys, int64_t n0, int64_t n1, int64_t /*far_lines: no prefetches here*/) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
@@ -211,11 +215,13 @@ void gemv_columns(const float* x, int64_t xs, int64_t M, const float* w, int64_t
 constexpr int64_t kGroup = 8;
 #endif
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t far_lines) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "gemv: float32 x [M, K], rows contiguous");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "gemv: contiguous float32 w [N, K] matching x");
   TORCH_CHECK(x.size(0) <= kGemvMaxRows, "gemv: at most ", kGemvMaxRows, " rows of x, got ", x.size(0));
+  TORCH_CHECK(far_lines >= 0 && far_lines <= kMaxFarLines, "gemv: far_lines in [0, ", kMaxFarLines, "], got ",
+              far_lines);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
                             "gemv: contiguous float32 bias [N]");
@@ -230,10 +236,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   // one contiguous run of rows per thread: the even split a memory-bound pass wants
   const int64_t per_thread = (groups + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, groups, per_thread, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kGroup, n1 = std::min(N, end * kGroup);
 #if defined(CONVEYOR_VEC)
-    if (M >= kBlockFromRows) return gemm_columns(xp, xs, M, wp, K, bp, yp, N, begin * kGroup, std::min(N, end * kGroup));
+    if (M >= kBlockFromRows) return gemm_columns(xp, xs, M, wp, K, bp, yp, N, n0, n1, far_lines);
 #endif
-    gemv_columns(xp, xs, M, wp, K, bp, yp, N, begin * kGroup, std::min(N, end * kGroup));
+    gemv_columns(xp, xs, M, wp, K, bp, yp, N, n0, n1, far_lines);
   });
   return y;
 }
@@ -241,6 +248,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }  // namespace
 
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias, int far_lines=128) -> Tensor");
   m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
 }

@@ -12,7 +12,8 @@
 //
 // The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
-// build directly, that of the avx2 build (gemv256) through the dispatcher.
+// build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
+// (the *_near codes: far_lines 0).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
@@ -28,7 +29,9 @@
 namespace {
 
 // gemm.KERNELS' order
-enum LinearKernel : int64_t { kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kNumKernels };
+enum LinearKernel : int64_t {
+  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kNumKernels
+};
 
 c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
 
@@ -53,10 +56,12 @@ at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, c
                         c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>(std::string())});
     }
     case kGemv:
-      return gemv(x, w, b);
-    case kGemv256: {  // the avx2 build's GEMV, loaded beside this one (cpu_ops.narrow_ops)
+    case kGemvNear:
+      return gemv(x, w, b, kernel == kGemv ? kFarLines : 0);
+    case kGemv256:
+    case kGemv256Near: {  // the avx2 build's GEMV, loaded beside this one (cpu_ops.narrow_ops)
       static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("conveyor_avx2::gemv", "");
-      return boxed(op, {x, w, opt(b)});
+      return boxed(op, {x, w, opt(b), kernel == kGemv256 ? kFarLines : int64_t{0}});
     }
     default:
       return at::linear(x, w, b);
