@@ -33,6 +33,11 @@ def _xdist_group(item) -> str | None:
     """ "engine" for the engine's own tests; the name of the session's cluster a test uses; its module for a test of
     a module-scoped fixture (a module's cluster, a wheel); None for a test that shares nothing costly."""
     if Path(item.path).parent.name == "engine":
+        # The kernels' own tests load no model and compile each ISA variant (~1 min on 2 cores): a process of their
+        # own takes that off the engine group's, the suite's longest (17 min 13 s wall with them in it on an AVX2
+        # EPYC, 2026-12-03, over the 15 min budget).
+        if Path(item.path).name == "test_engine_cpu_kernels.py":
+            return "engine-kernels"
         # The engine's own tests run the model in the test's process: in one process, the models are loaded once
         # and held once (spread over four processes they held 6-7 GB each, and the machine ran out of memory).
         return "engine"
