@@ -10,9 +10,8 @@ products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 we
   gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
            whole rows with software prefetches; offered only where the CPU kernels load with a vector path
   gemv256  the same kernel of the avx2 build, beside an avx512 one (cpu_ops.narrow_ops)
-  gemv_near, gemv256_near  the same two without their L2 prefetches (far_lines 0), at up to NEAR_MAX_ROWS rows:
-           on a 2-core Xeon the prefetches 8 KB ahead gain up to 20 % at 4 rows, on an AMD Zen 3 they cost 10-15 %
-           at 1-4 (28.3 against 24.2 ms over SmolLM2's weights at one row, docs/benchmarks.md), so plans measure both
+  gemv_near, gemv256_near  the same two without L2 prefetches, to NEAR_MAX_ROWS rows: on a 2-core Xeon those gain
+           up to 20 % at 4 rows, on an AMD Zen 3 they cost 9-17 % at 1-4 rows (docs/benchmarks.md): measured, not set
 Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms `onednn` and
 ~10 ms `packed`; at M=1 `linear` wins. So the choice is measured, not guessed: once per (weight shape, dtype,
 thread count, torch build, CPU model and ISA flags: cpu_info.py) and per power-of-two bucket of M, at engine
@@ -104,8 +103,7 @@ KERNELS |= dict(gemv_near=_own(cpu_ops.ops, 0), gemv256_near=_own(cpu_ops.narrow
 # each kernel's code for csrc/layer_stack.cpp, which runs the planned kernels itself (its LinearKernel enum)
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
-# From 8 rows the avx2 GEMV computes in register tiles (the avx512 build's from 2), where all *_near drops is the
-# burst at a run's start (3-4 % at 8 rows on the Zen 3, level from 16 to 64): measured only where it may differ.
+# register tiles from 8 rows (avx512: 2), where *_near only drops a run's first burst: 3-4 % at 8 rows, level from 16
 NEAR_MAX_ROWS = 8
 # a kernel is measured (and chosen) only for buckets of at most this many rows
 _MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_MAX_ROWS, "gemv256_near": NEAR_MAX_ROWS}
