@@ -24,6 +24,13 @@ def _live_tokenizers(cluster: Cluster) -> list[str]:
     return list(read_live(redis.Redis.from_url(cluster.redis.url), Names(cluster.ns), "tokenizer"))
 
 
+def _last_id(cluster: Cluster, stream: str) -> bytes | None:
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis.url)
+    return r.xinfo_stream(stream)["last-generated-id"] if r.exists(stream) else None
+
+
 def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
     import redis
 
@@ -39,6 +46,7 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(sta
     stream = Names(c.ns).received_stream(0)
     result: dict = {}
     for _attempt in range(20):
+        before = _last_id(c, stream)
         os.kill(victim.pid, signal.SIGSTOP)  # frozen inside XREADGROUP BLOCK: Redis still hands it the entry
         t = threading.Thread(
             target=lambda: result.update(
@@ -48,17 +56,12 @@ def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(sta
             )
         )
         t.start()
-        try:  # the entry is delivered to the frozen reader as soon as the gateway adds it
-            wait_for(
-                lambda: any(
-                    n > 0 for name, n in _pending_for(c, stream, "tokenizer").items() if f"-{victim.pid}-" in name
-                ),
-                1.0,
-                what="the entry pending for the victim",
-            )
+        # Redis hands a new entry to a reader blocked on the stream within the XADD itself, so once the gateway's
+        # entry is there, it is pending for the frozen victim or the victim was between two reads (a 1 s window
+        # here instead missed all 20 tries on a loaded machine: the gateway took longer than that to add it).
+        wait_for(lambda: _last_id(c, stream) != before, 60, what="the gateway's entry on the tokenizer's stream")
+        if any(n > 0 for name, n in _pending_for(c, stream, "tokenizer").items() if f"-{victim.pid}-" in name):
             break
-        except TimeoutError:
-            pass
         os.kill(victim.pid, signal.SIGCONT)  # it was between two reads; try again
         t.join()
     else:
