@@ -60,7 +60,7 @@ _REPS_FEW_ROWS = (8, 6)  # (up to this many rows, this many passes)
 # Another kernel must be >= 10 % faster than `linear` to be chosen (the safe default; a packed kernel also holds a
 # copy of the weight); the engine's own GEMV, which holds nothing more and is checked against F.linear in the
 # tests, >= 3 % (the plans' timing noise): at one row it draws 5-15 % more of the memory's bandwidth than MKL.
-_MARGIN = {"gemv": 0.97, "gemv256": 0.97, "gemv_near": 0.97, "gemv256_near": 0.97}
+_MARGIN = dict.fromkeys(("gemv", "gemv256", "gemv_near", "gemv256_near"), 0.97)
 _DEFAULT_MARGIN = 0.9
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
