@@ -40,8 +40,10 @@ def _pending_for(cluster: Cluster, stream: str, group: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("replica", [False, True], ids=["restarted", "replica"])
 def test_tokenizer_killed_before_ack_is_taken_over_and_request_finishes_once(start_cluster, replica):
-    # The takeover is the subject: simulated workers.
-    c = start_cluster(env=SIM)
+    # The takeover is the subject: simulated workers. Reads block 5 s, not 100 ms: the tokenizer frozen inside one
+    # stays blocked in Redis until the gateway's entry comes, which on a loaded machine takes longer than 100 ms
+    # (a clean-clone make test missed all 20 tries; an added 300 ms before the request fails every time at 100 ms).
+    c = start_cluster(env={**SIM, "CONVEYOR_READ_BLOCK_MS": "5000"})
     victim = c.procs["tokenizer"]
     stream = Names(c.ns).received_stream(0)
     result: dict = {}
