@@ -1,14 +1,16 @@
-"""The engine's GEMV kernel (csrc/gemv.cpp) against the libraries' GEMMs, over a real model's weights, in one process.
+"""The engine's GEMV and panel GEMM (csrc/gemv.cpp, panel_gemm.cpp) against the libraries' GEMMs, over a real
+model's weights, in one process.
 
-What a decode step at a few sequences does with its linears: every weight of the model's fused forward (SmolLM2:
-121 weights, 538 MB of float32, the LM head last) multiplied in forward order by M rows, so each weight comes in
-from memory as it does in a step. Kernels: `linear` (F.linear: MKL's sgemm), `packed` (oneDNN on the weight
-reordered into its blocked layout) and `gemv` of each ISA variant this CPU runs, with and without (`-near`, gemm.py's
-*_near) its L2 prefetches. Passes alternate across the kernels (drift hits all alike); the median pass is reported,
-as ms and as GB/s of weights, with each kernel's ratio to F.linear, next to a read of a 1 GiB tensor on the same
-threads (torch.sum: the memory's read rate).
+What a step does with its linears: every weight of the model's fused forward (SmolLM2: 121 weights, 538 MB of
+float32, the LM head last) multiplied in forward order by M rows, so each weight comes in from memory as it does in
+a step. Kernels: `linear` (F.linear: MKL's sgemm), `packed` (oneDNN on the weight reordered into its blocked
+layout), `gemv` of each ISA variant this CPU runs, with and without (`-near`, gemm.py's *_near) its L2 prefetches,
+up to its 64 rows, and `panel` (the engine's build, on the weight's panel copy). The weights and their copies lie
+on huge pages where the kernel allows, as in the engine (huge_pages.advise). Passes alternate across the kernels
+(drift hits all alike); the median pass is reported, as ms, as GB/s of weights and as GFLOPS, with each kernel's
+ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
 
-Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64] [--passes 7]
+Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64,128] [--passes 7]
 """
 
 from __future__ import annotations
@@ -21,31 +23,41 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.decode_floor import read_bandwidth
-from services.worker.engine import EngineConfig, LLMEngine, cpu_ops, gemm
+from services.worker.engine import EngineConfig, LLMEngine, cpu_ops, gemm, huge_pages
 from services.worker.engine.cpu_info import this_cpu
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 
 def kernels(cache_dir: str) -> dict:
-    out = {"linear": lambda x, w, p: F.linear(x, w), "packed": lambda x, w, p: gemm._packed(x, w, None, p)}
+    """name -> (fn(x, w, copy), the copy it reads: a gemm.COPIES key or None, most rows)."""
+    out = {"linear": (lambda x, w, c: F.linear(x, w), None, None)}
+    out["packed"] = (lambda x, w, c: gemm.KERNELS["packed"](x, w, None, c), "packed", None)
     for isa in cpu_ops.available():
         if isa != "portable" and (ops := cpu_ops.build(isa, cache_dir)) is not None:
-            out[f"gemv-{isa}"] = (lambda o: lambda x, w, p: o.gemv(x, w, None, gemm.FAR_LINES))(ops)
-            out[f"gemv-{isa}-near"] = (lambda o: lambda x, w, p: o.gemv(x, w, None, 0))(ops)  # no L2 prefetches
+            out[f"gemv-{isa}"] = (_gemv(ops, gemm.FAR_LINES), None, gemm.GEMV_MAX_ROWS)
+            out[f"gemv-{isa}-near"] = (_gemv(ops, 0), None, gemm.GEMV_MAX_ROWS)  # no L2 prefetches
+    if cpu_ops.vector_path():
+        out["panel"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0]), "panel", None)
     return out
 
 
+def _gemv(ops, far_lines: int):
+    return lambda x, w, c: ops.gemv(x, w, None, far_lines)
+
+
 @torch.inference_mode()
-def passes(weights: list, packs: list, rows: int, fns: dict, n: int) -> dict[str, float]:
+def passes(weights: list, copies: dict, rows: int, fns: dict, n: int) -> dict[str, float]:
     """-> the median seconds of a pass over every weight, per kernel."""
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    here = {k: v for k, v in fns.items() if v[2] is None or rows <= v[2]}
+    times: dict[str, list[float]] = {k: [] for k in here}
     for i in range(n + 1):  # the first pass of each kernel warms it up
-        for name, fn in fns.items():
+        for name, (fn, copy, _) in here.items():
+            cs = copies[copy] if copy else [None] * len(weights)
             t = time.perf_counter()
-            for w, p, x in zip(weights, packs, xs):
-                fn(x, w, p)
+            for w, c, x in zip(weights, cs, xs):
+                fn(x, w, c)
             if i:
                 times[name].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
@@ -53,23 +65,29 @@ def passes(weights: list, packs: list, rows: int, fns: dict, n: int) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--passes", type=int, default=7)
     args = ap.parse_args()
     s = CommonSettings()
     engine = LLMEngine.from_model_dir(
-        resolve_model_dir(s.model, s.cache_dir), EngineConfig(gemm_tuning=False, tuning_cache_dir=str(s.cache_dir))
+        resolve_model_dir(s.model, s.cache_dir),
+        EngineConfig(gemm_tuning=False, tuning_cache_dir=str(s.cache_dir)),
     )
     weights = [lin.weight.detach() for lin in engine.runner.fused.linears()]
-    packs = [gemm.pack(w) for w in weights]
-    total = sum(w.nbytes for w in weights)
     fns = kernels(str(s.cache_dir))
+    copies = {name: [gemm.COPIES[name](w) for w in weights] for name in {c for _, c, _ in fns.values() if c}}
+    huge_pages.advise()  # the copies made after the engine's own advice
+    total = sum(w.nbytes for w in weights)
     buf = torch.ones((1 << 30) // 4)
     print(f"{this_cpu().name}; {torch.get_num_threads()} threads; {len(weights)} weights, {total / 1e6:.0f} MB")
     for rows in map(int, args.rows.split(",")):
         read, _ = read_bandwidth(buf, 3)
-        med = passes(weights, packs, rows, fns, args.passes)
-        cells = [f"{k} {t * 1e3:6.2f} ms {total / t / 1e9:5.1f} GB/s x{med['linear'] / t:4.2f}" for k, t in med.items()]
+        med = passes(weights, copies, rows, fns, args.passes)
+        flops = 2 * rows * sum(w.numel() for w in weights)
+        cells = [
+            f"{k} {t * 1e3:6.2f} ms {total / t / 1e9:5.1f} GB/s {flops / t / 1e9:5.0f} GF x{med['linear'] / t:4.2f}"
+            for k, t in med.items()
+        ]
         print(f"M={rows:<3} read {read:5.1f} GB/s | " + " | ".join(cells))
 
 

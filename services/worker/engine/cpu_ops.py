@@ -46,6 +46,7 @@ HEADERS = (
     CSRC / "layer_ops.cpp",
     CSRC / "sampling.cpp",
     CSRC / "gemv.cpp",
+    CSRC / "panel_gemm.cpp",
     CSRC / "layer_stack.cpp",
     CSRC / "vec.h",
 )
@@ -69,6 +70,8 @@ OPS = (
     "silu_mul",
     "sample_rows",
     "gemv",
+    "pack_panels",
+    "panel_gemm",
     "layer_stack",
 )
 

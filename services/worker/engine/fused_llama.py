@@ -261,10 +261,12 @@ class FusedLlama:
                 for x in self.layers
                 for w in (x.qkv.weight, x.o.weight, x.gate_up.weight, x.down.weight, x.norm1[0], x.norm2[0])
             ]
-            packed = [getattr(lin, "conveyor_packed", None) for lin in linears]
+            copies = [getattr(lin, "conveyor_copies", {}) for lin in linears]  # gemm.apply_plan's
+            packed, panels = ([c.get(n) for c in copies] for n in ("packed", "panel"))
             windows = [x.window or 0 for x in self.layers]
-            self._stack = (linears, weights, [lin.bias for lin in linears], packed, windows, self.layers[0].norm1[1])
-        linears, weights, biases, packed, windows, eps = self._stack
+            biases = [lin.bias for lin in linears]
+            self._stack = (linears, weights, biases, packed, panels, windows, self.layers[0].norm1[1])
+        linears, weights, biases, packed, panels, windows, eps = self._stack
         t, cache, d = h.shape[0], meta.kv_cache, meta.decode
         bucket = (t - 1).bit_length()
         codes = self._stack_codes.get(bucket)
@@ -281,6 +283,7 @@ class FusedLlama:
             weights,
             biases,
             packed,
+            panels,
             codes,
             key,
             value,

@@ -1,19 +1,9 @@
 """Tuned GEMM kernels for the model's linear layers on CPU.
 
-`y = x @ W.T` has several equal formulations that run at very different speeds for the skinny
-products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 weight):
-  linear   F.linear (MKL sgemm, the weight as the transposed operand)
-  flipped  (W @ x.T).T: the same products and sums, the other operand order, another kernel
-  onednn   oneDNN's linear (the primitive torch.compile's CPU backend uses)
-  packed   oneDNN's linear on a copy of the weight reordered once into its blocked layout (what vLLM's
-           CPU build and inductor's freezing do); at decode sizes the fastest, at M=1 often the slowest
-  gemv     the engine's own kernel for up to GEMV_MAX_ROWS rows (csrc/gemv.cpp): each thread streams
-           whole rows with software prefetches; offered only where the CPU kernels load with a vector path
-  gemv256  the same kernel of the avx2 build, beside an avx512 one (cpu_ops.narrow_ops)
-  gemv_near, gemv256_near  the same two without L2 prefetches, to NEAR_MAX_ROWS rows: on a 2-core Xeon those gain
-           up to 20 % at 4 rows, on an AMD Zen 3 they cost 9-17 % at 1-4 rows (docs/benchmarks.md): measured, not set
-Measured on a 2-core EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms `onednn` and
-~10 ms `packed`; at M=1 `linear` wins. So the choice is measured, not guessed: once per (weight shape, dtype,
+`y = x @ W.T` has several equal formulations (gemm_kernels.py) that run at very different speeds for the skinny
+products of batched decoding (M = 8..128 rows against a 576x1536 or 49152x576 weight). Measured on a 2-core
+EPYC, the LM head at M=32 takes 39 ms as `linear`, 27 ms `flipped`, 22 ms `onednn` and ~10 ms `packed`; at M=1
+`linear` wins. So the choice is measured, not guessed: once per (weight shape, dtype,
 thread count, torch build, CPU model and ISA flags: cpu_info.py) and per power-of-two bucket of M, at engine
 start, over passes through the model's layers in order (see measure); then kept in memory and in a JSON file
 under the cache directory, so a restarted worker does not measure again.
@@ -25,8 +15,8 @@ MAX_TRIES measurements in all; after that the last one is kept, load or not (a m
 gets a plan, and starts stay bounded).
 
 How it is applied (apply_plan): each nn.Linear keeps its type, weights and ties (the LM head still shares the
-embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses `packed` for some
-M also holds the packed copy (one more copy of that weight: memory for speed, on CPU only).
+embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses `packed` or `panel`
+for some M also holds that kernel's copy of the weight (gemm_kernels.COPIES: memory for speed, on CPU only).
 """
 
 from __future__ import annotations
@@ -41,18 +31,29 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
+from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' names, re-exported for callers
+    COPIES,
+    FAR_LINES,
+    GEMV_MAX_ROWS,
+    KERNEL_CODES,
+    KERNELS,
+    MAX_ROWS,
+    NEAR_MAX_ROWS,
+    offered,
+    pack,
+    pack_panels,
+)
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v8.json"  # v8: the *_near GEMVs (v7: gemv to 64 rows, gemv256; v5: keys name kernels)
+PLAN_FILE = "gemm-plan-v9.json"  # v9: panel (v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2
@@ -64,57 +65,6 @@ _MARGIN = dict.fromkeys(("gemv", "gemv256", "gemv_near", "gemv256_near"), 0.97)
 _DEFAULT_MARGIN = 0.9
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
-
-
-_PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
-
-
-def pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, w, b)
-
-
-def _flipped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    y = torch.mm(w, x.t()).t().contiguous()  # [N, K] @ [K, M] -> [N, M] -> [M, N]
-    return y if b is None else y + b
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-
-
-def _own(build: Callable[[], Any], far_lines: int) -> Callable[..., torch.Tensor]:
-    """csrc/gemv.cpp of a build (cpu_ops.ops: the engine's, narrow_ops: the avx2 one beside avx512)."""
-    return lambda x, w, b, packed: build().gemv(x, w, b, far_lines)
-
-
-FAR_LINES = 128  # csrc/gemv.cpp's kFarLines: its L2 prefetch distance in cache lines
-# x [M, K], w [N, K] (packed: pack(w)) -> [M, N]
-KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed)
-KERNELS |= dict(gemv=_own(cpu_ops.ops, FAR_LINES), gemv256=_own(cpu_ops.narrow_ops, FAR_LINES))
-KERNELS |= dict(gemv_near=_own(cpu_ops.ops, 0), gemv256_near=_own(cpu_ops.narrow_ops, 0))
-# each kernel's code for csrc/layer_stack.cpp, which runs the planned kernels itself (its LinearKernel enum)
-KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
-GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
-# register tiles from 8 rows (avx512: 2), where *_near only drops a run's first burst: 3-4 % at 8 rows, level from 16
-NEAR_MAX_ROWS = 8
-# a kernel is measured (and chosen) only for buckets of at most this many rows
-_MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_MAX_ROWS, "gemv256_near": NEAR_MAX_ROWS}
-
-
-def offered(gemv: bool) -> tuple[str, ...]:
-    """The kernels plans choose from; gemv only when the engine's CPU kernels are loaded with a vector path
-    (the portable loop is slower than any library's), gemv256 besides where cpu_ops.narrow_ops has one."""
-    narrow = gemv and cpu_ops.narrow_ops() is not None
-    own = {"gemv": gemv, "gemv256": narrow, "gemv_near": gemv, "gemv256_near": narrow}
-    return tuple(n for n in KERNELS if own.get(n, True))
 
 
 @dataclass(frozen=True)
@@ -160,12 +110,12 @@ def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, k
     return "|".join(map(str, (*fields, "+".join(kernels))))
 
 
-def _usable(name: str, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> bool:
+def _usable(name: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | None) -> bool:
     """A kernel is a candidate only if it runs here and agrees with F.linear."""
-    if name == "packed" and packed is None:
+    if name in COPIES and copy is None:
         return False
     try:
-        return torch.allclose(KERNELS[name](x, w, None, packed), F.linear(x, w), rtol=1e-3, atol=1e-3)
+        return torch.allclose(KERNELS[name](x, w, None, copy), F.linear(x, w), rtol=1e-3, atol=1e-3)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # op missing in this torch build / dtype
         logger.info("GEMM kernel %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
         return False
@@ -181,13 +131,13 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
     warm-up pass per kernel (the library's per-shape setup), then passes interleaved across kernels
     (so drift hits all alike); a key's time is its layers' summed time in its fastest pass.
     """
-    packs = {id(m): _try_pack(m.weight.detach()) for m, _, _ in targets}
+    copies = {id(m): {n: _try_copy(n, m.weight.detach()) for n in kernels if n in COPIES} for m, _, _ in targets}
     names: dict[str, list[str]] = {}
     for m, k, _ in targets:
         if k not in names:
             probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, packs[id(m)])]
-    plans: dict[str, list[str]] = {k: [] for k in names}
+            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, copies[id(m)].get(n))]
+    fast: dict[str, list[dict[str, float]]] = {k: [] for k in names}  # per bucket: kernel -> time / linear's
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
         xs = {
@@ -195,19 +145,33 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
             for m, _ in live
         }
         best: dict[tuple[str, str], float] = {}
-        here = [n for n in kernels if 2**i <= _MAX_ROWS.get(n, 2**i)]
+        here = [n for n in kernels if 2**i <= MAX_ROWS.get(n, 2**i)]
         reps = _REPS_FEW_ROWS[1] if 2**i <= _REPS_FEW_ROWS[0] else _REPS
         for rep in range(1 + reps):
             for n in here:
-                sums = _timed_pass(n, live, names, xs, packs)
+                sums = _timed_pass(n, live, names, xs, copies)
                 for k, v in sums.items():
                     if rep:
                         best[(k, n)] = min(best.get((k, n), float("inf")), v)
         for k in {k for _, k in live}:
             bar = best[(k, "linear")]
-            fast = [n for n in names[k] if n in here and best[(k, n)] < _MARGIN.get(n, _DEFAULT_MARGIN) * bar]
-            plans[k].append(min(fast, key=lambda n: best[(k, n)]) if fast else "linear")
-    return {k: tuple(v) for k, v in plans.items()}
+            ok = [n for n in names[k] if n in here and best[(k, n)] < _MARGIN.get(n, _DEFAULT_MARGIN) * bar]
+            fast[k].append({n: best[(k, n)] / bar for n in ok})
+    return {k: _one_copy(v) for k, v in fast.items()}
+
+
+def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
+    """The plan from each bucket's kernels over their bars (time relative to linear's), holding at most one copy
+    of the weight (gemm_kernels.COPIES: memory stays within twice the weights): of the plans each copy allows (none,
+    or one kind), the one with the least summed relative time; on a tie, no copy."""
+    options = []
+    for copy in (None, *COPIES):
+        plan = [
+            min(((t, n) for n, t in b.items() if n not in COPIES or n == copy), default=(1.0, "linear"))
+            for b in buckets
+        ]
+        options.append((sum(t for t, _ in plan), copy is not None, tuple(n for _, n in plan)))
+    return min(options)[2]
 
 
 def _timed_pass(
@@ -215,23 +179,24 @@ def _timed_pass(
     live: list[tuple[nn.Linear, str]],
     names: dict[str, list[str]],
     xs: dict[int, torch.Tensor],
-    packs: dict[int, torch.Tensor | None],
+    copies: dict[int, dict[str, torch.Tensor | None]],
 ) -> dict[str, float]:
     sums: dict[str, float] = {}
     for m, k in live:
         if name not in names[k]:
             continue
         t = time.perf_counter()
-        KERNELS[name](xs[m.in_features], m.weight, None, packs[id(m)])
+        KERNELS[name](xs[m.in_features], m.weight, None, copies[id(m)].get(name))
         sums[k] = sums.get(k, 0.0) + time.perf_counter() - t
     return sums
 
 
-def _try_pack(weight: torch.Tensor) -> torch.Tensor | None:
+def _try_copy(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """Kernel `name`'s copy of the weight; None where it cannot be made (then the kernel is not a candidate)."""
     try:
-        return pack(weight)
-    except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN in this build / dtype
-        logger.info("GEMM weight packing unavailable for %s %s: %s", tuple(weight.shape), weight.dtype, e)
+        return COPIES[name](weight)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN / CPU kernels here, or the dtype
+        logger.info("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(weight.shape), weight.dtype, e)
         return None
 
 
@@ -314,14 +279,14 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     name = self.conveyor_gemm_plan.kernel_for(x2.shape[0])
     if name == "linear":
         return F.linear(x, self.weight, self.bias)
-    y = KERNELS[name](x2, self.weight, self.bias, self.conveyor_packed)
+    y = KERNELS[name](x2, self.weight, self.bias, self.conveyor_copies.get(name))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def apply_plan(module: nn.Linear, plan: Plan) -> None:
-    """Run `module` by `plan` from now on (its packed weight copy made here if the plan uses one)."""
+    """Run `module` by `plan` from now on (the weight copies its kernels read made here: gemm_kernels.COPIES)."""
     module.conveyor_gemm_plan = plan
-    module.conveyor_packed = pack(module.weight.detach()) if "packed" in plan.kernels else None
+    module.conveyor_copies = {n: COPIES[n](module.weight.detach()) for n in COPIES if n in plan.kernels}
     module.forward = types.MethodType(_planned_forward, module)
 
 
@@ -349,17 +314,17 @@ def tune_linears(
         targets.append((module, k, buckets))
     store = PlanStore(cache_dir)
     _measure_needed(store, targets, kernels)
-    mixed, packed_bytes = 0, 0
+    mixed, copy_bytes = 0, 0
     for module, k, _ in targets:
         plan = store.get(k).kernels
         apply_plan(module, Plan(plan))
-        packed_bytes += module.weight.nbytes if "packed" in plan else 0
+        copy_bytes += module.weight.nbytes * len(module.conveyor_copies)
         mixed += any(n != "linear" for n in plan)
     logger.info(
-        "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; packed weight copies %.1f MiB",
+        "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; weight copies %.1f MiB",
         mixed,
         len(targets),
-        packed_bytes / 2**20,
+        copy_bytes / 2**20,
     )
     return mixed
 

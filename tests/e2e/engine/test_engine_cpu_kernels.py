@@ -239,6 +239,29 @@ def test_gemv_refuses_more_rows_than_it_takes(kernels):
         kernels.gemv(torch.randn(GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8), None)
 
 
+# x rows: one, a tile's 4 and a tail, several tiles, and more than one block of x tiles for K = 1536 (40 rows a block)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 64, 130])
+@pytest.mark.parametrize("shape", [(576, 1536), (97, 50), (3, 7), (60, 1)])  # whole panels; a panel tail; < 1; K = 1
+def test_panel_gemm_equals_f_linear_with_and_without_bias(kernels, rows, shape):
+    torch.manual_seed(0)
+    n, k = shape
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(rows, k + 3)[:, :k]  # rows strided as a view of a wider tensor
+    panels = kernels.pack_panels(w)
+    torch.testing.assert_close(kernels.panel_gemm(x, panels, None, n), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.panel_gemm(x, panels, b, n), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_panel_gemm_refuses_panels_that_do_not_match_x_or_n(kernels):
+    panels = kernels.pack_panels(torch.randn(30, 8))
+    with pytest.raises(RuntimeError, match="K matching x"):
+        kernels.panel_gemm(torch.randn(2, 9), panels, None, 30)
+    with pytest.raises(RuntimeError, match="n = 500 does not fit"):
+        kernels.panel_gemm(torch.randn(2, 8), panels, None, 500)
+    with pytest.raises(RuntimeError, match=r"bias \[n\]"):
+        kernels.panel_gemm(torch.randn(2, 8), panels, torch.randn(29), 30)
+
+
 @pytest.mark.parametrize("vocab", [1000, 37])  # whole 16-token chunks plus a tail; a vocabulary under 3 chunks
 def test_sample_rows_draws_the_token_whose_cdf_interval_holds_the_uniform(kernels, vocab):
     """Given the uniforms, the draw is deterministic: the token whose interval of softmax(x / temperature)'s CDF

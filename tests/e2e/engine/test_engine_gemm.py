@@ -32,12 +32,11 @@ def tune(model: nn.Module, rows: int, cache_dir) -> None:
 def force(model: nn.Module, kernel: str) -> None:
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            m.conveyor_gemm_plan = Plan((kernel,) * 8)
-            m.conveyor_packed = gemm.pack(m.weight.detach())
+            gemm.apply_plan(m, Plan((kernel,) * 8))
 
 
-# the own GEMVs (gemv, gemv256 and their *_near), per ISA: test_engine_cpu_kernels.py
-@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith("gemv")))
+# the libraries' kernels; the engine's own (the GEMVs, panel), per ISA: test_engine_cpu_kernels.py
+@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith("gemv") and n != "panel"))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -160,7 +159,7 @@ def test_tuning_keeps_the_tied_output_head_sharing_the_embedding(engine_model, m
     tune_linears(plain_linears(engine_model), head, 64, 64, None)
     assert head.weight.data_ptr() == engine_model.get_input_embeddings().weight.data_ptr()
     assert type(head) is nn.Linear and head.conveyor_gemm_plan.kernel_for(1) == "packed"
-    assert head.conveyor_packed is not None
+    assert head.conveyor_copies["packed"] is not None
 
 
 def test_workers_starting_together_measure_each_shape_once(tmp_path):
@@ -232,3 +231,47 @@ def test_a_plan_measured_under_load_every_time_is_kept_after_the_last_try(tmp_pa
         tune(tiny_model(), 16, tmp_path)
     assert calls == [2] * gemm.MAX_TRIES
     assert all(e["tries"] == gemm.MAX_TRIES for e in saved_entries(tmp_path))
+
+
+def test_a_layer_holds_the_weight_copies_of_the_kernels_its_plan_uses_and_no_others(monkeypatch):
+    made = []
+    monkeypatch.setitem(gemm.COPIES, "panel", lambda w: made.append("panel") or w.t().contiguous())
+    monkeypatch.setitem(gemm.COPIES, "packed", lambda w: made.append("packed") or w.clone())
+    layer = nn.Linear(8, 4)
+    gemm.apply_plan(layer, Plan(("gemv", "linear")))
+    assert layer.conveyor_copies == {} and made == []
+    gemm.apply_plan(layer, Plan(("gemv", "panel", "panel")))
+    assert set(layer.conveyor_copies) == {"panel"} and made == ["panel"]
+
+
+def test_a_kernel_whose_weight_copy_cannot_be_made_is_never_planned(monkeypatch):
+    def no_copy(w):
+        raise RuntimeError("the engine's CPU kernels are not loaded")
+
+    monkeypatch.setitem(gemm.COPIES, "panel", no_copy)
+    monkeypatch.setattr(gemm, "_timed_pass", lambda name, live, names, xs, copies: {k: 0.0 for _, k in live})
+    model = tiny_model()
+    targets = [(m, f"k{i}", 3) for i, m in enumerate(plain_linears(model))]
+    plans = gemm.measure(targets, ("linear", "panel"))
+    assert all(p == ("linear",) * 3 for p in plans.values())
+
+
+def test_a_plan_holds_one_weight_copy_the_one_that_saves_most_time_summed_over_buckets(monkeypatch):
+    """panel fastest at 1-4 rows, packed 2 % faster than panel at 8: one copy (panel), not both; where packed is
+    far ahead at the top bucket only, panel's lead at the others still wins."""
+    times = {  # per bucket (1, 2, 4, 8 rows): kernel -> time, linear 1.0
+        "panel": [0.6, 0.6, 0.6, 0.5],
+        "packed": [0.9, 0.9, 0.8, 0.49],
+        "gemv": [0.7, 0.95, 1.0, 1.0],
+    }
+    model = tiny_model()
+    targets = [(m, f"k{i}", 4) for i, m in enumerate(plain_linears(model))]
+
+    def fake_pass(name, live, names, xs, copies):
+        bucket = next(iter(xs.values())).shape[0].bit_length() - 1
+        return {k: times.get(name, [1.0] * 4)[bucket] for _, k in live}
+
+    monkeypatch.setattr(gemm, "_usable", lambda name, x, w, copy: True)
+    monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
+    plans = gemm.measure(targets, ("linear", "packed", "gemv", "panel"))
+    assert all(p == ("panel",) * 4 for p in plans.values())

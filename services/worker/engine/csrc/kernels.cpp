@@ -7,4 +7,5 @@
 #include "sampling.cpp"
 #include "prefill_attention.cpp"
 #include "gemv.cpp"
+#include "panel_gemm.cpp"
 #include "layer_stack.cpp"

@@ -13,7 +13,7 @@
 // The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
 // build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
-// (the *_near codes: far_lines 0).
+// (the *_near codes: far_lines 0); the panel GEMM of this build on the layer's panel copy (gemm_kernels.COPIES).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
@@ -30,7 +30,7 @@ namespace {
 
 // gemm.KERNELS' order
 enum LinearKernel : int64_t {
-  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kNumKernels
+  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kPanel, kNumKernels
 };
 
 c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
@@ -41,7 +41,7 @@ at::Tensor boxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
 }
 
 at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
-                     const c10::optional<at::Tensor>& packed) {
+                     const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& panels) {
   switch (kernel) {
     case kFlipped: {  // gemm._flipped
       at::Tensor y = at::mm(w, x.t()).t().contiguous();
@@ -63,6 +63,9 @@ at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, c
       static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("conveyor_avx2::gemv", "");
       return boxed(op, {x, w, opt(b), kernel == kGemv256 ? kFarLines : int64_t{0}});
     }
+    case kPanel:
+      TORCH_CHECK(panels.has_value(), "layer_stack: the panel kernel without a panel copy of the weight");
+      return panel_gemm(x, *panels, b, w.size(0));
     default:
       return at::linear(x, w, b);
   }
@@ -99,12 +102,12 @@ struct Groups {
 };
 
 // h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
-// gate_up, down, input norm, post-attention norm), four biases and four packed copies (qkv, o, gate_up, down; None
-// where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
+// gate_up, down, input norm, post-attention norm), four biases, four oneDNN packed copies and four panel copies
+// (qkv, o, gate_up, down; None where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
 // groups (Groups); windows per layer (0: none).
 void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                  const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
-                 at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                 const c10::List<c10::optional<at::Tensor>>& panels, at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
                  at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
                  int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads) {
   const int64_t L = key.size(0), KVH = key.size(2), D = key.size(3), T = h.size(0), H = num_heads;
@@ -113,9 +116,10 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
                   value.is_contiguous() && key.dim() == 4 && value.sizes() == key.sizes(),
               "layer_stack: contiguous float32 key/value pools [layers, slots, KVH, D]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
-                  static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(kernels.size()) == 4 * L &&
+                  static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(panels.size()) == 4 * L &&
+                  static_cast<int64_t>(kernels.size()) == 4 * L &&
                   static_cast<int64_t>(windows.size()) == L,
-              "layer_stack: 6 weights, 4 biases, 4 packed copies, 4 kernels and a window per layer");
+              "layer_stack: 6 weights, 4 biases, 4 packed and 4 panel copies, 4 kernels and a window per layer");
   for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
   TORCH_CHECK(block_tables.size() == rows.size() && lens.size() == rows.size() && !rows.empty(),
               "layer_stack: block tables, lens and rows for each attention group");
@@ -133,7 +137,8 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
   add_rms_norm(normed, h, c10::nullopt, weights[4], eps);
   for (int64_t i = 0; i < L; ++i) {
     auto lin = [&](int64_t j, const at::Tensor& in) {  // linear j of the layer: qkv, o, gate_up, down
-      return linear_by(kernels[4 * i + j], in, weights[6 * i + j], biases.get(4 * i + j), packed.get(4 * i + j));
+      const int64_t at = 4 * i + j;
+      return linear_by(kernels[at], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at));
     };
     at::Tensor qkv = lin(0, normed);
     rotary(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);
@@ -159,7 +164,7 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def(
       "layer_stack(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
-      "int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
+      "Tensor?[] panels, int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
       "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads) -> ()");
   m.impl("layer_stack", c10::DispatchKey::CPU, TORCH_FN(layer_stack));
   // oneDNN's packed weight copies (gemm.pack) are MkldnnCPU tensors: with one among the operands, that key dispatches

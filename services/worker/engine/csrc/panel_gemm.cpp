@@ -1,0 +1,196 @@
+// y [M, N] = x [M, K] . w [N, K]^T (+ bias) in float32, with the weight held in panels of kPanelCols output columns,
+// each panel K-major ([P, K, kPanelCols]: pack_panels): the classic GEMM register tile (as in BLIS and oneDNN) of
+// kPanelRows x rows by one panel's columns, each x value broadcast against kPanelCols / W weight vectors. Registered
+// as torch.ops.conveyor_<isa>.pack_panels / panel_gemm; gemm.py offers it to the GEMM plans as the `panel` kernel,
+// with the packed copy of the weight it needs (memory for speed, like oneDNN's `packed`).
+//
+// Why: csrc/gemv.cpp dots each weight row with x rows, K in the lanes: at 8-128 rows every k-step loads as many x
+// vectors as it has tile rows, from L2 (x outgrows L1 from a few dozen rows), and ends with a transpose of the sums.
+// Here a k-step loads kPanelCols / W weight vectors and broadcasts kPanelRows x values for 3 x kPanelRows FMAs, and
+// the panel (K x kPanelCols floats) is read from memory once and reused from L1/L2 by every tile of x rows, while the
+// next panel is prefetched, spread over the tiles. Over SmolLM2's 121 weights on the 2-core Zen 3 of
+// docs/benchmarks.md (huge pages, as the engine runs): 15-20 % faster than gemv.cpp at 8-64 rows, ~35 % faster than
+// MKL's sgemm at 128 rows; level with the GEMV at 1-4 rows; MKL ahead from ~512 rows (plans measure, not guess).
+//
+// x is repacked per call into tiles of kPanelRows rows, K-major (zero rows past M); blocks of x rows are sized so a
+// block's tiles stay in L2 while the thread's panels stream by. Each thread takes one contiguous run of panels.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(CONVEYOR_VEC)
+constexpr int64_t kPanelCols = 3 * conveyor_vec::W;  // three vectors: 12 accumulators + 3 weights + 1 x of 16 (avx2)
+#else
+constexpr int64_t kPanelCols = 8;
+#endif
+constexpr int64_t kPanelRows = 4;
+constexpr int64_t kXBlockBytes = 256 << 10;  // x tiles of one block: half of a Zen 3 / Skylake-SP L2
+// One tile's prefetch distance (floats: 16 cache lines, as gemv.cpp's kAheadLines): on the Zen 3 at 1-2 rows level
+// with the GEMV, where prefetching the whole next panel (the several tiles' way) ran 8 % slower: 55-147 KB ahead
+// of the reads, it left L1 before it was used. 8 and 48 lines within the noise of 16, none 3-8 % slower.
+constexpr int64_t kStreamAhead = 16 * 16;
+
+// w [N, K] -> [P, K, kPanelCols], P = ceil(N / kPanelCols), columns past N zero.
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_panels: float32 w [N, K]");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kPanelCols - 1) / kPanelCols;
+  at::Tensor out = at::zeros({P, K, kPanelCols}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < kPanelCols && p * kPanelCols + j < N; ++j) {
+        const float* row = src + (p * kPanelCols + j) * K;
+        float* col = dst + p * K * kPanelCols + j;
+        for (int64_t k = 0; k < K; ++k) col[k * kPanelCols] = row[k];
+      }
+  });
+  return out;
+}
+
+#if defined(CONVEYOR_VEC)
+using namespace conveyor_vec;
+constexpr int kVecs = kPanelCols / W;
+
+// c [kPanelRows, kPanelCols] = a tile [K, kPanelRows] . panel [K, kPanelCols], prefetching into L1 on the way:
+//   kStream false (several tiles share the panel): `lines` cache lines from pf, the next panel's share of this tile;
+//   kStream true (the panel's only tile: it streams from memory as it is read): pf follows kStreamAhead floats ahead
+//   of the reads, up to `stop` (on into the next panel: they are contiguous), and is left where it got to.
+template <bool kStream>
+inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& pf, int64_t lines,
+                 const float* stop) {
+  vf acc[kPanelRows][kVecs];
+#pragma GCC unroll 4
+  for (int m = 0; m < kPanelRows; ++m)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = vzero();
+  const int64_t every = lines ? std::max<int64_t>(1, K / lines) : K + 1;  // k-steps between two prefetches
+  for (int64_t k = 0, until = 1; k < K; ++k) {
+    if (kStream) {
+      for (const float* want = std::min(panel + k * kPanelCols + kStreamAhead, stop); pf < want; pf += 16) prefetch(pf);
+    } else if (--until == 0) {
+      until = every;
+      if (lines-- > 0) prefetch(pf), pf += 16;
+    }
+    vf b[kVecs];
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) b[v] = vload(panel + k * kPanelCols + v * W);
+#pragma GCC unroll 4
+    for (int m = 0; m < kPanelRows; ++m) {
+      const vf xv = vset1(a[k * kPanelRows + m]);
+#pragma GCC unroll 3
+      for (int v = 0; v < kVecs; ++v) acc[m][v] = vfmadd(xv, b[v], acc[m][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < kPanelRows; ++m)
+#pragma GCC unroll 3
+    for (int v = 0; v < kVecs; ++v) vstore(c + m * kPanelCols + v * W, acc[m][v]);
+}
+#else
+template <bool kStream>
+inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& /*pf*/, int64_t /*lines*/,
+                 const float* /*stop*/) {
+  for (int64_t i = 0; i < kPanelRows * kPanelCols; ++i) c[i] = 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = 0; m < kPanelRows; ++m)
+      for (int64_t j = 0; j < kPanelCols; ++j) c[m * kPanelCols + j] += a[k * kPanelRows + m] * panel[k * kPanelCols + j];
+}
+#endif
+
+// x [M, K] -> tiles [T, K, kPanelRows], rows past M zero.
+void pack_rows(const float* x, int64_t xs, int64_t M, int64_t K, float* tiles) {
+  const int64_t T = (M + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < kPanelRows; ++m) {
+        float* dst = tiles + t * K * kPanelRows + m;
+        const int64_t r = t * kPanelRows + m;
+        for (int64_t k = 0; k < K; ++k) dst[k * kPanelRows] = r < M ? x[r * xs + k] : 0.f;
+      }
+  });
+}
+
+// out [cols] = c (+ bias)
+inline void store_row(float* out, const float* c, const float* bias, int64_t cols) {
+#if defined(CONVEYOR_VEC)
+  if (cols == kPanelCols) {
+    for (int v = 0; v < kVecs; ++v) vstore(out + v * W, bias ? vadd(vload(c + v * W), vload(bias + v * W)) : vload(c + v * W));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cols; ++j) out[j] = c[j] + (bias ? bias[j] : 0.f);
+}
+
+// Panels [p0, p1) against x tiles [t0, t1): y rows and columns they cover (with bias), the next panel prefetched.
+void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
+               int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+  alignas(64) float c[kPanelRows * kPanelCols];
+  const int64_t panel_floats = K * kPanelCols, lines = panel_floats / 16;
+  const float* last = w + p1 * panel_floats - 16;  // prefetches stay inside the thread's run
+  const float* stream = w + p0 * panel_floats;  // one tile: how far the prefetches have got
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = w + p * panel_floats;
+    const int64_t cols = std::min(kPanelCols, N - p * kPanelCols);
+    const int64_t per_tile = (lines + (t1 - t0) - 1) / (t1 - t0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
+      const bool ahead = p + 1 < p1 && pf <= last;
+      if (t1 - t0 == 1)
+        tile<true>(tiles + t * K * kPanelRows, panel, K, c, stream, 0, last + 16);
+      else
+        tile<false>(tiles + t * K * kPanelRows, panel, K, c, pf, ahead ? std::min(per_tile, (last - pf) / 16 + 1) : 0,
+                    last);
+      for (int64_t m = 0; m < kPanelRows && t * kPanelRows + m < M; ++m)
+        store_row(y + (t * kPanelRows + m) * N + p * kPanelCols, c + m * kPanelCols, bias ? bias + p * kPanelCols : nullptr, cols);
+    }
+  }
+}
+
+at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "panel_gemm: float32 x [M, K], rows contiguous");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(2) == kPanelCols,
+              "panel_gemm: contiguous float32 panels [P, K, ", kPanelCols, "] from pack_panels, K matching x");
+  TORCH_CHECK(n > (panels.size(0) - 1) * kPanelCols && n <= panels.size(0) * kPanelCols,
+              "panel_gemm: n = ", n, " does not fit ", panels.size(0), " panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                            "panel_gemm: contiguous float32 bias [n]");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  const int64_t T = (M + kPanelRows - 1) / kPanelRows;
+  at::Tensor tiles = at::empty({T, std::max<int64_t>(K, 1), kPanelRows}, x.options());
+  pack_rows(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
+  const int64_t block = std::max<int64_t>(1, kXBlockBytes / (K * kPanelRows * 4 + 1));  // tiles per x block
+  const float* tp = tiles.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
+    for (int64_t t0 = 0; t0 < T; t0 += block) panel_run(tp, wp, K, M, n, bp, yp, t0, std::min(T, t0 + block), p0, p1);
+  });
+  return y;
+}
+
+}  // namespace
+
+CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
+  m.def("panel_gemm(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.impl("panel_gemm", c10::DispatchKey::CPU, TORCH_FN(panel_gemm));
+}
