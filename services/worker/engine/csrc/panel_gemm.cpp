@@ -144,13 +144,14 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
     const int64_t cols = std::min(kPanelCols, N - p * kPanelCols);
     const int64_t per_tile = (lines + (t1 - t0) - 1) / (t1 - t0);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
-      const bool ahead = p + 1 < p1 && pf <= last;
-      if (t1 - t0 == 1)
-        tile<true>(tiles + t * K * kPanelRows, panel, K, c, stream, 0, last + 16);
-      else
-        tile<false>(tiles + t * K * kPanelRows, panel, K, c, pf, ahead ? std::min(per_tile, (last - pf) / 16 + 1) : 0,
-                    last);
+      const float* a = tiles + t * K * kPanelRows;
+      if (t1 - t0 == 1) {
+        tile<true>(a, panel, K, c, stream, 0, last + 16);
+      } else {  // this tile's share of the next panel, if the thread's run has one
+        const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
+        const int64_t share = p + 1 < p1 && pf <= last ? std::min(per_tile, (last - pf) / 16 + 1) : 0;
+        tile<false>(a, panel, K, c, pf, share, last);
+      }
       for (int64_t m = 0; m < kPanelRows && t * kPanelRows + m < M; ++m)
         store_row(y + (t * kPanelRows + m) * N + p * kPanelCols, c + m * kPanelCols, bias ? bias + p * kPanelCols : nullptr, cols);
     }
