@@ -146,35 +146,55 @@ inline float softmax_unnormalized(float* s, int64_t n, float& top) {
   return 1.f / vreduce_add(sum);
 }
 
-// Loads rows into L1 some distance ahead of the compute, a few cache lines at a time between the compute's own
-// instructions. A thread's rows are one list in the order it reads them (each sequence's K rows, then its V
-// rows, then the next sequence's), so the loads run on across the end of one sequence into the next.
+// How far ahead of the tile being computed the near loads run, in rows (KVH * D values each). Builds with 8, 16
+// and 32 measured side by side on Zen 5 were within the VM's noise of each other (docs/benchmarks.md, "Decode
+// attention that loads ahead"). The far loads run kFarRows further (48 KB of float32 rows at KVH * D = 192): 64,
+// 112 and 176 measured alike on Zen 4, 2026-12-04.
+constexpr int64_t kAheadRows = 16, kFarRows = 64;
+
+// Loads rows ahead of the compute, a few cache lines at a time between the compute's own instructions, in two
+// streams: one far ahead into L2, one just ahead into L1. A thread's rows are one list in the order it reads them
+// (each sequence's K rows, then its V rows, then the next sequence's), so the loads run on across the end of one
+// sequence into the next.
 // Why at all: a tile's rows lie in one pool block, blocks lie anywhere, and the hardware prefetcher stops at each
 // page boundary; why a few at a time: a tile's lines issued at once fill the core's miss buffers and stall the
-// compute behind them.
+// compute behind them. Why two streams: a core has few L1 miss buffers, too few lines in flight to cover DRAM's
+// latency at the rate the kernel consumes rows; the L2 tracks more, so the far stream keeps memory busy and the
+// near one then only moves lines from L2 to L1. On the Zen 4 VM of docs/benchmarks.md the near stream alone read
+// 16-17 GB/s of K/V (batch 32, context 400, both cores), with the far one 24-27 GB/s of the machine's ~34.
 template <typename T>
 struct Prefetcher {
   const T* const* rows;
   int64_t total, lines;  // rows, and the cache lines of one
-  int64_t row = 0, line = 0;  // the next line to load
+  struct Cursor {
+    int64_t row = 0, line = 0;  // the next line to load
+  };
+  Cursor near, far;
 
-  // Load up to `count` more lines, none of a row at or past `until`.
+  // Load up to `count` more lines in each stream, none of a row at or past `until` (the far one: kFarRows further).
   void step(int64_t count, int64_t until) {
+    advance<true>(far, count, until + kFarRows);
+    advance<false>(near, count, until);
+  }
+
+  template <bool ToL2>
+  void advance(Cursor& c, int64_t count, int64_t until) {
     until = std::min(until, total);
-    while (count > 0 && row < until) {
-      const char* r = reinterpret_cast<const char*>(rows[row]);
-      const int64_t stop = std::min(lines, line + count);
-      count -= stop - line;
-      for (; line < stop; ++line) prefetch(r + 64 * line);
-      if (line == lines) line = 0, ++row;
+    while (count > 0 && c.row < until) {
+      const char* r = reinterpret_cast<const char*>(rows[c.row]);
+      const int64_t stop = std::min(lines, c.line + count);
+      count -= stop - c.line;
+      for (; c.line < stop; ++c.line) {
+        if constexpr (ToL2) {
+          prefetch_l2(r + 64 * c.line);
+        } else {
+          prefetch(r + 64 * c.line);
+        }
+      }
+      if (c.line == lines) c.line = 0, ++c.row;
     }
   }
 };
-
-// How far ahead of the tile being computed the loads run, in rows (KVH * D values each). Builds with 8, 16 and 32
-// measured side by side on Zen 5 were within the VM's noise of each other (docs/benchmarks.md, "Decode attention
-// that loads ahead").
-constexpr int64_t kAheadRows = 16;
 
 // o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for GC
 // query heads of one KV head: each V row is loaded once for all of them. GC is a compile-time count so that the

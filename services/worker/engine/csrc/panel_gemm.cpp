@@ -28,11 +28,13 @@
 namespace {
 
 #if defined(CONVEYOR_VEC)
-constexpr int64_t kPanelCols = 3 * conveyor_vec::W;  // three vectors: 12 accumulators + 3 weights + 1 x of 16 (avx2)
+constexpr int64_t kPanelCols = 3 * conveyor_vec::W;
+// avx2: 4 x rows, 12 accumulators + 3 weights + 1 x of its 16 registers; avx512: 8 rows, 24 + 3 + 1 of its 32
+constexpr int64_t kPanelRows = conveyor_vec::W == 16 ? 8 : 4;
 #else
 constexpr int64_t kPanelCols = 8;
-#endif
 constexpr int64_t kPanelRows = 4;
+#endif
 constexpr int64_t kXBlockBytes = 256 << 10;  // x tiles of one block: half of a Zen 3 / Skylake-SP L2
 // One tile's prefetch distance (floats: 16 cache lines, as gemv.cpp's kAheadLines): on the Zen 3 at 1-2 rows level
 // with the GEMV, where prefetching the whole next panel (the several tiles' way) ran 8 % slower: 55-147 KB ahead
@@ -70,7 +72,7 @@ template <bool kStream>
 inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& pf, int64_t lines,
                  const float* stop) {
   vf acc[kPanelRows][kVecs];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < kPanelRows; ++m)
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) acc[m][v] = vzero();
@@ -85,14 +87,14 @@ inline void tile(const float* a, const float* panel, int64_t K, float* c, const 
     vf b[kVecs];
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) b[v] = vload(panel + k * kPanelCols + v * W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < kPanelRows; ++m) {
       const vf xv = vset1(a[k * kPanelRows + m]);
 #pragma GCC unroll 3
       for (int v = 0; v < kVecs; ++v) acc[m][v] = vfmadd(xv, b[v], acc[m][v]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < kPanelRows; ++m)
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) vstore(c + m * kPanelCols + v * W, acc[m][v]);
