@@ -9,8 +9,11 @@ up to its 64 rows, and `panel` (the engine's build, on the weight's panel copy).
 on huge pages where the kernel allows, as in the engine (huge_pages.advise). Passes alternate across the kernels
 (drift hits all alike); the median pass is reported, as ms, as GB/s of weights and as GFLOPS, with each kernel's
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
+With --baseline REV the panel GEMM as it was at git revision REV is built too (decode_attention.build_baseline: same
+flags, a namespace of its own) and measured in the same passes, on its own panel copies (`panel@REV`).
 
 Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64,128] [--passes 7]
+     [--baseline REV]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.decode_attention import build_baseline
 from benchmarks.decode_floor import read_bandwidth
 from services.worker.engine import EngineConfig, LLMEngine, cpu_ops, gemm, huge_pages
 from services.worker.engine.cpu_info import this_cpu
@@ -67,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--baseline", help="a git revision whose panel GEMM to measure beside this tree's")
     args = ap.parse_args()
     s = CommonSettings()
     engine = LLMEngine.from_model_dir(
@@ -75,7 +80,12 @@ def main() -> None:
     )
     weights = [lin.weight.detach() for lin in engine.runner.fused.linears()]
     fns = kernels(str(s.cache_dir))
-    copies = {name: [gemm.COPIES[name](w) for w in weights] for name in {c for _, c, _ in fns.values() if c}}
+    makers = dict(gemm.COPIES)
+    if args.baseline and cpu_ops.vector_path():
+        base = build_baseline(args.baseline, cpu_ops.active_isa())
+        makers["baseline"] = base.pack_panels
+        fns[f"panel@{args.baseline}"] = (lambda x, w, c: base.panel_gemm(x, c, None, w.shape[0]), "baseline", None)
+    copies = {name: [makers[name](w) for w in weights] for name in {c for _, c, _ in fns.values() if c}}
     huge_pages.advise()  # the copies made after the engine's own advice
     total = sum(w.nbytes for w in weights)
     buf = torch.ones((1 << 30) // 4)

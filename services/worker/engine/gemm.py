@@ -53,7 +53,7 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v10.json"  # v10: avx512 panel tiles of 8 rows (v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
+PLAN_FILE = "gemm-plan-v11.json"  # v11: avx512 panel tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2

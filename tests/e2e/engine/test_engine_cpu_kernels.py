@@ -239,9 +239,9 @@ def test_gemv_refuses_more_rows_than_it_takes(kernels):
         kernels.gemv(torch.randn(GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8), None)
 
 
-# x rows: one, a tile (4 rows avx2, 8 avx512) and a tail, several tiles, and more than one block of x tiles for
-# K = 1536 (40 rows a block)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 64, 130])
+# x rows: one, a tile of 4 and a tail, avx512's tiles of 8 (5-16 rows) whole and with a tail, past them, several
+# tiles, and more than one block of x tiles for K = 1536 (40 rows a block)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 16, 17, 64, 130])
 @pytest.mark.parametrize("shape", [(576, 1536), (97, 50), (3, 7), (60, 1)])  # whole panels; a panel tail; < 1; K = 1
 def test_panel_gemm_equals_f_linear_with_and_without_bias(kernels, rows, shape):
     torch.manual_seed(0)

@@ -12,8 +12,9 @@
 // docs/benchmarks.md (huge pages, as the engine runs): 15-20 % faster than gemv.cpp at 8-64 rows, ~35 % faster than
 // MKL's sgemm at 128 rows; level with the GEMV at 1-4 rows; MKL ahead from ~512 rows (plans measure, not guess).
 //
-// x is repacked per call into tiles of kPanelRows rows, K-major (zero rows past M); blocks of x rows are sized so a
-// block's tiles stay in L2 while the thread's panels stream by. Each thread takes one contiguous run of panels.
+// x is repacked per call into tiles of kPanelRows rows (avx512: kWideRows at 5-16 rows), K-major (zero rows past
+// M); blocks of x rows are sized so a block's tiles stay in L2 while the thread's panels stream by. Each thread
+// takes one contiguous run of panels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,13 +29,16 @@
 namespace {
 
 #if defined(CONVEYOR_VEC)
-constexpr int64_t kPanelCols = 3 * conveyor_vec::W;
-// avx2: 4 x rows, 12 accumulators + 3 weights + 1 x of its 16 registers; avx512: 8 rows, 24 + 3 + 1 of its 32
-constexpr int64_t kPanelRows = conveyor_vec::W == 16 ? 8 : 4;
+constexpr int64_t kPanelCols = 3 * conveyor_vec::W;  // three vectors: 12 accumulators + 3 weights + 1 x of 16 (avx2)
+// avx512's 32 registers also hold a tile of 8 rows (24 accumulators): twice the FMAs per weight vector loaded. Side
+// by side in one run on the Zen 4 of docs/benchmarks.md (benchmarks.gemv --baseline) it was 1.13-1.34x the 4-row tile
+// at 8-16 x rows, but 2-4 % behind at 1-4 and 32 rows and 4-9 % at 64: it is taken for 5-16 rows only.
+constexpr int64_t kWideRows = conveyor_vec::W == 16 ? 8 : 4, kWideMaxRows = 16;
 #else
 constexpr int64_t kPanelCols = 8;
-constexpr int64_t kPanelRows = 4;
+constexpr int64_t kWideRows = 4, kWideMaxRows = 0;
 #endif
+constexpr int64_t kPanelRows = 4;
 constexpr int64_t kXBlockBytes = 256 << 10;  // x tiles of one block: half of a Zen 3 / Skylake-SP L2
 // One tile's prefetch distance (floats: 16 cache lines, as gemv.cpp's kAheadLines): on the Zen 3 at 1-2 rows level
 // with the GEMV, where prefetching the whole next panel (the several tiles' way) ran 8 % slower: 55-147 KB ahead
@@ -64,16 +68,16 @@ at::Tensor pack_panels(const at::Tensor& w) {
 using namespace conveyor_vec;
 constexpr int kVecs = kPanelCols / W;
 
-// c [kPanelRows, kPanelCols] = a tile [K, kPanelRows] . panel [K, kPanelCols], prefetching into L1 on the way:
+// c [R, kPanelCols] = a tile [K, R] . panel [K, kPanelCols], prefetching into L1 on the way:
 //   kStream false (several tiles share the panel): `lines` cache lines from pf, the next panel's share of this tile;
 //   kStream true (the panel's only tile: it streams from memory as it is read): pf follows kStreamAhead floats ahead
 //   of the reads, up to `stop` (on into the next panel: they are contiguous), and is left where it got to.
-template <bool kStream>
+template <bool kStream, int64_t R>
 inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& pf, int64_t lines,
                  const float* stop) {
-  vf acc[kPanelRows][kVecs];
+  vf acc[R][kVecs];
 #pragma GCC unroll 8
-  for (int m = 0; m < kPanelRows; ++m)
+  for (int m = 0; m < R; ++m)
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) acc[m][v] = vzero();
   const int64_t every = lines ? std::max<int64_t>(1, K / lines) : K + 1;  // k-steps between two prefetches
@@ -88,37 +92,38 @@ inline void tile(const float* a, const float* panel, int64_t K, float* c, const 
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) b[v] = vload(panel + k * kPanelCols + v * W);
 #pragma GCC unroll 8
-    for (int m = 0; m < kPanelRows; ++m) {
-      const vf xv = vset1(a[k * kPanelRows + m]);
+    for (int m = 0; m < R; ++m) {
+      const vf xv = vset1(a[k * R + m]);
 #pragma GCC unroll 3
       for (int v = 0; v < kVecs; ++v) acc[m][v] = vfmadd(xv, b[v], acc[m][v]);
     }
   }
 #pragma GCC unroll 8
-  for (int m = 0; m < kPanelRows; ++m)
+  for (int m = 0; m < R; ++m)
 #pragma GCC unroll 3
     for (int v = 0; v < kVecs; ++v) vstore(c + m * kPanelCols + v * W, acc[m][v]);
 }
 #else
-template <bool kStream>
+template <bool kStream, int64_t R>
 inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& /*pf*/, int64_t /*lines*/,
                  const float* /*stop*/) {
-  for (int64_t i = 0; i < kPanelRows * kPanelCols; ++i) c[i] = 0.f;
+  for (int64_t i = 0; i < R * kPanelCols; ++i) c[i] = 0.f;
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t m = 0; m < kPanelRows; ++m)
-      for (int64_t j = 0; j < kPanelCols; ++j) c[m * kPanelCols + j] += a[k * kPanelRows + m] * panel[k * kPanelCols + j];
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t j = 0; j < kPanelCols; ++j) c[m * kPanelCols + j] += a[k * R + m] * panel[k * kPanelCols + j];
 }
 #endif
 
-// x [M, K] -> tiles [T, K, kPanelRows], rows past M zero.
+// x [M, K] -> tiles [T, K, R], rows past M zero.
+template <int64_t R>
 void pack_rows(const float* x, int64_t xs, int64_t M, int64_t K, float* tiles) {
-  const int64_t T = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t T = (M + R - 1) / R;
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < kPanelRows; ++m) {
-        float* dst = tiles + t * K * kPanelRows + m;
-        const int64_t r = t * kPanelRows + m;
-        for (int64_t k = 0; k < K; ++k) dst[k * kPanelRows] = r < M ? x[r * xs + k] : 0.f;
+      for (int64_t m = 0; m < R; ++m) {
+        float* dst = tiles + t * K * R + m;
+        const int64_t r = t * R + m;
+        for (int64_t k = 0; k < K; ++k) dst[k * R] = r < M ? x[r * xs + k] : 0.f;
       }
   });
 }
@@ -134,10 +139,12 @@ inline void store_row(float* out, const float* c, const float* bias, int64_t col
   for (int64_t j = 0; j < cols; ++j) out[j] = c[j] + (bias ? bias[j] : 0.f);
 }
 
-// Panels [p0, p1) against x tiles [t0, t1): y rows and columns they cover (with bias), the next panel prefetched.
+// Panels [p0, p1) against x tiles [t0, t1) of R rows: y rows and columns they cover (with bias), the next panel
+// prefetched.
+template <int64_t R>
 void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
                int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
-  alignas(64) float c[kPanelRows * kPanelCols];
+  alignas(64) float c[R * kPanelCols];
   const int64_t panel_floats = K * kPanelCols, lines = panel_floats / 16;
   const float* last = w + p1 * panel_floats - 16;  // prefetches stay inside the thread's run
   const float* stream = w + p0 * panel_floats;  // one tile: how far the prefetches have got
@@ -146,18 +153,35 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
     const int64_t cols = std::min(kPanelCols, N - p * kPanelCols);
     const int64_t per_tile = (lines + (t1 - t0) - 1) / (t1 - t0);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* a = tiles + t * K * kPanelRows;
+      const float* a = tiles + t * K * R;
       if (t1 - t0 == 1) {
-        tile<true>(a, panel, K, c, stream, 0, last + 16);
+        tile<true, R>(a, panel, K, c, stream, 0, last + 16);
       } else {  // this tile's share of the next panel, if the thread's run has one
         const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
         const int64_t share = p + 1 < p1 && pf <= last ? std::min(per_tile, (last - pf) / 16 + 1) : 0;
-        tile<false>(a, panel, K, c, pf, share, last);
+        tile<false, R>(a, panel, K, c, pf, share, last);
       }
-      for (int64_t m = 0; m < kPanelRows && t * kPanelRows + m < M; ++m)
-        store_row(y + (t * kPanelRows + m) * N + p * kPanelCols, c + m * kPanelCols, bias ? bias + p * kPanelCols : nullptr, cols);
+      for (int64_t m = 0; m < R && t * R + m < M; ++m)
+        store_row(y + (t * R + m) * N + p * kPanelCols, c + m * kPanelCols, bias ? bias + p * kPanelCols : nullptr, cols);
     }
   }
+}
+
+// y = x . panels (+ bias) in x tiles of R rows, each thread one contiguous run of panels.
+template <int64_t R>
+void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias, int64_t n, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), T = (M + R - 1) / R;
+  at::Tensor tiles = at::empty({T, std::max<int64_t>(K, 1), R}, x.options());
+  pack_rows<R>(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
+  const int64_t block = std::max<int64_t>(1, kXBlockBytes / (K * R * 4 + 1));  // tiles per x block
+  const float* tp = tiles.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
+    for (int64_t t0 = 0; t0 < T; t0 += block)
+      panel_run<R>(tp, wp, K, M, n, bias, yp, t0, std::min(T, t0 + block), p0, p1);
+  });
 }
 
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
@@ -171,21 +195,14 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                             "panel_gemm: contiguous float32 bias [n]");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return y;
-  const int64_t T = (M + kPanelRows - 1) / kPanelRows;
-  at::Tensor tiles = at::empty({T, std::max<int64_t>(K, 1), kPanelRows}, x.options());
-  pack_rows(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
-  const int64_t block = std::max<int64_t>(1, kXBlockBytes / (K * kPanelRows * 4 + 1));  // tiles per x block
-  const float* tp = tiles.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return y;
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
-    for (int64_t t0 = 0; t0 < T; t0 += block) panel_run(tp, wp, K, M, n, bp, yp, t0, std::min(T, t0 + block), p0, p1);
-  });
+  if (x.size(0) > kPanelRows && x.size(0) <= kWideMaxRows) {
+    gemm_rows<kWideRows>(x, panels, bp, n, y);
+  } else {
+    gemm_rows<kPanelRows>(x, panels, bp, n, y);
+  }
   return y;
 }
 
