@@ -12,7 +12,7 @@ import redis
 from services.gateway.session.core import GatewayCore, cancel_until_done
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.handle import RequestHandle
-from shared.constants import EVENT_FIELD
+from shared.constants import EVENT_FIELD, GROUP_GATEWAY
 from services.gateway.session import reconcile
 from shared.context_store import ContextStore
 from shared.events import Completed, TokenDelta, TokenGenerated, encode
@@ -23,7 +23,7 @@ from shared.redis_client import async_client
 from shared.settings import GatewaySettings
 from services.gateway.session.tracing import start_trace
 from shared.events import Sampling
-from tests.support.inproc import gateway_core, mark_live, small
+from tests.support.inproc import calls, gateway_core, mark_live, small
 
 
 async def _wait(check, timeout: float = 10.0) -> None:
@@ -118,6 +118,57 @@ def test_replies_reach_their_requests_while_requests_hold_every_pooled_connectio
             await core.stop()
 
     asyncio.run(run())
+
+
+def test_reply_reader_reads_with_one_command_a_read_and_nothing_left_pending(redis_server, redis_client, names):
+    """At one stream every token is one read: no acknowledgement or trim round trip after each (NOACK; the
+    heartbeat trims), and the group's pending list stays empty."""
+
+    async def run():
+        core = gateway_core(redis_server.url, names)
+        await core.start()
+        handle = RequestHandle("r1", core.reply_to, None, time.time() + 60, time.perf_counter())
+        core.handles["r1"] = handle
+        try:
+            redis_client.config_resetstat()
+            for i in range(20):
+                ev = TokenGenerated(worker_id="w", step=i, items=(TokenDelta("r1", i, (42,)),))
+                redis_client.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})
+                async with asyncio.timeout(5):
+                    assert await handle.queue.get() == TokenDelta("r1", i, (42,))
+            assert calls(redis_client, "xack") == 0
+            assert calls(redis_client, "xtrim") < 5  # the heartbeat's, not one a read
+            assert redis_client.xpending(core.reply_to, GROUP_GATEWAY)["pending"] == 0
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def test_reply_stream_is_trimmed_to_what_was_read_within_a_heartbeat(redis_server, redis_client, names):
+    async def run():
+        core = gateway_core(redis_server.url, names, heartbeat_interval_s=0.1)
+        await core.start()
+        try:
+            ev = TokenGenerated(worker_id="w", step=1, items=(TokenDelta("gone", 0, (42,)),))
+            pipe = redis_client.pipeline(transaction=False)
+            for _ in range(250):
+                pipe.xadd(core.reply_to, {EVENT_FIELD: encode(ev)})
+            last = pipe.execute()[-1]
+            await _wait(lambda: _read_up_to(core, last))
+            await _wait(lambda: _shorter(redis_client, core.reply_to, 150))  # whole nodes of 100 entries go
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+async def _read_up_to(core, entry_id) -> bool:
+    return core.replies_read_id == entry_id
+
+
+async def _shorter(client, stream: str, n: int) -> bool:
+    return client.xlen(stream) < n
 
 
 def _finished(redis_client, names) -> str:

@@ -3,6 +3,8 @@ the flags (cpu_info.py, cpu_ops.py, gemm.py's plan key). No compiler runs here: 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from services.worker.engine import cpu_ops, gemm
@@ -73,6 +75,34 @@ def test_a_gemm_plan_saved_on_a_cpu_with_other_flags_is_not_reused(tmp_path, mon
     monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a CPU of the same name without AVX-512
     monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN3.split())))
     assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
+
+
+def test_a_gemm_plan_measured_with_other_kernel_sources_is_not_reused(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(gemm, "_memory", {})
+    store = gemm.PlanStore(tmp_path)
+    store.put(gemm.key(48, 32, torch.float32, 4, gemm.offered(False)), gemm.PlanEntry(("panel",) * 4))
+    store.save()
+    monkeypatch.setattr(gemm, "_memory", {})  # a new process, its kernels built from changed sources
+    _change_kernel_sources(tmp_path, monkeypatch)
+    assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
+
+
+def test_kernel_build_name_differs_for_other_kernel_sources(tmp_path, monkeypatch):
+    zen4 = CpuInfo("AMD EPYC", frozenset(ZEN4.split()))
+    before = cpu_ops.build_name("avx512", zen4)
+    _change_kernel_sources(tmp_path, monkeypatch)
+    assert cpu_ops.build_name("avx512", zen4) != before
+
+
+def _change_kernel_sources(tmp_path, monkeypatch) -> None:
+    """The kernels' sources as if one had been edited (the digest of them computed afresh)."""
+    edited = tmp_path / "edited.cpp"
+    edited.write_text("// a kernel changed since\n")
+    monkeypatch.setattr(cpu_ops, "HEADERS", (*cpu_ops.HEADERS, edited))
+    if (digest := getattr(cpu_ops, "sources_digest", None)) is not None:  # cached: a fresh one, for this test
+        monkeypatch.setattr(cpu_ops, "sources_digest", functools.cache(digest.__wrapped__))
 
 
 def test_others_busy_is_the_machines_busy_time_less_this_processs_over_all_cores():

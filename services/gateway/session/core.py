@@ -1,8 +1,9 @@
 """The gateway's link to the bus: submit requests, route replies to their handles, cancel.
 
 One reply stream per gateway process; a single reader task drains it and hands each event
-to the request's handle. Entries are acknowledged once handed over: their only consumer
-is this process, which holds the client connections they are for.
+to the request's handle. Entries are read without acknowledgement (NOACK): their only consumer
+is this process, which holds the client connections they are for, so a pending list would
+hold nothing anyone could take over.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class GatewayCore(ReplyReader):
         # Wall time up to which the reply stream has been read: every event published before it has been routed.
         # Behind the clock when the reader lags; what services.gateway.session.reconcile measures silence against.
         self.replies_read_to = 0.0
+        self.replies_read_id: bytes | str | None = None  # the last reply entry read (the stream is trimmed to it)
+        self._trimmed_to: bytes | str | None = None
         Gauge(
             "conveyor:gateway_open_requests", "requests this gateway holds a client for", registry=self.metrics.registry
         ).set_function(lambda: len(self.handles))

@@ -44,19 +44,27 @@ class ReplyReader:
                 await self._pause("reply stream read", e)
 
     async def _read_replies_once(self) -> None:
+        # NOACK: nothing enters the group's pending list, so no XACK round trip follows a read (at one stream
+        # that was half of this gateway's Redis traffic a token). Nothing is lost by it: the stream is this
+        # gateway's own, and what a read returns is routed to in-memory handles that die with the process anyway;
+        # nothing here ever reads its pending entries back. What was read is trimmed by _keep_alive.
         started = time.time()
         reply = await self.loop_r.xreadgroup(
-            GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ, block=self.s.read_block_ms
+            GROUP_GATEWAY, self.id, {self.reply_to: ">"}, count=REPLY_READ, block=self.s.read_block_ms, noack=True
         )
         self.replies_read_to = max(self.replies_read_to, _read_to(reply, started, REPLY_READ))
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._route(fields, entry_id)
-            if entries:  # this gateway is the stream's only reader: what it acknowledged can go
-                pipe = self.loop_r.pipeline(transaction=False)
-                pipe.xack(self.reply_to, GROUP_GATEWAY, *[e[0] for e in entries])
-                pipe.xtrim(self.reply_to, minid=entries[-1][0], approximate=True)
-                await pipe.execute()
+            if entries:
+                self.replies_read_id = entries[-1][0]
+
+    async def _trim_read(self) -> None:
+        """Drop the entries read so far from the reply stream (once a heartbeat: the reader's reads carry no
+        acknowledgement or trim of their own, and the stream is capped at its writes meanwhile)."""
+        if (read := self.replies_read_id) is not None and read != self._trimmed_to:
+            await self.loop_r.xtrim(self.reply_to, minid=read, approximate=True)
+            self._trimmed_to = read
 
     @staticmethod
     async def _pause(what: str, e: Exception) -> None:
@@ -120,6 +128,7 @@ class ReplyReader:
             self._loop_moved = time.monotonic()
             try:
                 await self.loop_r.expire(self.reply_to, PRIVATE_STREAM_TTL_S)
+                await self._trim_read()
                 if await self.epoch.acheck(self.loop_r):
                     await self._on_data_loss()
                 if self.names.cluster:  # on a single Redis an ending is published with its transition

@@ -26,6 +26,7 @@ build (no compiler, no ninja, an error) is logged once and the engine keeps its 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -107,12 +108,20 @@ def namespace(isa: str) -> str:
     return f"conveyor_{isa}"
 
 
-def build_name(isa: str, cpu: CpuInfo | None = None) -> str:
-    """The build folder and library name: the variant and the CPU's ISA flags in clear, the rest digested."""
-    cpu = cpu or this_cpu()
+@functools.cache
+def sources_digest() -> str:
+    """A digest of the kernels' sources: what the builds are named by, and what the GEMM plans (gemm.key) are
+    keyed by, so that a changed kernel is built and measured again instead of its old plan being reused."""
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_name(isa: str, cpu: CpuInfo | None = None) -> str:
+    """The build folder and library name: the variant and the CPU's ISA flags in clear, the rest digested."""
+    cpu = cpu or this_cpu()
+    h = hashlib.sha256(sources_digest().encode())
     h.update(" ".join((torch.__version__, cpu.identity(), *CFLAGS, *ISA_CFLAGS[isa])).encode())
     return f"conveyor_{isa}_{cpu.flags_digest()}_{h.hexdigest()[:12]}"
 

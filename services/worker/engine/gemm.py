@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
 from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' names, re-exported for callers
     COPIES,
@@ -53,7 +54,10 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
 
 logger = logging.getLogger(__name__)
 
-PLAN_FILE = "gemm-plan-v11.json"  # v11: avx512 panel tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
+# v12: keys carry the kernels' source digest (cpu_ops.sources_digest: no more names bumped by hand at a kernel
+# change); v11: avx512 panel tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to
+# 64 rows, gemv256; v5: keys name kernels)
+PLAN_FILE = "gemm-plan-v12.json"
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2
@@ -106,7 +110,9 @@ _memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, kernels: tuple[str, ...]) -> str:
     cpu = this_cpu().identity()  # the model name and a digest of its ISA flags: another CPU measures its own
-    fields = (cpu, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
+    # and the kernels' sources: a plan measured with other kernels (an older build) is measured again
+    kernels_built = cpu_ops.sources_digest()
+    fields = (cpu, kernels_built, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
     return "|".join(map(str, (*fields, "+".join(kernels))))
 
 
