@@ -4,8 +4,8 @@ the loaded transformers model.
 Why not transformers' modules: at the step shapes of a serving batch (tens of rows) the model is many
 small products, and each module call, view, transpose and mask costs time the product does not. Here
 a layer is four GEMMs (q/k/v fused into one, gate/up fused into one, o, down), rotary applied to q and
-k together with cos/sin computed once per step, and the engine's paged attention; the final norm and
-the LM head run on the sampled rows only. The arithmetic is transformers' own (same RMSNorm and rotary
+k together with cos/sin computed once per step, and the engine's paged attention; the last layer past
+its attention, the final norm and the LM head run on the sampled rows only. The arithmetic is transformers' own (same RMSNorm and rotary
 formulas, same order of residual adds), so greedy outputs stay those of transformers.
 
 With the CPU kernels loaded, the small ops run in csrc/layer_ops.cpp, and a step's whole layer loop in one call
@@ -173,15 +173,26 @@ class FusedLlama:
         return (qk * cos) + (rotated * sin)
 
     def _layer(
-        self, x: FusedLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+        self,
+        x: FusedLayer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One layer over h [T, H] -> [T, H], or past its attention only the rows `keep` -> [N, H]."""
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x.qkv(rms_norm(h, x.norm1))
         qk = self._rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, meta, x.index, self.scaling, x.window)
-        h = h + x.o(attn.reshape(t, nq * d))
+        attn = paged_attention(qk[:, :nq], qk[:, nq:], v, meta, x.index, self.scaling, x.window).reshape(t, nq * d)
+        if keep is not None:
+            h, attn = h[keep], attn[keep]
+            if h.shape[0] == 0:  # a chunk no row of which is read (a long prompt's middle)
+                return h
+        h = h + x.o(attn)
         gate, up = x.gate_up(rms_norm(h, x.norm2)).chunk(2, dim=-1)
         return h + x.down(F.silu(gate) * up)
 
@@ -200,20 +211,30 @@ class FusedLlama:
         lm_head turns into logits)."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
+        # Past its attention the last layer runs on `rows` only: the other rows' K/V are written by then, and
+        # nothing reads their hidden state (a prefill chunk's rows but the last of a prompt that ends here).
+        keep = rows if rows.numel() < h.shape[0] else None
         if self.native_ops:
             layers = self._stacked_layers if self._all_kernels(meta, h.shape[0]) else self._native_layers
-            h = layers(h, cos[0].contiguous(), sin[0].contiguous(), meta)
+            h = layers(h, cos[0].contiguous(), sin[0].contiguous(), meta, keep)
         else:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
             for x in self.layers:
-                h = self._layer(x, h, cos, sin, meta)
-        return rms_norm(h[rows], self.final_norm)
+                h = self._layer(x, h, cos, sin, meta, keep if x is self.layers[-1] else None)
+        return rms_norm(h if keep is not None else h[rows], self.final_norm)
 
     def _native_layers(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layers through csrc/layer_ops.cpp: h is the residual stream (updated in place); each residual add
-        is fused with the RMSNorm after it (the next layer's input norm included); cos/sin [T, D]."""
+        is fused with the RMSNorm after it (the next layer's input norm included); cos/sin [T, D]. -> the final
+        residual of the rows `keep` (all: h), which alone the last layer computes past its attention; their rows of
+        h are set to it, the others keep the residual from before that attention (what csrc/layer_stack.cpp does)."""
         ops = cpu_ops.ops()
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -226,6 +247,8 @@ class FusedLlama:
             attn = paged_attention(
                 qk[:, :nq], qk[:, nq:], qkv[:, (nq + nkv) * d :].view(t, nkv, d), meta, x.index, self.scaling, x.window
             )
+            if keep is not None and i + 1 == len(self.layers):
+                return self._native_tail(x, h, attn.reshape(t, nq * d), keep)
             ops.add_rms_norm(normed, h, x.o(attn.reshape(t, nq * d)), *x.norm2)
             gate_up = x.gate_up(normed)
             act = gate_up.new_empty(t, gate_up.shape[1] // 2)
@@ -236,6 +259,22 @@ class FusedLlama:
             else:
                 h += mlp
         return h
+
+    @staticmethod
+    def _native_tail(x: FusedLayer, h: torch.Tensor, attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The last layer past its attention on the rows `keep` of h and attn [T, ...] (_native_layers)."""
+        ops = cpu_ops.ops()
+        hs = h.index_select(0, keep)
+        if hs.shape[0] == 0:  # a chunk no row of which is read (a long prompt's middle)
+            return hs
+        normed = torch.empty_like(hs)
+        ops.add_rms_norm(normed, hs, x.o(attn.index_select(0, keep)), *x.norm2)
+        gate_up = x.gate_up(normed)
+        act = gate_up.new_empty(hs.shape[0], gate_up.shape[1] // 2)
+        ops.silu_mul(act, gate_up)
+        hs += x.down(act)
+        h.index_copy_(0, keep, hs)
+        return hs
 
     def _all_kernels(self, meta: PagedAttentionMetadata, t: int) -> bool:
         """Whether this step can take _stacked_layers: every attention group through a CPU kernel (decode rows with
@@ -250,10 +289,16 @@ class FusedLlama:
         )
 
     def _stacked_layers(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """_native_layers in one C++ call (csrc/layer_stack.cpp): the same kernels in the same order, each linear
-        through the kernel its GEMM plan picked for this many rows, so the same bits."""
+        through the kernel its GEMM plan picked for this many rows (the last layer's tail: for the kept rows), so
+        the same bits."""
         if self._stack is None:
             linears = [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
             weights = [
@@ -268,10 +313,8 @@ class FusedLlama:
             self._stack = (linears, weights, biases, packed, panels, windows, self.layers[0].norm1[1])
         linears, weights, biases, packed, panels, windows, eps = self._stack
         t, cache, d = h.shape[0], meta.kv_cache, meta.decode
-        bucket = (t - 1).bit_length()
-        codes = self._stack_codes.get(bucket)
-        if codes is None:
-            codes = self._stack_codes[bucket] = [_kernel_code(lin, t) for lin in linears]
+        codes = self._codes(linears, t)
+        tail = [] if keep is None else self._codes(linears, keep.numel())[-3:]  # the last o, gate_up, down
         groups = ([] if d is None else [(meta.num_decode_tokens, d.block_tables, d.context_lens)]) + [
             (p.num_rows, p.block_tables, p.spans) for p in meta.prefills
         ]
@@ -297,8 +340,18 @@ class FusedLlama:
             windows,
             eps,
             self.num_heads,
+            keep,
+            tail,
         )
-        return h
+        return h if keep is None else h.index_select(0, keep)
+
+    def _codes(self, linears: list[nn.Linear], rows: int) -> list[int]:
+        """Each linear's kernel code at this many rows, kept per bucket of rows (the plans' granularity)."""
+        bucket = (rows - 1).bit_length()
+        codes = self._stack_codes.get(bucket)
+        if codes is None:
+            codes = self._stack_codes[bucket] = [_kernel_code(lin, rows) for lin in linears]
+        return codes
 
 
 def _kernel_code(linear: nn.Linear, rows: int) -> int:

@@ -30,10 +30,11 @@ def spy_on_the_stack(fused) -> list[tuple[int, bool]]:
     seen: list[tuple[int, bool]] = []
     stacked, loop = fused._stacked_layers, fused._native_layers
 
-    def both(h, cos, sin, meta):
-        expected = loop(h.clone(), cos, sin, meta)
-        out = stacked(h, cos, sin, meta)
-        seen.append((h.shape[0], torch.equal(out, expected)))
+    def both(h, cos, sin, meta, keep=None):
+        h_loop = h.clone()
+        expected = loop(h_loop, cos, sin, meta, keep)
+        out = stacked(h, cos, sin, meta, keep)
+        seen.append((h.shape[0], torch.equal(out, expected) and torch.equal(h, h_loop)))
         return out
 
     fused._stacked_layers = both
@@ -85,9 +86,9 @@ def test_a_step_whose_prefill_attention_runs_in_torch_keeps_the_python_loop(make
     calls: list[tuple[str, int]] = []
 
     def counted(name, layers):
-        def run(h, cos, sin, meta):
+        def run(h, cos, sin, meta, keep=None):
             calls.append((name, h.shape[0]))
-            return layers(h, cos, sin, meta)
+            return layers(h, cos, sin, meta, keep)
 
         return run
 
@@ -97,3 +98,18 @@ def test_a_step_whose_prefill_attention_runs_in_torch_keeps_the_python_loop(make
     engine.step()  # both prompts (5 and 22 tokens): a prefill step
     engine.step()  # two decode rows
     assert calls == [("loop", 27), ("stack", 2)]
+
+
+def test_past_its_attention_the_last_layer_runs_on_the_logits_rows_only(make_engine):
+    """A prefill chunk's rows but a prompt's last are read by nothing after the last layer's attention (their K/V
+    are written by then): its o projection and MLP run on the rows the LM head reads, in the loop and the stack."""
+    engine, fused = stacked_engine(make_engine)
+    last = fused.layers[-1]
+    rows: list[int] = []
+    down = last.down.forward
+    last.down.forward = lambda x: rows.append(x.shape[0]) or down(x)  # the loop's call (the stack's is in C++)
+    seen = spy_on_the_stack(fused)
+    add_ragged_requests(engine)  # 5, 22 and 39 tokens: one 66-row prefill step, then decode steps
+    run_to_completion(engine)
+    assert rows[:2] == [3, 3]  # the prompts' step: three logits rows of 66; the first decode step: all three
+    assert all(equal for _, equal in seen)

@@ -10,6 +10,10 @@
 // at one sequence on the 2-core Xeon of docs/benchmarks.md, time in which memory sits idle; a 128-token prefill
 // pays the same ~4 ms of its ~115. Here the loop costs microseconds a layer.
 //
+// The last layer's o projection, MLP and their norms run on the rows whose hidden state is read afterwards (the
+// logits rows: one a prompt that ends in this step, every decode row), not on a chunk's other rows, whose K/V the
+// layer has written by then: ~2.8 % of a prefill chunk's linear work (fused_llama.FusedLlama.hidden).
+//
 // The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
 // build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
@@ -19,6 +23,8 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
@@ -104,12 +110,15 @@ struct Groups {
 // h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
 // gate_up, down, input norm, post-attention norm), four biases, four oneDNN packed copies and four panel copies
 // (qkv, o, gate_up, down; None where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
-// groups (Groups); windows per layer (0: none).
+// groups (Groups); windows per layer (0: none). keep [N] (rows of h, or None: all): past its attention the last layer
+// runs on these rows only, each linear through its tail_kernels code (the plans' kernel for N rows); the kept rows
+// of h end as the stack's output and the others keep the residual from before the last layer's attention.
 void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                  const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
                  const c10::List<c10::optional<at::Tensor>>& panels, at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
                  at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
-                 int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads) {
+                 int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads,
+                 const c10::optional<at::Tensor>& keep, at::IntArrayRef tail_kernels) {
   const int64_t L = key.size(0), KVH = key.size(2), D = key.size(3), T = h.size(0), H = num_heads;
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "layer_stack: float32 h [T, n]");
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.is_contiguous() &&
@@ -121,6 +130,9 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
                   static_cast<int64_t>(windows.size()) == L,
               "layer_stack: 6 weights, 4 biases, 4 packed and 4 panel copies, 4 kernels and a window per layer");
   for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
+  TORCH_CHECK(!keep.has_value() || (keep->scalar_type() == at::kLong && keep->dim() == 1 && tail_kernels.size() == 3),
+              "layer_stack: keep [N] long with three tail kernels (o, gate_up, down)");
+  for (const int64_t k : tail_kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
   TORCH_CHECK(block_tables.size() == rows.size() && lens.size() == rows.size() && !rows.empty(),
               "layer_stack: block tables, lens and rows for each attention group");
   int64_t covered = 0;
@@ -146,6 +158,22 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
     write_kv(key_l.data_ptr<float>(), value_l.data_ptr<float>(), qkv, slot_p, H * D, (H + KVH) * D, per_slot);
     q.copy_(qkv.narrow(1, 0, H * D).view({T, H, D}));
     groups.attend(attn, q, key_l, value_l, block_size, scale, windows[i]);
+    if (i + 1 == L && keep.has_value()) {  // the last layer past attention: only the rows read afterwards
+      const at::Tensor rows = *keep;
+      if (rows.numel() == 0) break;  // a chunk no row of which is read (a long prompt's middle)
+      auto tail = [&](int64_t j, const at::Tensor& in) {
+        const int64_t at = 4 * i + j;
+        return linear_by(tail_kernels[j - 1], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at));
+      };
+      at::Tensor hs = h.index_select(0, rows), ns = at::empty_like(hs);
+      add_rms_norm(ns, hs, tail(1, attn.view({T, H * D}).index_select(0, rows)), weights[6 * i + 5], eps);
+      at::Tensor gu = tail(2, ns);
+      at::Tensor act = at::empty({hs.size(0), gu.size(1) / 2}, h.options());
+      silu_mul(act, gu);
+      hs.add_(tail(3, act));
+      h.index_copy_(0, rows, hs);
+      break;
+    }
     add_rms_norm(normed, h, lin(1, attn.view({T, H * D})), weights[6 * i + 5], eps);
     at::Tensor gate_up = lin(2, normed);
     at::Tensor act = at::empty({T, gate_up.size(1) / 2}, h.options());
@@ -165,7 +193,8 @@ CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def(
       "layer_stack(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
       "Tensor?[] panels, int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
-      "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads) -> ()");
+      "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads, "
+      "Tensor? keep, int[] tail_kernels) -> ()");
   m.impl("layer_stack", c10::DispatchKey::CPU, TORCH_FN(layer_stack));
   // oneDNN's packed weight copies (gemm.pack) are MkldnnCPU tensors: with one among the operands, that key dispatches
   m.impl("layer_stack", c10::DispatchKey::MkldnnCPU, TORCH_FN(layer_stack));
