@@ -8,6 +8,7 @@ rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also
 Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all] [--batch 32]
   The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
   A step's layers in one C++ call or op by op from Python: --variants all,no-stack --batch 1
+  The last layer past its attention on the logits rows only or on every row: --variants all,all-rows --rounds 6
 """
 
 from __future__ import annotations
@@ -33,13 +34,33 @@ VARIANTS = {
     "all": {},
     "no-gemv": dict(gemv_kernel=False),  # the GEMM plans without the engine's own GEMV kernel
     "no-stack": dict(layer_stack=False),  # the layers op by op from Python (no csrc/layer_stack.cpp)
+    "all-rows": {},  # the default, with the last layer on every row of a step (_every_row)
 }
+
+
+def _every_row(engine: LLMEngine) -> None:
+    """The last layer past its attention on every row of a step, as before it ran on the logits rows only (a
+    prefill chunk's other rows are read by nothing after it): the engine's forward asked for all rows' hidden
+    states, the logits rows then picked from them."""
+    fused = engine.runner.fused
+    hidden = fused.hidden
+
+    def every(input_ids, positions, meta, rows):
+        return hidden(input_ids, positions, meta, torch.arange(input_ids.shape[0]))[rows]
+
+    fused.hidden = every
+
+
+PATCHES = {"all-rows": _every_row}  # variants that are the default engine changed after it is built
 
 
 def build(name: str, cache_dir: str, dtype: str) -> LLMEngine:
     s = CommonSettings()
     cfg = EngineConfig(enable_prefix_caching=False, tuning_cache_dir=cache_dir, dtype=dtype, **VARIANTS[name])
-    return LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
+    engine = LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
+    if name in PATCHES:
+        PATCHES[name](engine)
+    return engine
 
 
 def fill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> None:
