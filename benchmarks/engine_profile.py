@@ -9,6 +9,7 @@ Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel
   The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
   A step's layers in one C++ call or op by op from Python: --variants all,no-stack --batch 1
   The last layer past its attention on the logits rows only or on every row: --variants all,all-rows --rounds 6
+  The panel GEMM's 8-row tiles past 16 rows (where the plans chose them) or not: --variants all,no-panel8
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, gemm
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
@@ -35,6 +36,7 @@ VARIANTS = {
     "no-gemv": dict(gemv_kernel=False),  # the GEMM plans without the engine's own GEMV kernel
     "no-stack": dict(layer_stack=False),  # the layers op by op from Python (no csrc/layer_stack.cpp)
     "all-rows": {},  # the default, with the last layer on every row of a step (_every_row)
+    "no-panel8": {},  # the default, its GEMM plans without the panel GEMM's 8-row tiles past 16 rows (_no_panel8)
 }
 
 
@@ -51,7 +53,19 @@ def _every_row(engine: LLMEngine) -> None:
     fused.hidden = every
 
 
-PATCHES = {"all-rows": _every_row}  # variants that are the default engine changed after it is built
+def _no_panel8(engine: LLMEngine) -> None:
+    """The GEMM plans with panel's tiles where they chose panel8's (8 rows at any row count: gemm_kernels), on the
+    same panel copies: what the plans gave before panel8 was offered."""
+    fused = engine.runner.fused
+    for linear in fused.linears():
+        plan = getattr(linear, "conveyor_gemm_plan", None)
+        if plan is not None and "panel8" in plan.kernels:
+            gemm.apply_plan(linear, gemm.Plan(tuple("panel" if k == "panel8" else k for k in plan.kernels)))
+    fused._stack, fused._stack_codes = None, {}  # the layer stack's cached copies and kernel codes
+
+
+# variants that are the default engine changed after it is built
+PATCHES = {"all-rows": _every_row, "no-panel8": _no_panel8}
 
 
 def build(name: str, cache_dir: str, dtype: str) -> LLMEngine:

@@ -5,8 +5,9 @@ What a step does with its linears: every weight of the model's fused forward (Sm
 float32, the LM head last) multiplied in forward order by M rows, so each weight comes in from memory as it does in
 a step. Kernels: `linear` (F.linear: MKL's sgemm), `packed` (oneDNN on the weight reordered into its blocked
 layout), `gemv` of each ISA variant this CPU runs, with and without (`-near`, gemm.py's *_near) its L2 prefetches,
-up to its 64 rows, and `panel` (the engine's build, on the weight's panel copy). The weights and their copies lie
-on huge pages where the kernel allows, as in the engine (huge_pages.advise). Passes alternate across the kernels
+up to its 64 rows, `panel` (the engine's build, on the weight's panel copy) and on avx512 `panel8` (the same with
+tiles of 8 rows at any row count). The weights and their copies lie on huge pages where the kernel allows, as in the
+engine (huge_pages.advise). Passes alternate across the kernels
 (drift hits all alike); the median pass is reported, as ms, as GB/s of weights and as GFLOPS, with each kernel's
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
 With --baseline REV the panel GEMM as it was at git revision REV is built too (decode_attention.build_baseline: same
@@ -43,6 +44,8 @@ def kernels(cache_dir: str) -> dict:
             out[f"gemv-{isa}-near"] = (_gemv(ops, 0), None, gemm.GEMV_MAX_ROWS)  # no L2 prefetches
     if cpu_ops.vector_path():
         out["panel"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0]), "panel", None)
+    if cpu_ops.active_isa() == "avx512":  # tiles of 8 rows at any row count (gemm_kernels' panel8)
+        out["panel8"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0], True), "panel", None)
     return out
 
 

@@ -15,7 +15,7 @@ MAX_TRIES measurements in all; after that the last one is kept, load or not (a m
 gets a plan, and starts stay bounded).
 
 How it is applied (apply_plan): each nn.Linear keeps its type, weights and ties (the LM head still shares the
-embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses `packed` or `panel`
+embedding's storage); only its `forward` is overridden, on the instance. A layer whose plan uses `packed` or `panel(8)`
 for some M also holds that kernel's copy of the weight (gemm_kernels.COPIES: memory for speed, on CPU only).
 """
 
@@ -41,6 +41,7 @@ from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
 from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' names, re-exported for callers
     COPIES,
+    COPY_OF,
     FAR_LINES,
     GEMV_MAX_ROWS,
     KERNEL_CODES,
@@ -118,7 +119,7 @@ def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, k
 
 def _usable(name: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | None) -> bool:
     """A kernel is a candidate only if it runs here and agrees with F.linear."""
-    if name in COPIES and copy is None:
+    if name in COPY_OF and copy is None:
         return False
     try:
         return torch.allclose(KERNELS[name](x, w, None, copy), F.linear(x, w), rtol=1e-3, atol=1e-3)
@@ -137,12 +138,14 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
     warm-up pass per kernel (the library's per-shape setup), then passes interleaved across kernels
     (so drift hits all alike); a key's time is its layers' summed time in its fastest pass.
     """
-    copies = {id(m): {n: _try_copy(n, m.weight.detach()) for n in kernels if n in COPIES} for m, _, _ in targets}
+    kinds = {COPY_OF[n] for n in kernels if n in COPY_OF}
+    copies = {id(m): {c: _try_copy(c, m.weight.detach()) for c in kinds} for m, _, _ in targets}
     names: dict[str, list[str]] = {}
     for m, k, _ in targets:
         if k not in names:
             probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, copies[id(m)].get(n))]
+            mine = copies[id(m)]
+            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, mine.get(COPY_OF.get(n)))]
     fast: dict[str, list[dict[str, float]]] = {k: [] for k in names}  # per bucket: kernel -> time / linear's
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
@@ -173,7 +176,7 @@ def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
     options = []
     for copy in (None, *COPIES):
         plan = [
-            min(((t, n) for n, t in b.items() if n not in COPIES or n == copy), default=(1.0, "linear"))
+            min(((t, n) for n, t in b.items() if COPY_OF.get(n, copy) == copy), default=(1.0, "linear"))
             for b in buckets
         ]
         options.append((sum(t for t, _ in plan), copy is not None, tuple(n for _, n in plan)))
@@ -192,13 +195,13 @@ def _timed_pass(
         if name not in names[k]:
             continue
         t = time.perf_counter()
-        KERNELS[name](xs[m.in_features], m.weight, None, copies[id(m)].get(name))
+        KERNELS[name](xs[m.in_features], m.weight, None, copies[id(m)].get(COPY_OF.get(name)))
         sums[k] = sums.get(k, 0.0) + time.perf_counter() - t
     return sums
 
 
 def _try_copy(name: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """Kernel `name`'s copy of the weight; None where it cannot be made (then the kernel is not a candidate)."""
+    """The copy of kind `name` of the weight; None where it cannot be made (then its kernels are no candidates)."""
     try:
         return COPIES[name](weight)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN / CPU kernels here, or the dtype
@@ -285,14 +288,15 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     name = self.conveyor_gemm_plan.kernel_for(x2.shape[0])
     if name == "linear":
         return F.linear(x, self.weight, self.bias)
-    y = KERNELS[name](x2, self.weight, self.bias, self.conveyor_copies.get(name))
+    y = KERNELS[name](x2, self.weight, self.bias, self.conveyor_copies.get(COPY_OF.get(name)))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def apply_plan(module: nn.Linear, plan: Plan) -> None:
     """Run `module` by `plan` from now on (the weight copies its kernels read made here: gemm_kernels.COPIES)."""
     module.conveyor_gemm_plan = plan
-    module.conveyor_copies = {n: COPIES[n](module.weight.detach()) for n in COPIES if n in plan.kernels}
+    kinds = {COPY_OF[n] for n in plan.kernels if n in COPY_OF}  # panel and panel8 share one copy
+    module.conveyor_copies = {c: COPIES[c](module.weight.detach()) for c in sorted(kinds)}
     module.forward = types.MethodType(_planned_forward, module)
 
 

@@ -14,6 +14,9 @@ weight in the layout that kernel reads (COPIES makes it once per layer; None for
            up to 20 % at 4 rows, on an AMD Zen 3 they cost 9-17 % at 1-4 rows (docs/benchmarks.md): measured, not set
   panel    the engine's own register-tiled GEMM (csrc/panel_gemm.cpp) on a copy of the weight in K-major panels:
            on the Zen 3 of docs/benchmarks.md 15-20 % faster than gemv at 8-64 rows and than MKL from 128 rows up
+  panel8   the same on the same copy with register tiles of 8 rows at any row count (the default: at 5-16 rows),
+           avx512 builds only: on a 2-core Xeon 8-12 % faster at 32 and 128-512 rows, on a Zen 4 2-9 % slower at
+           32-64 (docs/benchmarks.md): measured, not set
 The order of KERNELS is csrc/layer_stack.cpp's LinearKernel enum (KERNEL_CODES), which runs the plans' kernels in C++.
 """
 
@@ -61,6 +64,10 @@ def _panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, copy: torch
     return cpu_ops.ops().panel_gemm(x, copy, b, w.shape[0])
 
 
+def _panel8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, copy: torch.Tensor | None) -> torch.Tensor:
+    return cpu_ops.ops().panel_gemm(x, copy, b, w.shape[0], True)
+
+
 def _own(build: Callable[[], Any], far_lines: int) -> Callable[..., torch.Tensor]:
     """csrc/gemv.cpp of a build (cpu_ops.ops: the engine's, narrow_ops: the avx2 one beside avx512)."""
     return lambda x, w, b, copy: build().gemv(x, w, b, far_lines)
@@ -70,10 +77,11 @@ FAR_LINES = 128  # csrc/gemv.cpp's kFarLines: its L2 prefetch distance in cache 
 KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed)
 KERNELS |= dict(gemv=_own(cpu_ops.ops, FAR_LINES), gemv256=_own(cpu_ops.narrow_ops, FAR_LINES))
 KERNELS |= dict(gemv_near=_own(cpu_ops.ops, 0), gemv256_near=_own(cpu_ops.narrow_ops, 0))
-KERNELS |= dict(panel=_panel)
+KERNELS |= dict(panel=_panel, panel8=_panel8)
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
-# the kernels that read a copy of the weight, and how it is made (once per layer whose plan uses the kernel)
+# the copies of the weight some kernels read, by kind, and how one is made (once per layer whose plan needs it)
 COPIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = dict(packed=pack, panel=pack_panels)
+COPY_OF = dict(packed="packed", panel="panel", panel8="panel")  # kernel -> the kind of copy it reads
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
 # register tiles from 8 rows (avx512: 2), where *_near only drops a run's first burst: 3-4 % at 8 rows, level from 16
 NEAR_MAX_ROWS = 8
@@ -84,7 +92,8 @@ MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_M
 def offered(gemv: bool) -> tuple[str, ...]:
     """The kernels plans choose from; the engine's own (gemv, panel) only when its CPU kernels are loaded with a
     vector path (their portable loops are slower than any library's), gemv256 besides where cpu_ops.narrow_ops has
-    one."""
+    one, panel8 where that path is avx512."""
     narrow = gemv and cpu_ops.narrow_ops() is not None
-    own = {"gemv": gemv, "gemv256": narrow, "gemv_near": gemv, "gemv256_near": narrow, "panel": gemv}
+    wide = gemv and cpu_ops.active_isa() == "avx512"  # panel8's tiles differ from panel's with 16 lanes only
+    own = {"gemv": gemv, "gemv256": narrow, "gemv_near": gemv, "gemv256_near": narrow, "panel": gemv, "panel8": wide}
     return tuple(n for n in KERNELS if own.get(n, True))

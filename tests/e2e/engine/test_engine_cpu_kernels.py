@@ -240,17 +240,18 @@ def test_gemv_refuses_more_rows_than_it_takes(kernels):
 
 
 # x rows: one, a tile of 4 and a tail, avx512's tiles of 8 (5-16 rows) whole and with a tail, past them, several
-# tiles, and more than one block of x tiles for K = 1536 (40 rows a block)
+# tiles, and more than one block of x tiles for K = 1536 (40 rows a block); wide: tiles of 8 past 16 rows too (panel8)
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 16, 17, 64, 130])
 @pytest.mark.parametrize("shape", [(576, 1536), (97, 50), (3, 7), (60, 1)])  # whole panels; a panel tail; < 1; K = 1
-def test_panel_gemm_equals_f_linear_with_and_without_bias(kernels, rows, shape):
+def test_panel_gemm_equals_f_linear_with_and_without_bias(kernels, rows, shape, wide):
     torch.manual_seed(0)
     n, k = shape
     w, b = torch.randn(n, k), torch.randn(n)
     x = torch.randn(rows, k + 3)[:, :k]  # rows strided as a view of a wider tensor
     panels = kernels.pack_panels(w)
-    torch.testing.assert_close(kernels.panel_gemm(x, panels, None, n), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kernels.panel_gemm(x, panels, b, n), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.panel_gemm(x, panels, None, n, wide), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.panel_gemm(x, panels, b, n, wide), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
 def test_panel_gemm_refuses_panels_that_do_not_match_x_or_n(kernels):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.engine import gemm
+from services.worker.engine import cpu_ops, gemm
 from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
 
 
@@ -35,8 +35,8 @@ def force(model: nn.Module, kernel: str) -> None:
             gemm.apply_plan(m, Plan((kernel,) * 8))
 
 
-# the libraries' kernels; the engine's own (the GEMVs, panel), per ISA: test_engine_cpu_kernels.py
-@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith("gemv") and n != "panel"))
+# the libraries' kernels; the engine's own (the GEMVs, panel, panel8), per ISA: test_engine_cpu_kernels.py
+@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith(("gemv", "panel"))))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -244,6 +244,44 @@ def test_a_layer_holds_the_weight_copies_of_the_kernels_its_plan_uses_and_no_oth
     assert set(layer.conveyor_copies) == {"panel"} and made == ["panel"]
 
 
+def test_panel_and_panel8_in_one_plan_share_one_panel_copy(monkeypatch):
+    made = []
+    monkeypatch.setitem(gemm.COPIES, "panel", lambda w: made.append("panel") or w.t().contiguous())
+    layer = nn.Linear(8, 4)
+    gemm.apply_plan(layer, Plan(("gemv", "panel", "panel8")))
+    assert set(layer.conveyor_copies) == {"panel"} and made == ["panel"]
+
+
+def plans_from_times(monkeypatch, times: dict[str, list[float]], kernels: tuple[str, ...]) -> dict:
+    """gemm.measure over the tiny model's layers (4 buckets: 1, 2, 4, 8 rows) with each kernel's pass taking
+    times[kernel][bucket] (linear, and any kernel not named: 1.0), every kernel usable."""
+    targets = [(m, f"k{i}", 4) for i, m in enumerate(plain_linears(tiny_model()))]
+
+    def fake_pass(name, live, names, xs, copies):
+        bucket = next(iter(xs.values())).shape[0].bit_length() - 1
+        return {k: times.get(name, [1.0] * 4)[bucket] for _, k in live}
+
+    monkeypatch.setattr(gemm, "_usable", lambda name, x, w, copy: True)
+    monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
+    return gemm.measure(targets, kernels)
+
+
+def test_a_plan_may_mix_panel_and_panel8_and_never_adds_a_packed_copy(monkeypatch):
+    """panel8 reads panel's copy: a plan with panel at few rows and panel8 at many holds that one copy, so it beats
+    the plans with packed, which would hold a second."""
+    times = {"panel": [0.6, 0.6, 0.8, 0.8], "panel8": [0.7, 0.7, 0.6, 0.5], "packed": [0.9, 0.9, 0.55, 0.45]}
+    plans = plans_from_times(monkeypatch, times, ("linear", "packed", "panel", "panel8"))
+    assert all(p == ("panel", "panel", "panel8", "panel8") for p in plans.values())
+
+
+@pytest.mark.parametrize(("isa", "offered"), [("avx512", True), ("avx2", False)])
+def test_panel8_is_offered_only_where_the_kernels_have_16_lanes(monkeypatch, isa, offered):
+    """On avx2 its tiles are panel's (8 lanes hold no tile of 8 rows): measuring it would only add start-up time."""
+    monkeypatch.setattr(cpu_ops, "active_isa", lambda: isa)
+    assert ("panel8" in gemm.offered(gemv=True)) is offered
+    assert "panel8" not in gemm.offered(gemv=False)
+
+
 def test_a_kernel_whose_weight_copy_cannot_be_made_is_never_planned(monkeypatch):
     def no_copy(w):
         raise RuntimeError("the engine's CPU kernels are not loaded")
@@ -252,7 +290,7 @@ def test_a_kernel_whose_weight_copy_cannot_be_made_is_never_planned(monkeypatch)
     monkeypatch.setattr(gemm, "_timed_pass", lambda name, live, names, xs, copies: {k: 0.0 for _, k in live})
     model = tiny_model()
     targets = [(m, f"k{i}", 3) for i, m in enumerate(plain_linears(model))]
-    plans = gemm.measure(targets, ("linear", "panel"))
+    plans = gemm.measure(targets, ("linear", "panel", "panel8"))
     assert all(p == ("linear",) * 3 for p in plans.values())
 
 
@@ -264,14 +302,5 @@ def test_a_plan_holds_one_weight_copy_the_one_that_saves_most_time_summed_over_b
         "packed": [0.9, 0.9, 0.8, 0.49],
         "gemv": [0.7, 0.95, 1.0, 1.0],
     }
-    model = tiny_model()
-    targets = [(m, f"k{i}", 4) for i, m in enumerate(plain_linears(model))]
-
-    def fake_pass(name, live, names, xs, copies):
-        bucket = next(iter(xs.values())).shape[0].bit_length() - 1
-        return {k: times.get(name, [1.0] * 4)[bucket] for _, k in live}
-
-    monkeypatch.setattr(gemm, "_usable", lambda name, x, w, copy: True)
-    monkeypatch.setattr(gemm, "_timed_pass", fake_pass)
-    plans = gemm.measure(targets, ("linear", "packed", "gemv", "panel"))
+    plans = plans_from_times(monkeypatch, times, ("linear", "packed", "gemv", "panel"))
     assert all(p == ("panel",) * 4 for p in plans.values())

@@ -17,7 +17,8 @@
 // The linears take the kernel the GEMM plans chose for this row count (gemm.py measures them; `kernels` gives one
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
 // build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
-// (the *_near codes: far_lines 0); the panel GEMM of this build on the layer's panel copy (gemm_kernels.COPIES).
+// (the *_near codes: far_lines 0); the panel GEMM of this build on the layer's panel copy (gemm_kernels.COPIES), with
+// its default tiles or 8-row ones at any row count (panel8).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
@@ -36,7 +37,7 @@ namespace {
 
 // gemm.KERNELS' order
 enum LinearKernel : int64_t {
-  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kPanel, kNumKernels
+  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kPanel, kPanel8, kNumKernels
 };
 
 c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
@@ -70,8 +71,9 @@ at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, c
       return boxed(op, {x, w, opt(b), kernel == kGemv256 ? kFarLines : int64_t{0}});
     }
     case kPanel:
+    case kPanel8:
       TORCH_CHECK(panels.has_value(), "layer_stack: the panel kernel without a panel copy of the weight");
-      return panel_gemm(x, *panels, b, w.size(0));
+      return panel_gemm(x, *panels, b, w.size(0), kernel == kPanel8);
     default:
       return at::linear(x, w, b);
   }

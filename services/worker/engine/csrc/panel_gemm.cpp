@@ -30,9 +30,12 @@ namespace {
 
 #if defined(CONVEYOR_VEC)
 constexpr int64_t kPanelCols = 3 * conveyor_vec::W;  // three vectors: 12 accumulators + 3 weights + 1 x of 16 (avx2)
-// avx512's 32 registers also hold a tile of 8 rows (24 accumulators): twice the FMAs per weight vector loaded. Side
-// by side in one run on the Zen 4 of docs/benchmarks.md (benchmarks.gemv --baseline) it was 1.13-1.34x the 4-row tile
-// at 8-16 x rows, but 2-4 % behind at 1-4 and 32 rows and 4-9 % at 64: it is taken for 5-16 rows only.
+// avx512's 32 registers also hold a tile of 8 rows (24 accumulators): twice the FMAs per weight vector loaded, half
+// the panel's reads from L2. Side by side in one run on the Zen 4 of docs/benchmarks.md (benchmarks.gemv --baseline)
+// it was 1.13-1.34x the 4-row tile at 8-16 x rows, but 2-4 % behind at 1-4 and 32 rows and 4-9 % at 64; on the
+// Xeon (two 512-bit FMAs a cycle, so the 4-row tile's panel reads from L2 hold it back) 8 % ahead at 32 rows, 2 % at
+// 64, 9-12 % at 128-512. So the default takes it for 5-16 rows, `wide` (gemm_kernels' panel8) beyond too: the plans
+// measure which.
 constexpr int64_t kWideRows = conveyor_vec::W == 16 ? 8 : 4, kWideMaxRows = 16;
 #else
 constexpr int64_t kPanelCols = 8;
@@ -184,8 +187,9 @@ void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias,
   });
 }
 
+// wide: tiles of kWideRows rows beyond kWideMaxRows rows too (the same on avx2, where kWideRows is kPanelRows)
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
+                      int64_t n, bool wide) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "panel_gemm: float32 x [M, K], rows contiguous");
   TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.is_contiguous() &&
                   panels.size(1) == x.size(1) && panels.size(2) == kPanelCols,
@@ -198,7 +202,7 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  if (x.size(0) > kPanelRows && x.size(0) <= kWideMaxRows) {
+  if (x.size(0) > kPanelRows && (wide || x.size(0) <= kWideMaxRows)) {
     gemm_rows<kWideRows>(x, panels, bp, n, y);
   } else {
     gemm_rows<kPanelRows>(x, panels, bp, n, y);
@@ -211,6 +215,6 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, const c10::
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def("pack_panels(Tensor w) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
-  m.def("panel_gemm(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("panel_gemm(Tensor x, Tensor panels, Tensor? bias, int n, bool wide=False) -> Tensor");
   m.impl("panel_gemm", c10::DispatchKey::CPU, TORCH_FN(panel_gemm));
 }
