@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tests.support.engine import run_to_completion
 
 from services.worker.engine import EngineRequest, SamplingOptions, cpu_ops, gemm
@@ -113,3 +114,27 @@ def test_past_its_attention_the_last_layer_runs_on_the_logits_rows_only(make_eng
     run_to_completion(engine)
     assert rows[:2] == [3, 3]  # the prompts' step: three logits rows of 66; the first decode step: all three
     assert all(equal for _, equal in seen)
+
+
+def test_a_profile_of_a_step_names_each_stage_of_the_stack(make_engine):
+    """To the dispatcher the stack is one op: the stages inside it are profiler ranges of their own, so that
+    torch.profiler (benchmarks.engine_profile --profile) says where a step's time goes."""
+    engine, _ = stacked_engine(make_engine)
+    add_ragged_requests(engine, n=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()  # the prompts
+        engine.step()  # a decode step
+    stages = {e.key for e in prof.key_averages() if e.key.startswith("layer_stack.")}
+    assert stages == {
+        f"layer_stack.{name}"
+        for name in (
+            "qkv_proj",
+            "rotary_kv_write",
+            "attention",
+            "o_proj",
+            "norm",
+            "gate_up_proj",
+            "silu_mul",
+            "down_proj",
+        )
+    }

@@ -19,6 +19,10 @@
 // build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
 // (the *_near codes: far_lines 0); the panel GEMM of this build on the layer's panel copy (gemm_kernels.COPIES), with
 // its default tiles or 8-row ones at any row count (panel8).
+//
+// Each stage of a layer is a named range of torch.profiler's (layer_stack.qkv_proj, .attention, ...; RECORD_FUNCTION,
+// which costs a flag test when no profiler runs): to the dispatcher the stack is one op, and the profile of a step
+// showed it as one block of self time, the GEMMs of this build and the attention kernels inside it unnamed.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
@@ -28,12 +32,18 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <string>
 
 namespace {
+
+// A stage of the stack as a profiler range (see the top of this file); one per block scope.
+#define LAYER_STAGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
+constexpr const char* kLinearStage[4] = {"layer_stack.qkv_proj", "layer_stack.o_proj", "layer_stack.gate_up_proj",
+                                         "layer_stack.down_proj"};
 
 // gemm.KERNELS' order
 enum LinearKernel : int64_t {
@@ -151,19 +161,27 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
   add_rms_norm(normed, h, c10::nullopt, weights[4], eps);
   for (int64_t i = 0; i < L; ++i) {
     auto lin = [&](int64_t j, const at::Tensor& in) {  // linear j of the layer: qkv, o, gate_up, down
+      LAYER_STAGE(kLinearStage[j]);
       const int64_t at = 4 * i + j;
       return linear_by(kernels[at], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at));
     };
     at::Tensor qkv = lin(0, normed);
-    rotary(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);
     at::Tensor key_l = key.select(0, i), value_l = value.select(0, i);
-    write_kv(key_l.data_ptr<float>(), value_l.data_ptr<float>(), qkv, slot_p, H * D, (H + KVH) * D, per_slot);
-    q.copy_(qkv.narrow(1, 0, H * D).view({T, H, D}));
-    groups.attend(attn, q, key_l, value_l, block_size, scale, windows[i]);
+    {
+      LAYER_STAGE("layer_stack.rotary_kv_write");
+      rotary(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);
+      write_kv(key_l.data_ptr<float>(), value_l.data_ptr<float>(), qkv, slot_p, H * D, (H + KVH) * D, per_slot);
+      q.copy_(qkv.narrow(1, 0, H * D).view({T, H, D}));
+    }
+    {
+      LAYER_STAGE("layer_stack.attention");
+      groups.attend(attn, q, key_l, value_l, block_size, scale, windows[i]);
+    }
     if (i + 1 == L && keep.has_value()) {  // the last layer past attention: only the rows read afterwards
       const at::Tensor rows = *keep;
       if (rows.numel() == 0) break;  // a chunk no row of which is read (a long prompt's middle)
       auto tail = [&](int64_t j, const at::Tensor& in) {
+        LAYER_STAGE(kLinearStage[j]);
         const int64_t at = 4 * i + j;
         return linear_by(tail_kernels[j - 1], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at));
       };
@@ -176,11 +194,19 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
       h.index_copy_(0, rows, hs);
       break;
     }
-    add_rms_norm(normed, h, lin(1, attn.view({T, H * D})), weights[6 * i + 5], eps);
+    const at::Tensor o = lin(1, attn.view({T, H * D}));
+    {
+      LAYER_STAGE("layer_stack.norm");
+      add_rms_norm(normed, h, o, weights[6 * i + 5], eps);
+    }
     at::Tensor gate_up = lin(2, normed);
     at::Tensor act = at::empty({T, gate_up.size(1) / 2}, h.options());
-    silu_mul(act, gate_up);
+    {
+      LAYER_STAGE("layer_stack.silu_mul");
+      silu_mul(act, gate_up);
+    }
     at::Tensor mlp = lin(3, act);
+    LAYER_STAGE("layer_stack.norm");
     if (i + 1 < L) {
       add_rms_norm(normed, h, mlp, weights[6 * (i + 1) + 4], eps);
     } else {
