@@ -162,6 +162,15 @@ constexpr int64_t kAheadRows = 16, kFarRows = 64;
 // latency at the rate the kernel consumes rows; the L2 tracks more, so the far stream keeps memory busy and the
 // near one then only moves lines from L2 to L1. On the Zen 4 VM of docs/benchmarks.md the near stream alone read
 // 16-17 GB/s of K/V (batch 32, context 400, both cores), with the far one 24-27 GB/s of the machine's ~34.
+// Why not the near stream on Intel: there each near load holds one of the core's L1 fill buffers until its line
+// arrives, from memory when the far load has not brought it yet, and the far loads then wait for a buffer too. On
+// the Xeon of docs/benchmarks.md (2026-12-05, benchmarks.decode_attention --baseline, one process) the far stream
+// alone read 3-12 % more K/V than both, in every case and block order measured.
+inline bool near_stream() {
+  static const bool near = !__builtin_cpu_is("intel");
+  return near;
+}
+
 template <typename T>
 struct Prefetcher {
   const T* const* rows;
@@ -174,7 +183,7 @@ struct Prefetcher {
   // Load up to `count` more lines in each stream, none of a row at or past `until` (the far one: kFarRows further).
   void step(int64_t count, int64_t until) {
     advance<true>(far, count, until + kFarRows);
-    advance<false>(near, count, until);
+    if (near_stream()) advance<false>(near, count, until);
   }
 
   template <bool ToL2>
