@@ -64,6 +64,16 @@ def clean_env(extra: dict | None = None) -> dict:
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
+def median_s(fn, reps: int) -> float:
+    """The median wall time of `reps` calls of fn(), in seconds."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def percentile(values: list[float], p: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default), without numpy."""
     if not values:

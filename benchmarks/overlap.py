@@ -20,13 +20,12 @@ Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.overlap [--fm
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from benchmarks.common import median_s
 from services.worker.engine import cpu_ops
 from services.worker.engine.cpu_info import this_cpu
 
@@ -105,15 +104,6 @@ def build(isa: str):
         extra_ldflags=["-fopenmp"],
         build_directory=tempfile.mkdtemp(prefix="conveyor-overlap-"),
     )
-
-
-def median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import argparse
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import redis
 
+from benchmarks.common import median_s
 from shared.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
@@ -30,15 +30,6 @@ redis.call('XADD', 'bench:replies', 'MAXLEN', '~', 1000, '*', 'e', ARGV[1])
 return 1
 """
 SEQUENCES = 32
-
-
-def median_call_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -57,8 +48,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, client in clients.items():
                     script = client.register_script(STEP_LUA)
-                    results[name]["ping"].append(median_call_us(client.ping, args.calls))
-                    results[name]["step"].append(median_call_us(lambda: script(keys=keys, args=tokens), args.calls))
+                    results[name]["ping"].append(median_s(client.ping, args.calls) * 1e6)
+                    results[name]["step"].append(median_s(lambda: script(keys=keys, args=tokens), args.calls) * 1e6)
                     client.delete(*keys)
         finally:
             server.stop()
