@@ -11,7 +11,8 @@ engine (huge_pages.advise). Passes alternate across the kernels
 (drift hits all alike); the median pass is reported, as ms, as GB/s of weights and as GFLOPS, with each kernel's
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
 With --baseline REV the panel GEMM as it was at git revision REV is built too (decode_attention.build_baseline: same
-flags, a namespace of its own) and measured in the same passes, on its own panel copies (`panel@REV`).
+flags, a namespace of its own) and measured in the same passes, on its own panel copies (`panel@REV`, and on avx512
+`panel8@REV`: a revision from before the 8-row tiles' `wide` cannot run it).
 
 Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64,128] [--passes 7]
      [--baseline REV]
@@ -88,6 +89,12 @@ def main() -> None:
         base = build_baseline(args.baseline, cpu_ops.active_isa())
         makers["baseline"] = base.pack_panels
         fns[f"panel@{args.baseline}"] = (lambda x, w, c: base.panel_gemm(x, c, None, w.shape[0]), "baseline", None)
+        if "panel8" in fns:  # the revision's 8-row tiles at any row count (its panel_gemm takes `wide`)
+            fns[f"panel8@{args.baseline}"] = (
+                lambda x, w, c: base.panel_gemm(x, c, None, w.shape[0], True),
+                "baseline",
+                None,
+            )
     copies = {name: [makers[name](w) for w in weights] for name in {c for _, c, _ in fns.values() if c}}
     huge_pages.advise()  # the copies made after the engine's own advice
     total = sum(w.nbytes for w in weights)

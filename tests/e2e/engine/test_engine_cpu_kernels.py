@@ -240,14 +240,17 @@ def test_gemv_refuses_more_rows_than_it_takes(kernels):
 
 
 # x rows: one, a tile of 4 and a tail, avx512's tiles of 8 (5-16 rows) whole and with a tail, past them, several
-# tiles, and more than one block of x tiles for K = 1536 (40 rows a block); wide: tiles of 8 past 16 rows too (panel8)
+# tiles, and more than one block of x tiles for K = 16384 (a block is half the L2, at most 4 MB: at most 15 tiles of
+# 4 rows, 7 of 8); wide: tiles of 8 past 16 rows too (panel8)
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 16, 17, 64, 130])
-@pytest.mark.parametrize("shape", [(576, 1536), (97, 50), (3, 7), (60, 1)])  # whole panels; a panel tail; < 1; K = 1
+@pytest.mark.parametrize(
+    "shape", [(576, 1536), (48, 16384), (97, 50), (3, 7), (60, 1)]
+)  # whole panels; blocks of x; a panel tail; < 1 panel; K = 1
 def test_panel_gemm_equals_f_linear_with_and_without_bias(kernels, rows, shape, wide):
     torch.manual_seed(0)
     n, k = shape
-    w, b = torch.randn(n, k), torch.randn(n)
+    w, b = torch.randn(n, k) * k**-0.5, torch.randn(n)  # outputs of order 1 at any K, as a model's weights give
     x = torch.randn(rows, k + 3)[:, :k]  # rows strided as a view of a wider tensor
     panels = kernels.pack_panels(w)
     torch.testing.assert_close(kernels.panel_gemm(x, panels, None, n, wide), F.linear(x, w), rtol=1e-4, atol=1e-4)

@@ -21,6 +21,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -42,7 +44,18 @@ constexpr int64_t kPanelCols = 8;
 constexpr int64_t kWideRows = 4, kWideMaxRows = 0;
 #endif
 constexpr int64_t kPanelRows = 4;
-constexpr int64_t kXBlockBytes = 256 << 10;  // x tiles of one block: half of a Zen 3 / Skylake-SP L2
+// The x tiles of one block: half of this CPU's L2 (the C library's figure; 256 KB, half of a Zen 3's, where it has
+// none), so that a block's tiles stay in L2 while the thread's panels stream by, and the weight is read from memory
+// once per block. Why not a fixed 256 KB: on the Xeon of docs/benchmarks.md (2 MB of L2) 64-128 x rows took 2-4
+// blocks, each reading every weight again; with half its L2 the 8-row tiles were 4-9 % faster over the model's
+// weights at 64-128 rows, level at 32 and 256 (benchmarks.gemv --baseline, one process, 2026-12-05).
+inline int64_t x_block_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? std::clamp<int64_t>(l2 / 2, 128 << 10, 4 << 20) : int64_t{256} << 10;
+  }();
+  return bytes;
+}
 // One tile's prefetch distance (floats: 16 cache lines, as gemv.cpp's kAheadLines): on the Zen 3 at 1-2 rows level
 // with the GEMV, where prefetching the whole next panel (the several tiles' way) ran 8 % slower: 55-147 KB ahead
 // of the reads, it left L1 before it was used. 8 and 48 lines within the noise of 16, none 3-8 % slower.
@@ -176,7 +189,7 @@ void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias,
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), T = (M + R - 1) / R;
   at::Tensor tiles = at::empty({T, std::max<int64_t>(K, 1), R}, x.options());
   pack_rows<R>(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
-  const int64_t block = std::max<int64_t>(1, kXBlockBytes / (K * R * 4 + 1));  // tiles per x block
+  const int64_t block = std::max<int64_t>(1, x_block_bytes() / (K * R * 4 + 1));  // tiles per x block
   const float* tp = tiles.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
