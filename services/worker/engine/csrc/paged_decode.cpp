@@ -164,8 +164,8 @@ constexpr int64_t kAheadRows = 16, kFarRows = 64;
 // 16-17 GB/s of K/V (batch 32, context 400, both cores), with the far one 24-27 GB/s of the machine's ~34.
 // Why not the near stream on Intel: there each near load holds one of the core's L1 fill buffers until its line
 // arrives, from memory when the far load has not brought it yet, and the far loads then wait for a buffer too. On
-// the Xeon of docs/benchmarks.md (2026-12-05, benchmarks.decode_attention --baseline, one process) the far stream
-// alone read 3-12 % more K/V than both, in every case and block order measured.
+// the Xeon of docs/benchmarks.md (2026-12-05, benchmarks.decode_attention --baseline, one process, two runs) the far
+// stream alone read 2-12 % more K/V than both in 23 of the 24 cases and block orders measured (3 % less in one).
 inline bool near_stream() {
   static const bool near = !__builtin_cpu_is("intel");
   return near;
