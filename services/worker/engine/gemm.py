@@ -48,6 +48,7 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
     KERNELS,
     MAX_ROWS,
     NEAR_MAX_ROWS,
+    SMALL_COPIES,
     offered,
     pack,
     pack_panels,
@@ -139,13 +140,15 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
     (so drift hits all alike); a key's time is its layers' summed time in its fastest pass.
     """
     kinds = {COPY_OF[n] for n in kernels if n in COPY_OF}
-    copies = {id(m): {c: _try_copy(c, m.weight.detach()) for c in kinds} for m, _, _ in targets}
-    names: dict[str, list[str]] = {}
-    for m, k, _ in targets:
-        if k not in names:
-            probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-            mine = copies[id(m)]
-            names[k] = [n for n in kernels if n == "linear" or _usable(n, probe, m.weight, mine.get(COPY_OF.get(n)))]
+    copies = {id(m): {c: _try_copy(c, m) for c in kinds} for m, _, _ in targets}
+    names: dict[str, list[str]] = {}  # per plan key, the kernels usable for every layer of it (a q4 copy is a
+    for m, k, _ in targets:  # property of each weight's values, not of its shape)
+        probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+        mine = copies[id(m)]
+        here = [
+            n for n in names.get(k, kernels) if n == "linear" or _usable(n, probe, m.weight, mine.get(COPY_OF.get(n)))
+        ]
+        names[k] = here
     fast: dict[str, list[dict[str, float]]] = {k: [] for k in names}  # per bucket: kernel -> time / linear's
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
@@ -170,16 +173,19 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
 
 
 def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
-    """The plan from each bucket's kernels over their bars (time relative to linear's), holding at most one copy
-    of the weight (gemm_kernels.COPIES: memory stays within twice the weights): of the plans each copy allows (none,
-    or one kind), the one with the least summed relative time; on a tie, no copy."""
+    """The plan from each bucket's kernels over their bars (time relative to linear's), holding at most one float32
+    copy of the weight (gemm_kernels.COPIES: memory stays within twice the weights) and, beside it, a small one
+    (SMALL_COPIES: a sixth of the weight): of the plans each set of copies allows, the one with the least summed
+    relative time; on a tie, the fewest copies."""
     options = []
-    for copy in (None, *COPIES):
-        plan = [
-            min(((t, n) for n, t in b.items() if COPY_OF.get(n, copy) == copy), default=(1.0, "linear"))
-            for b in buckets
-        ]
-        options.append((sum(t for t, _ in plan), copy is not None, tuple(n for _, n in plan)))
+    for big in (None, *(c for c in COPIES if c not in SMALL_COPIES)):
+        for small in (None, *SMALL_COPIES):
+            kinds = {c for c in (big, small) if c is not None}
+            plan = [
+                min(((t, n) for n, t in b.items() if COPY_OF.get(n, big) in kinds | {big}), default=(1.0, "linear"))
+                for b in buckets
+            ]
+            options.append((sum(t for t, _ in plan), len(kinds), tuple(n for _, n in plan)))
     return min(options)[2]
 
 
@@ -200,13 +206,29 @@ def _timed_pass(
     return sums
 
 
-def _try_copy(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+def _try_copy(name: str, module: nn.Linear) -> torch.Tensor | None:
     """The copy of kind `name` of the weight; None where it cannot be made (then its kernels are no candidates)."""
     try:
-        return COPIES[name](weight)
+        return _copy(name, module)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN / CPU kernels here, or the dtype
-        logger.info("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(weight.shape), weight.dtype, e)
+        w = module.weight
+        logger.info("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
         return None
+
+
+def _copy(name: str, module: nn.Linear) -> torch.Tensor:
+    """COPIES[name] of the module's weight; the q4 copy made once (tune_linears asks for it first, to key the
+    plan by it: whether a weight is 4-bit blocks is a property of its values, not of its shape)."""
+    if name != "q4":
+        return COPIES[name](module.weight.detach())
+    if not hasattr(module, "conveyor_q4"):
+        try:
+            module.conveyor_q4 = COPIES["q4"](module.weight.detach())
+        except RuntimeError:
+            module.conveyor_q4 = None
+    if module.conveyor_q4 is None:
+        raise RuntimeError("the weight is not 4-bit blocks of 32 values (q4.recover)")
+    return module.conveyor_q4
 
 
 class PlanStore:
@@ -296,7 +318,9 @@ def apply_plan(module: nn.Linear, plan: Plan) -> None:
     """Run `module` by `plan` from now on (the weight copies its kernels read made here: gemm_kernels.COPIES)."""
     module.conveyor_gemm_plan = plan
     kinds = {COPY_OF[n] for n in plan.kernels if n in COPY_OF}  # panel and panel8 share one copy
-    module.conveyor_copies = {c: COPIES[c](module.weight.detach()) for c in sorted(kinds)}
+    module.conveyor_copies = {c: _copy(c, module) for c in sorted(kinds)}
+    if "q4" not in kinds and hasattr(module, "conveyor_q4"):
+        del module.conveyor_q4  # made to key the plan, which did not take it
     module.forward = types.MethodType(_planned_forward, module)
 
 
@@ -320,7 +344,8 @@ def tune_linears(
     for module in layers:
         rows = max_head_rows if module is head else max_rows
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
-        k = key(module.out_features, module.in_features, module.weight.dtype, buckets, kernels)
+        mine = kernels if "q4" not in kernels or _try_copy("q4", module) is not None else _without(kernels, "q4")
+        k = key(module.out_features, module.in_features, module.weight.dtype, buckets, mine)
         targets.append((module, k, buckets))
     store = PlanStore(cache_dir)
     _measure_needed(store, targets, kernels)
@@ -328,7 +353,7 @@ def tune_linears(
     for module, k, _ in targets:
         plan = store.get(k).kernels
         apply_plan(module, Plan(plan))
-        copy_bytes += module.weight.nbytes * len(module.conveyor_copies)
+        copy_bytes += sum(module.weight.nbytes if c != "q4" else t.nbytes for c, t in module.conveyor_copies.items())
         mixed += any(n != "linear" for n in plan)
     logger.info(
         "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; weight copies %.1f MiB",
@@ -342,6 +367,10 @@ def tune_linears(
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's nn.Linear layers that tuning may take over (subclasses, e.g. quantized, keep their forward)."""
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]
+
+
+def _without(kernels: tuple[str, ...], name: str) -> tuple[str, ...]:
+    return tuple(n for n in kernels if n != name)
 
 
 def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...]) -> None:

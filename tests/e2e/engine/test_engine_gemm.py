@@ -35,8 +35,9 @@ def force(model: nn.Module, kernel: str) -> None:
             gemm.apply_plan(m, Plan((kernel,) * 8))
 
 
-# the libraries' kernels; the engine's own (the GEMVs, panel, panel8), per ISA: test_engine_cpu_kernels.py
-@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith(("gemv", "panel"))))
+# the libraries' kernels; the engine's own (the GEMVs, panel, panel8, q4), per ISA: test_engine_cpu_kernels.py and
+# test_engine_q4_gemm.py
+@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith(("gemv", "panel", "q4"))))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -304,3 +305,35 @@ def test_a_plan_holds_one_weight_copy_the_one_that_saves_most_time_summed_over_b
     }
     plans = plans_from_times(monkeypatch, times, ("linear", "packed", "gemv", "panel"))
     assert all(p == ("panel",) * 4 for p in plans.values())
+
+
+def test_a_plan_may_hold_the_small_q4_copy_beside_a_float32_one(monkeypatch):
+    """q4 fastest at 1-4 rows, panel at 8: both copies (q4 is a sixth of the weight), each where it is fastest."""
+    times = {"q4": [0.3, 0.3, 0.5, 0.9], "panel": [0.6, 0.6, 0.6, 0.5], "packed": [0.9, 0.9, 0.8, 0.55]}
+    plans = plans_from_times(monkeypatch, times, ("linear", "packed", "panel", "q4"))
+    assert all(p == ("q4", "q4", "q4", "panel") for p in plans.values())
+
+
+def test_the_q4_kernel_is_planned_only_for_weights_that_are_4_bit_blocks(monkeypatch):
+    """Two layers of one shape, one of them 4-bit blocks: the plans are keyed apart, and only that one gets q4
+    (whether a weight is 4-bit blocks is a property of its values, not of its shape)."""
+    monkeypatch.setattr(gemm, "offered", lambda gemv: ("linear", "q4"))
+    monkeypatch.setitem(gemm.COPIES, "q4", lambda w: _q4_copy(w))
+    monkeypatch.setitem(gemm.KERNELS, "q4", lambda x, w, b, copy: torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(
+        gemm, "_timed_pass", lambda name, live, names, xs, copies: {k: 0.5 if name == "q4" else 1.0 for _, k in live}
+    )
+    blocks, plain = nn.Linear(64, 16, bias=False), nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        blocks.weight.copy_(torch.arange(16 * 64).remainder(16).float().view(16, 64) * 0.5 - 1.0)
+    tune_linears([blocks, plain], None, 4, 4, None, gemv=True)
+    assert set(blocks.conveyor_gemm_plan.kernels) == {"q4"} and set(blocks.conveyor_copies) == {"q4"}
+    assert set(plain.conveyor_gemm_plan.kernels) == {"linear"} and not hasattr(plain, "conveyor_q4")
+
+
+def _q4_copy(w: torch.Tensor) -> torch.Tensor:
+    from services.worker.engine import q4
+
+    if q4.recover(w) is None:
+        raise RuntimeError("not 4-bit blocks")
+    return w.clone()

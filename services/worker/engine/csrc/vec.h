@@ -60,6 +60,12 @@ inline vf vload(const c10::BFloat16* p) {  // bfloat16 -> float32: the 16 bits b
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 inline vf vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// W bytes -> their low and high nibbles as floats (lo lane j: byte j & 15, hi lane j: byte j >> 4)
+inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -123,6 +129,11 @@ inline vf vload(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
 }
 inline vf vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {  // as avx512's
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm256_set1_ps(x); }
 inline vf vzero() { return _mm256_setzero_ps(); }
