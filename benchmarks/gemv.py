@@ -6,7 +6,8 @@ float32, the LM head last) multiplied in forward order by M rows, so each weight
 a step. Kernels: `linear` (F.linear: MKL's sgemm), `packed` (oneDNN on the weight reordered into its blocked
 layout), `gemv` of each ISA variant this CPU runs, with and without (`-near`, gemm.py's *_near) its L2 prefetches,
 up to its 64 rows, `panel` (the engine's build, on the weight's panel copy) and on avx512 `panel8` (the same with
-tiles of 8 rows at any row count). The weights and their copies lie on huge pages where the kernel allows, as in the
+tiles of 8 rows at any row count), `coded` (csrc/coded_gemm.cpp on the 4- or 8-bit codes of each weight that is such
+blocks: SmolLM2's linears and its LM head; the panel GEMM on any other). The weights and their copies lie on huge pages where the kernel allows, as in the
 engine (huge_pages.advise). Passes alternate across the kernels
 (drift hits all alike); the median pass is reported, as ms, as GB/s of weights and as GFLOPS, with each kernel's
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
@@ -47,7 +48,25 @@ def kernels(cache_dir: str) -> dict:
         out["panel"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0]), "panel", None)
     if cpu_ops.active_isa() == "avx512":  # tiles of 8 rows at any row count (gemm_kernels' panel8)
         out["panel8"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0], True), "panel", None)
+    if cpu_ops.vector_path():  # the codes where the weight is such blocks, else the panel GEMM
+        out["coded"] = (_coded, "coded|panel", None)
     return out
+
+
+def _coded_or_panels(w: torch.Tensor) -> tuple[str, torch.Tensor]:
+    for kind in gemm.SMALL_COPIES:
+        try:
+            return kind, gemm.COPIES[kind](w)
+        except RuntimeError:
+            continue
+    return "panel", gemm.COPIES["panel"](w)
+
+
+def _coded(x: torch.Tensor, w: torch.Tensor, c: tuple[str, torch.Tensor]) -> torch.Tensor:
+    kind, copy = c
+    if kind == "panel":
+        return cpu_ops.ops().panel_gemm(x, copy, None, w.shape[0], cpu_ops.active_isa() == "avx512")
+    return gemm.KERNELS[kind](x, w, None, copy)
 
 
 def _gemv(ops, far_lines: int):
@@ -84,7 +103,7 @@ def main() -> None:
     )
     weights = [lin.weight.detach() for lin in engine.runner.fused.linears()]
     fns = kernels(str(s.cache_dir))
-    makers = dict(gemm.COPIES)
+    makers = dict(gemm.COPIES) | {"coded|panel": _coded_or_panels}
     if args.baseline and cpu_ops.vector_path():
         base = build_baseline(args.baseline, cpu_ops.active_isa())
         makers["baseline"] = base.pack_panels

@@ -48,7 +48,7 @@ HEADERS = (
     CSRC / "sampling.cpp",
     CSRC / "gemv.cpp",
     CSRC / "panel_gemm.cpp",
-    CSRC / "q4_gemm.cpp",
+    CSRC / "coded_gemm.cpp",
     CSRC / "layer_stack.cpp",
     CSRC / "vec.h",
 )

@@ -307,11 +307,12 @@ class FusedLlama:
                 for w in (x.qkv.weight, x.o.weight, x.gate_up.weight, x.down.weight, x.norm1[0], x.norm2[0])
             ]
             copies = [getattr(lin, "conveyor_copies", {}) for lin in linears]  # gemm.apply_plan's
-            packed, panels, q4s = ([c.get(n) for c in copies] for n in ("packed", "panel", "q4"))
+            packed, panels = ([c.get(n) for c in copies] for n in ("packed", "panel"))
+            coded = [c.get("q4", c.get("q8")) for c in copies]  # a weight is one or the other (coded.py)
             windows = [x.window or 0 for x in self.layers]
             biases = [lin.bias for lin in linears]
-            self._stack = (linears, weights, biases, packed, panels, q4s, windows, self.layers[0].norm1[1])
-        linears, weights, biases, packed, panels, q4s, windows, eps = self._stack
+            self._stack = (linears, weights, biases, packed, panels, coded, windows, self.layers[0].norm1[1])
+        linears, weights, biases, packed, panels, coded, windows, eps = self._stack
         t, cache, d = h.shape[0], meta.kv_cache, meta.decode
         codes = self._codes(linears, t)
         tail = [] if keep is None else self._codes(linears, keep.numel())[-3:]  # the last o, gate_up, down
@@ -327,7 +328,7 @@ class FusedLlama:
             biases,
             packed,
             panels,
-            q4s,
+            coded,
             codes,
             key,
             value,

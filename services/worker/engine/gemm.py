@@ -141,7 +141,7 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
     """
     kinds = {COPY_OF[n] for n in kernels if n in COPY_OF}
     copies = {id(m): {c: _try_copy(c, m) for c in kinds} for m, _, _ in targets}
-    names: dict[str, list[str]] = {}  # per plan key, the kernels usable for every layer of it (a q4 copy is a
+    names: dict[str, list[str]] = {}  # per plan key, the kernels usable for every layer of it (a coded copy is a
     for m, k, _ in targets:  # property of each weight's values, not of its shape)
         probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
         mine = copies[id(m)]
@@ -175,7 +175,7 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
 def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
     """The plan from each bucket's kernels over their bars (time relative to linear's), holding at most one float32
     copy of the weight (gemm_kernels.COPIES: memory stays within twice the weights) and, beside it, a small one
-    (SMALL_COPIES: a sixth of the weight): of the plans each set of copies allows, the one with the least summed
+    (SMALL_COPIES: a sixth or a third of the weight): of the plans each set of copies allows, the one with the least summed
     relative time; on a tie, the fewest copies."""
     options = []
     for big in (None, *(c for c in COPIES if c not in SMALL_COPIES)):
@@ -217,18 +217,19 @@ def _try_copy(name: str, module: nn.Linear) -> torch.Tensor | None:
 
 
 def _copy(name: str, module: nn.Linear) -> torch.Tensor:
-    """COPIES[name] of the module's weight; the q4 copy made once (tune_linears asks for it first, to key the
-    plan by it: whether a weight is 4-bit blocks is a property of its values, not of its shape)."""
-    if name != "q4":
+    """COPIES[name] of the module's weight; a coded copy (SMALL_COPIES) made once (tune_linears asks for them first,
+    to key the plan by them: whether a weight is coded blocks is a property of its values, not of its shape)."""
+    if name not in SMALL_COPIES:
         return COPIES[name](module.weight.detach())
-    if not hasattr(module, "conveyor_q4"):
+    made = module.__dict__.setdefault("conveyor_coded", {})
+    if name not in made:
         try:
-            module.conveyor_q4 = COPIES["q4"](module.weight.detach())
+            made[name] = COPIES[name](module.weight.detach())
         except RuntimeError:
-            module.conveyor_q4 = None
-    if module.conveyor_q4 is None:
-        raise RuntimeError("the weight is not 4-bit blocks of 32 values (q4.recover)")
-    return module.conveyor_q4
+            made[name] = None
+    if made[name] is None:
+        raise RuntimeError(f"the weight is not blocks of {name}'s codes (coded.py)")
+    return made[name]
 
 
 class PlanStore:
@@ -319,8 +320,7 @@ def apply_plan(module: nn.Linear, plan: Plan) -> None:
     module.conveyor_gemm_plan = plan
     kinds = {COPY_OF[n] for n in plan.kernels if n in COPY_OF}  # panel and panel8 share one copy
     module.conveyor_copies = {c: _copy(c, module) for c in sorted(kinds)}
-    if "q4" not in kinds and hasattr(module, "conveyor_q4"):
-        del module.conveyor_q4  # made to key the plan, which did not take it
+    module.__dict__.pop("conveyor_coded", None)  # coded copies made to key the plan: kept only where it takes them
     module.forward = types.MethodType(_planned_forward, module)
 
 
@@ -344,7 +344,7 @@ def tune_linears(
     for module in layers:
         rows = max_head_rows if module is head else max_rows
         buckets = max(1, (max(1, rows) - 1).bit_length() + 1)
-        mine = kernels if "q4" not in kernels or _try_copy("q4", module) is not None else _without(kernels, "q4")
+        mine = tuple(n for n in kernels if n not in SMALL_COPIES or _try_copy(n, module) is not None)
         k = key(module.out_features, module.in_features, module.weight.dtype, buckets, mine)
         targets.append((module, k, buckets))
     store = PlanStore(cache_dir)
@@ -353,7 +353,9 @@ def tune_linears(
     for module, k, _ in targets:
         plan = store.get(k).kernels
         apply_plan(module, Plan(plan))
-        copy_bytes += sum(module.weight.nbytes if c != "q4" else t.nbytes for c, t in module.conveyor_copies.items())
+        copy_bytes += sum(
+            t.nbytes if c in SMALL_COPIES else module.weight.nbytes for c, t in module.conveyor_copies.items()
+        )
         mixed += any(n != "linear" for n in plan)
     logger.info(
         "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; weight copies %.1f MiB",
@@ -367,10 +369,6 @@ def tune_linears(
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's nn.Linear layers that tuning may take over (subclasses, e.g. quantized, keep their forward)."""
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]
-
-
-def _without(kernels: tuple[str, ...], name: str) -> tuple[str, ...]:
-    return tuple(n for n in kernels if n != name)
 
 
 def _measure_needed(store: PlanStore, targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...]) -> None:

@@ -17,9 +17,10 @@ weight in the layout that kernel reads (COPIES makes it once per layer; None for
   panel8   the same on the same copy with register tiles of 8 rows at any row count (the default: at 5-16 rows),
            avx512 builds only: on a 2-core Xeon 8-12 % faster at 32 and 128-512 rows, on a Zen 4 2-9 % slower at
            32-64 (docs/benchmarks.md): measured, not set
-  q4       the engine's GEMM (csrc/q4_gemm.cpp) on a copy of the weight as 4-bit codes with a d and an m per 32 values,
-           for a weight that is exactly such blocks (a GGUF Q4_1 tensor converted to float32: q4.py): each value
-           rebuilt to the bit in L1, the panel GEMM's result to the bit from a sixth of the bytes
+  q4, q8   the engine's GEMM on codes (csrc/coded_gemm.cpp) on a copy of the weight as 4-bit codes with a d and an m
+           per 32 values, or 8-bit codes with a d, for a weight that is exactly such blocks (a GGUF Q4_1 or Q8_0
+           tensor converted to float32: coded.py): each value rebuilt to the bit in L1, the panel GEMM's result to the
+           bit from a sixth (a third) of the bytes
 The order of KERNELS is csrc/layer_stack.cpp's LinearKernel enum (KERNEL_CODES), which runs the plans' kernels in C++.
 """
 
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import cpu_ops, q4
+from services.worker.engine import coded, cpu_ops
 
 _PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
 
@@ -46,14 +47,20 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return cpu_ops.ops().pack_panels(w)
 
 
-def pack_q4(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> csrc/q4_gemm.cpp's records; RuntimeError for a weight that is not 4-bit blocks (q4.recover)."""
-    if cpu_ops.active_isa() is None:
-        raise RuntimeError("the engine's CPU kernels are not loaded")
-    found = q4.recover(w)
-    if found is None:
-        raise RuntimeError("the weight is not 4-bit blocks of 32 values (q4.recover)")
-    return cpu_ops.ops().pack_q4(*found)
+def _pack_coded(bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """w [N, K] -> csrc/coded_gemm.cpp's records of `bits`-bit codes; RuntimeError for a weight that is not such
+    blocks (coded.recover_q4 / recover_q8)."""
+    recover = coded.recover_q4 if bits == 4 else coded.recover_q8
+
+    def pack_coded(w: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.active_isa() is None:
+            raise RuntimeError("the engine's CPU kernels are not loaded")
+        found = recover(w)
+        if found is None:
+            raise RuntimeError(f"the weight is not {bits}-bit blocks of 32 values (coded.py)")
+        return getattr(cpu_ops.ops(), f"pack_q{bits}")(*found)
+
+    return pack_coded
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, copy: torch.Tensor | None) -> torch.Tensor:
@@ -81,8 +88,8 @@ def _panel8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, copy: torc
     return cpu_ops.ops().panel_gemm(x, copy, b, w.shape[0], True)
 
 
-def _q4(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, copy: torch.Tensor | None) -> torch.Tensor:
-    return cpu_ops.ops().q4_gemm(x, copy, b, w.shape[0])
+def _coded(bits: int) -> Callable[..., torch.Tensor]:
+    return lambda x, w, b, copy: cpu_ops.ops().coded_gemm(x, copy, b, w.shape[0], bits)
 
 
 def _own(build: Callable[[], Any], far_lines: int) -> Callable[..., torch.Tensor]:
@@ -94,12 +101,13 @@ FAR_LINES = 128  # csrc/gemv.cpp's kFarLines: its L2 prefetch distance in cache 
 KERNELS = dict(linear=_linear, flipped=_flipped, onednn=_onednn, packed=_packed)
 KERNELS |= dict(gemv=_own(cpu_ops.ops, FAR_LINES), gemv256=_own(cpu_ops.narrow_ops, FAR_LINES))
 KERNELS |= dict(gemv_near=_own(cpu_ops.ops, 0), gemv256_near=_own(cpu_ops.narrow_ops, 0))
-KERNELS |= dict(panel=_panel, panel8=_panel8, q4=_q4)
+KERNELS |= dict(panel=_panel, panel8=_panel8, q4=_coded(4), q8=_coded(8))
 KERNEL_CODES = {name: i for i, name in enumerate(KERNELS)}
 # the copies of the weight some kernels read, by kind, and how one is made (once per layer whose plan needs it)
-COPIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = dict(packed=pack, panel=pack_panels, q4=pack_q4)
-COPY_OF = dict(packed="packed", panel="panel", panel8="panel", q4="q4")  # kernel -> the kind of copy it reads
-SMALL_COPIES = frozenset({"q4"})  # copies of a sixth of the weight: a plan may hold one beside a float32 copy
+COPIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = dict(packed=pack, panel=pack_panels)
+COPIES |= dict(q4=_pack_coded(4), q8=_pack_coded(8))
+COPY_OF = dict(packed="packed", panel="panel", panel8="panel", q4="q4", q8="q8")  # kernel -> the copy it reads
+SMALL_COPIES = ("q4", "q8")  # a sixth or a third of the weight: a plan may hold one beside a float32 copy
 GEMV_MAX_ROWS = 64  # csrc/gemv.cpp's kGemvMaxRows: the rows one call takes
 # register tiles from 8 rows (avx512: 2), where *_near only drops a run's first burst: 3-4 % at 8 rows, level from 16
 NEAR_MAX_ROWS = 8
@@ -108,10 +116,12 @@ MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_M
 
 
 def offered(gemv: bool) -> tuple[str, ...]:
-    """The kernels plans choose from; the engine's own (gemv, panel, q4) only when its CPU kernels are loaded with a
+    """The kernels plans choose from; the engine's own (gemv, panel, q4, q8) only when its CPU kernels are loaded with a
     vector path (their portable loops are slower than any library's), gemv256 besides where cpu_ops.narrow_ops has
     one, panel8 where that path is avx512."""
     narrow = gemv and cpu_ops.narrow_ops() is not None
     wide = gemv and cpu_ops.active_isa() == "avx512"  # panel8's tiles differ from panel's with 16 lanes only
-    own = dict(gemv=gemv, gemv256=narrow, gemv_near=gemv, gemv256_near=narrow, panel=gemv, panel8=wide, q4=gemv)
+    own = dict(
+        gemv=gemv, gemv256=narrow, gemv_near=gemv, gemv256_near=narrow, panel=gemv, panel8=wide, q4=gemv, q8=gemv
+    )
     return tuple(n for n in KERNELS if own.get(n, True))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.engine import cpu_ops, gemm
+from services.worker.engine import coded, cpu_ops, gemm
 from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
 
 
@@ -35,9 +35,9 @@ def force(model: nn.Module, kernel: str) -> None:
             gemm.apply_plan(m, Plan((kernel,) * 8))
 
 
-# the libraries' kernels; the engine's own (the GEMVs, panel, panel8, q4), per ISA: test_engine_cpu_kernels.py and
-# test_engine_q4_gemm.py
-@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith(("gemv", "panel", "q4"))))
+# the libraries' kernels; the engine's own (the GEMVs, panel, panel8, q4, q8), per ISA: test_engine_cpu_kernels.py
+# and test_engine_coded_gemm.py
+@pytest.mark.parametrize("kernel", sorted(n for n in KERNELS if not n.startswith(("gemv", "panel", "q4", "q8"))))
 @pytest.mark.parametrize("rows", [1, 3, 32, 77])
 def test_every_kernel_gives_the_same_output_as_nn_linear_with_and_without_bias(kernel, rows):
     model = tiny_model()  # first layer has a bias, the second none
@@ -316,7 +316,7 @@ def test_a_plan_may_hold_the_small_q4_copy_beside_a_float32_one(monkeypatch):
 
 def test_the_q4_kernel_is_planned_only_for_weights_that_are_4_bit_blocks(monkeypatch):
     """Two layers of one shape, one of them 4-bit blocks: the plans are keyed apart, and only that one gets q4
-    (whether a weight is 4-bit blocks is a property of its values, not of its shape)."""
+    (whether a weight is coded blocks is a property of its values, not of its shape)."""
     monkeypatch.setattr(gemm, "offered", lambda gemv: ("linear", "q4"))
     monkeypatch.setitem(gemm.COPIES, "q4", lambda w: _q4_copy(w))
     monkeypatch.setitem(gemm.KERNELS, "q4", lambda x, w, b, copy: torch.nn.functional.linear(x, w, b))
@@ -328,12 +328,10 @@ def test_the_q4_kernel_is_planned_only_for_weights_that_are_4_bit_blocks(monkeyp
         blocks.weight.copy_(torch.arange(16 * 64).remainder(16).float().view(16, 64) * 0.5 - 1.0)
     tune_linears([blocks, plain], None, 4, 4, None, gemv=True)
     assert set(blocks.conveyor_gemm_plan.kernels) == {"q4"} and set(blocks.conveyor_copies) == {"q4"}
-    assert set(plain.conveyor_gemm_plan.kernels) == {"linear"} and not hasattr(plain, "conveyor_q4")
+    assert set(plain.conveyor_gemm_plan.kernels) == {"linear"} and "conveyor_coded" not in vars(plain)
 
 
 def _q4_copy(w: torch.Tensor) -> torch.Tensor:
-    from services.worker.engine import q4
-
-    if q4.recover(w) is None:
+    if coded.recover_q4(w) is None:
         raise RuntimeError("not 4-bit blocks")
     return w.clone()

@@ -8,5 +8,5 @@
 #include "prefill_attention.cpp"
 #include "gemv.cpp"
 #include "panel_gemm.cpp"
-#include "q4_gemm.cpp"
+#include "coded_gemm.cpp"
 #include "layer_stack.cpp"

@@ -18,7 +18,7 @@
 // code per linear in the order of gemm.KERNELS): the library ones through ATen or the dispatcher, the GEMV of this
 // build directly, that of the avx2 build (gemv256) through the dispatcher; each with or without its L2 prefetches
 // (the *_near codes: far_lines 0); the panel GEMM of this build on the layer's panel copy (gemm_kernels.COPIES), with
-// its default tiles or 8-row ones at any row count (panel8); the 4-bit GEMM on the layer's q4 copy (q4).
+// its default tiles or 8-row ones at any row count (panel8); the GEMM on codes on the layer's coded copy (q4, q8).
 //
 // Each stage of a layer is a named range of torch.profiler's (layer_stack.qkv_proj, .attention, ...; RECORD_FUNCTION,
 // which costs a flag test when no profiler runs): to the dispatcher the stack is one op, and the profile of a step
@@ -47,7 +47,7 @@ constexpr const char* kLinearStage[4] = {"layer_stack.qkv_proj", "layer_stack.o_
 
 // gemm.KERNELS' order
 enum LinearKernel : int64_t {
-  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kPanel, kPanel8, kQ4, kNumKernels
+  kLinear = 0, kFlipped, kOnednn, kPacked, kGemv, kGemv256, kGemvNear, kGemv256Near, kPanel, kPanel8, kQ4, kQ8, kNumKernels
 };
 
 c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
@@ -59,7 +59,7 @@ at::Tensor boxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
 
 at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                      const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& panels,
-                     const c10::optional<at::Tensor>& q4) {
+                     const c10::optional<at::Tensor>& coded) {
   switch (kernel) {
     case kFlipped: {  // gemm._flipped
       at::Tensor y = at::mm(w, x.t()).t().contiguous();
@@ -86,8 +86,9 @@ at::Tensor linear_by(int64_t kernel, const at::Tensor& x, const at::Tensor& w, c
       TORCH_CHECK(panels.has_value(), "layer_stack: the panel kernel without a panel copy of the weight");
       return panel_gemm(x, *panels, b, w.size(0), kernel == kPanel8);
     case kQ4:
-      TORCH_CHECK(q4.has_value(), "layer_stack: the q4 kernel without a q4 copy of the weight");
-      return q4_gemm(x, *q4, b, w.size(0));
+    case kQ8:
+      TORCH_CHECK(coded.has_value(), "layer_stack: a coded kernel without the coded copy of the weight");
+      return coded_gemm(x, *coded, b, w.size(0), kernel == kQ4 ? 4 : 8);
     default:
       return at::linear(x, w, b);
   }
@@ -125,13 +126,13 @@ struct Groups {
 
 // h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
 // gate_up, down, input norm, post-attention norm), four biases, four oneDNN packed copies, four panel copies and four
-// q4 copies (qkv, o, gate_up, down; None where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
+// coded copies (q4 or q8: qkv, o, gate_up, down; None where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
 // groups (Groups); windows per layer (0: none). keep [N] (rows of h, or None: all): past its attention the last layer
 // runs on these rows only, each linear through its tail_kernels code (the plans' kernel for N rows); the kept rows
 // of h end as the stack's output and the others keep the residual from before the last layer's attention.
 void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                  const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
-                 const c10::List<c10::optional<at::Tensor>>& panels, const c10::List<c10::optional<at::Tensor>>& q4s,
+                 const c10::List<c10::optional<at::Tensor>>& panels, const c10::List<c10::optional<at::Tensor>>& coded,
                  at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
                  at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
                  int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads,
@@ -143,9 +144,9 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
               "layer_stack: contiguous float32 key/value pools [layers, slots, KVH, D]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
                   static_cast<int64_t>(packed.size()) == 4 * L && static_cast<int64_t>(panels.size()) == 4 * L &&
-                  static_cast<int64_t>(q4s.size()) == 4 * L && static_cast<int64_t>(kernels.size()) == 4 * L &&
+                  static_cast<int64_t>(coded.size()) == 4 * L && static_cast<int64_t>(kernels.size()) == 4 * L &&
                   static_cast<int64_t>(windows.size()) == L,
-              "layer_stack: 6 weights, 4 biases, 4 packed, 4 panel and 4 q4 copies, 4 kernels and a window per layer");
+              "layer_stack: 6 weights, 4 biases, 4 packed, 4 panel and 4 coded copies, 4 kernels and a window per layer");
   for (const int64_t k : kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
   TORCH_CHECK(!keep.has_value() || (keep->scalar_type() == at::kLong && keep->dim() == 1 && tail_kernels.size() == 3),
               "layer_stack: keep [N] long with three tail kernels (o, gate_up, down)");
@@ -169,7 +170,7 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
       LAYER_STAGE(kLinearStage[j]);
       const int64_t at = 4 * i + j;
       return linear_by(kernels[at], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at),
-                       q4s.get(at));
+                       coded.get(at));
     };
     at::Tensor qkv = lin(0, normed);
     at::Tensor key_l = key.select(0, i), value_l = value.select(0, i);
@@ -190,7 +191,7 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
         LAYER_STAGE(kLinearStage[j]);
         const int64_t at = 4 * i + j;
         return linear_by(tail_kernels[j - 1], in, weights[6 * i + j], biases.get(at), packed.get(at), panels.get(at),
-                       q4s.get(at));
+                       coded.get(at));
       };
       at::Tensor hs = h.index_select(0, rows), ns = at::empty_like(hs);
       add_rms_norm(ns, hs, tail(1, attn.view({T, H * D}).index_select(0, rows)), weights[6 * i + 5], eps);
@@ -227,7 +228,7 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
   m.def(
       "layer_stack(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
-      "Tensor?[] panels, Tensor?[] q4s, int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
+      "Tensor?[] panels, Tensor?[] coded, int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
       "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads, "
       "Tensor? keep, int[] tail_kernels) -> ()");
   m.impl("layer_stack", c10::DispatchKey::CPU, TORCH_FN(layer_stack));

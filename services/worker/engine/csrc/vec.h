@@ -66,6 +66,10 @@ inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
+// W signed bytes -> floats
+inline vf vbytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -133,6 +137,9 @@ inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {  // as avx512's
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline vf vbytes(const uint8_t* p) {  // as avx512's
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vset1(float x) { return _mm256_set1_ps(x); }

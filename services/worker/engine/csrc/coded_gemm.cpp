@@ -1,0 +1,256 @@
+// y [M, N] = x [M, K] . w [N, K]^T (+ bias) in float32, for a weight each 32-value block of whose rows is exactly
+// a code times a scale: Q4 fl(fl(d * q) + m), q 0..15 (a GGUF Q4_1 tensor converted to float32: the default
+// SmolLM2's linears), or Q8 fl(d * q), q -127..127 (Q8_0: its embedding, the tied LM head); d and m numbers of the
+// block (coded.py finds them and the codes, and checks every value). The weight is read as its codes (5 or 9 bits a
+// value against float32's 32) and each float32 value rebuilt in L1, to the bit, before the same FMAs as the panel
+// GEMM (csrc/panel_gemm.cpp) in the same order: the result is the panel GEMM's to the bit (the tests check it), and
+// the model's numbers are float32's as ever. Registered as torch.ops.conveyor_<isa>.pack_q4 / pack_q8 / coded_gemm;
+// gemm.py offers it to the GEMM plans as the `q4` and `q8` kernels, with their packed copies (gemm_kernels.COPIES).
+//
+// Why: a decode step at a few to a few dozen rows reads every weight once, from memory; at 32 rows on the Xeon of
+// docs/benchmarks.md that read (425 MB of float32 for the layers) and the FMAs add up rather than overlap
+// (benchmarks.overlap), so reading a sixth of the bytes takes most of the read's share off the step; at one row the
+// step is the read.
+//
+// Layout (pack_q4, pack_q8): panels of kCols = 2 W output columns; per panel and block of 32 k-steps one record: d
+// [kCols] (float32), Q4 also m [kCols], then 32 k-steps of codes: Q4 W bytes, byte j holding column j's code in its
+// low nibble and column j + W's in its high one; Q8 kCols signed bytes. Each thread takes a contiguous run of panels;
+// per panel and block it rebuilds the 32 x kCols floats into an L1 buffer once, and every tile of R x rows runs its
+// 32 k-steps over that buffer, its accumulators carried in a per-thread scratch from block to block.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kCodeBlock = 32;  // k-steps (values of a weight row) sharing one d (and m)
+#if defined(CONVEYOR_VEC)
+constexpr int64_t kCodeLanes = conveyor_vec::W;
+#else
+constexpr int64_t kCodeLanes = 8;
+#endif
+constexpr int64_t kCodeCols = 2 * kCodeLanes;  // columns of a panel: two vectors
+// bytes of one record: Q4 d, m and 32 x W bytes; Q8 d and 32 x kCodeCols bytes
+template <int kBits>
+constexpr int64_t record_bytes() {
+  return kBits == 4 ? 2 * kCodeCols * 4 + kCodeBlock * kCodeLanes : kCodeCols * 4 + kCodeBlock * kCodeCols;
+}
+// Tiles of x rows: two accumulators a row; the widest that leaves registers for the weight and x.
+#if defined(CONVEYOR_VEC) && CONVEYOR_VEC == 16
+constexpr int64_t kCodeMaxRows = 8;
+#else
+constexpr int64_t kCodeMaxRows = 4;
+#endif
+constexpr int64_t kCodeAheadRecords = 4;  // records prefetched ahead of the one being rebuilt
+
+// codes [N, K] (Q4: uint8 0..15; Q8: int8), d (and m, Q4) [N, K / 32] float32 -> records [P, K / 32, bytes]
+// (columns past N: zeros).
+template <int kBits>
+at::Tensor pack_codes(const at::Tensor& codes, const at::Tensor& d, const at::Tensor* m) {
+  const auto want = kBits == 4 ? at::kByte : at::kChar;
+  TORCH_CHECK(codes.scalar_type() == want && codes.dim() == 2 && codes.is_contiguous(), "pack_q", kBits, ": ",
+              kBits == 4 ? "uint8" : "int8", " codes [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), KB = K / kCodeBlock, P = (N + kCodeCols - 1) / kCodeCols;
+  TORCH_CHECK(K % kCodeBlock == 0 && K > 0, "pack_q", kBits, ": K = ", K, " is not a positive multiple of ", kCodeBlock);
+  for (const at::Tensor* t : {&d, m})
+    TORCH_CHECK(t == nullptr || (t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                                 t->size(0) == N && t->size(1) == KB),
+                "pack_q", kBits, ": contiguous float32 scales [N, K / 32]");
+  at::Tensor out = at::zeros({P, KB, record_bytes<kBits>()}, codes.options().dtype(at::kByte));
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const float *dp = d.data_ptr<float>(), *mp = m ? m->data_ptr<float>() : nullptr;
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        uint8_t* rec = op + (p * KB + kb) * record_bytes<kBits>();
+        float* rd = reinterpret_cast<float*>(rec);
+        uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
+        for (int64_t j = 0; j < kCodeCols && p * kCodeCols + j < N; ++j) {
+          const int64_t n = p * kCodeCols + j;
+          rd[j] = dp[n * KB + kb];
+          if (kBits == 4) rd[kCodeCols + j] = mp[n * KB + kb];
+          for (int64_t k = 0; k < kCodeBlock; ++k) {
+            const uint8_t c = cp[n * K + kb * kCodeBlock + k];
+            if (kBits == 8) {
+              rq[k * kCodeCols + j] = c;
+            } else {
+              rq[k * kCodeLanes + j % kCodeLanes] |= j < kCodeLanes ? (c & 15) : static_cast<uint8_t>(c << 4);
+            }
+          }
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor pack_q4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) { return pack_codes<4>(codes, d, &m); }
+at::Tensor pack_q8(const at::Tensor& codes, const at::Tensor& d) { return pack_codes<8>(codes, d, nullptr); }
+
+// buf [32, kCodeCols] = the record's block rebuilt: Q4 fl(fl(d * q) + m), the product never contracted with the sum
+// into an FMA (that would round once and differ from the weight in its last bit); Q8 fl(d * q).
+template <int kBits>
+inline void rebuild(const uint8_t* rec, float* buf) {
+  const float* rd = reinterpret_cast<const float*>(rec);
+  const uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
+#if defined(CONVEYOR_VEC)
+  using namespace conveyor_vec;
+  const vf d0 = vload(rd), d1 = vload(rd + W);
+  if (kBits == 8) {
+    for (int64_t k = 0; k < kCodeBlock; ++k) {
+      vstore(buf + k * kCodeCols, vmul(vbytes(rq + k * kCodeCols), d0));
+      vstore(buf + k * kCodeCols + W, vmul(vbytes(rq + k * kCodeCols + W), d1));
+    }
+    return;
+  }
+  const vf m0 = vload(rd + kCodeCols), m1 = vload(rd + kCodeCols + W);
+  for (int64_t k = 0; k < kCodeBlock; ++k) {
+    vf lo, hi;
+    vnibbles(rq + k * W, lo, hi);
+    vf p0 = vmul(lo, d0), p1 = vmul(hi, d1);
+    asm("" : "+v"(p0), "+v"(p1));  // the products stay rounded on their own
+    vstore(buf + k * kCodeCols, vadd(p0, m0));
+    vstore(buf + k * kCodeCols + W, vadd(p1, m1));
+  }
+#else
+  for (int64_t k = 0; k < kCodeBlock; ++k)
+    for (int64_t j = 0; j < kCodeCols; ++j) {
+      if (kBits == 8) {
+        buf[k * kCodeCols + j] = static_cast<float>(static_cast<int8_t>(rq[k * kCodeCols + j])) * rd[j];
+        continue;
+      }
+      const uint8_t b = rq[k * kCodeLanes + j % kCodeLanes];
+      volatile float prod = static_cast<float>(j < kCodeLanes ? b & 15 : b >> 4) * rd[j];
+      buf[k * kCodeCols + j] = prod + rd[kCodeCols + j];
+    }
+#endif
+}
+
+// acc [R, kCodeCols] (+)= a [32, R] . buf [32, kCodeCols]; first: from zero. The panel GEMM's FMAs in its order.
+template <int64_t R>
+inline void coded_tile(const float* a, const float* buf, float* acc, bool first) {
+#if defined(CONVEYOR_VEC)
+  using namespace conveyor_vec;
+  vf c[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) c[r][v] = first ? vzero() : vload(acc + r * kCodeCols + v * W);
+  for (int64_t k = 0; k < kCodeBlock; ++k) {
+    const vf b0 = vload(buf + k * kCodeCols), b1 = vload(buf + k * kCodeCols + W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf xv = vset1(a[k * R + r]);
+      c[r][0] = vfmadd(xv, b0, c[r][0]);
+      c[r][1] = vfmadd(xv, b1, c[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) vstore(acc + r * kCodeCols + v * W, c[r][v]);
+#else
+  for (int64_t i = 0; first && i < R * kCodeCols; ++i) acc[i] = 0.f;
+  for (int64_t k = 0; k < kCodeBlock; ++k)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kCodeCols; ++j) acc[r * kCodeCols + j] += a[k * R + r] * buf[k * kCodeCols + j];
+#endif
+}
+
+// Panels [p0, p1) against x tiles [t0, t1) of R rows (tiles [T, K, R], panel_gemm's pack_rows), into y (+ bias).
+template <int kBits, int64_t R>
+void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
+               int64_t t0, int64_t t1, int64_t p0, int64_t p1, float* acc) {
+  alignas(64) float buf[kCodeBlock * kCodeCols];
+  const int64_t KB = K / kCodeBlock, bytes = record_bytes<kBits>();
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* rec = recs + (p * KB + kb) * bytes;
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(rec + kCodeAheadRecords * bytes + b);
+      rebuild<kBits>(rec, buf);
+      for (int64_t t = t0; t < t1; ++t)
+        coded_tile<R>(tiles + t * K * R + kb * kCodeBlock * R, buf, acc + (t - t0) * R * kCodeCols, kb == 0);
+    }
+    const int64_t cols = std::min(kCodeCols, N - p * kCodeCols);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < R && t * R + r < M; ++r) {
+        const float* c = acc + ((t - t0) * R + r) * kCodeCols;
+        float* out = y + (t * R + r) * N + p * kCodeCols;
+        for (int64_t j = 0; j < cols; ++j) out[j] = c[j] + (bias ? bias[p * kCodeCols + j] : 0.f);
+      }
+  }
+}
+
+template <int kBits, int64_t R>
+void coded_rows(const at::Tensor& x, const at::Tensor& recs, const float* bias, int64_t n, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), P = recs.size(0), T = (M + R - 1) / R;
+  at::Tensor tiles = at::empty({T, K, R}, x.options());
+  pack_rows<R>(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
+  const int64_t block = std::max<int64_t>(1, x_block_bytes() / (K * R * 4));  // tiles per x block (panel_gemm's)
+  const float* tp = tiles.data_ptr<float>();
+  const uint8_t* rp = recs.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(std::min(block, T) * R * kCodeCols);
+    for (int64_t t0 = 0; t0 < T; t0 += block)
+      coded_run<kBits, R>(tp, rp, K, M, n, bias, yp, t0, std::min(T, t0 + block), p0, p1, acc.data());
+  });
+}
+
+template <int kBits>
+void coded_by_rows(const at::Tensor& x, const at::Tensor& recs, const float* bias, int64_t n, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  if (M == 1) {
+    coded_rows<kBits, 1>(x, recs, bias, n, y);
+  } else if (M == 2) {
+    coded_rows<kBits, 2>(x, recs, bias, n, y);
+  } else if (M <= 4) {
+    coded_rows<kBits, 4>(x, recs, bias, n, y);
+  } else {
+    coded_rows<kBits, kCodeMaxRows>(x, recs, bias, n, y);
+  }
+}
+
+// bits: 4 (pack_q4's records) or 8 (pack_q8's)
+at::Tensor coded_gemm(const at::Tensor& x, const at::Tensor& recs, const c10::optional<at::Tensor>& bias, int64_t n,
+                      int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "coded_gemm: bits = ", bits, ", not 4 or 8");
+  const int64_t bytes = bits == 4 ? record_bytes<4>() : record_bytes<8>();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "coded_gemm: float32 x [M, K], rows contiguous");
+  TORCH_CHECK(recs.scalar_type() == at::kByte && recs.dim() == 3 && recs.is_contiguous() &&
+                  recs.size(1) * kCodeBlock == x.size(1) && recs.size(2) == bytes,
+              "coded_gemm: contiguous records [P, K / 32, ", bytes, "] from pack_q", bits, ", K matching x");
+  TORCH_CHECK(n > (recs.size(0) - 1) * kCodeCols && n <= recs.size(0) * kCodeCols, "coded_gemm: n = ", n,
+              " does not fit ", recs.size(0), " panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                            "coded_gemm: contiguous float32 bias [n]");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return y;
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  if (bits == 4) {
+    coded_by_rows<4>(x, recs, bp, n, y);
+  } else {
+    coded_by_rows<8>(x, recs, bp, n, y);
+  }
+  return y;
+}
+
+}  // namespace
+
+CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
+  m.def("pack_q4(Tensor codes, Tensor d, Tensor m) -> Tensor");
+  m.impl("pack_q4", c10::DispatchKey::CPU, TORCH_FN(pack_q4));
+  m.def("pack_q8(Tensor codes, Tensor d) -> Tensor");
+  m.impl("pack_q8", c10::DispatchKey::CPU, TORCH_FN(pack_q8));
+  m.def("coded_gemm(Tensor x, Tensor records, Tensor? bias, int n, int bits) -> Tensor");
+  m.impl("coded_gemm", c10::DispatchKey::CPU, TORCH_FN(coded_gemm));
+}
