@@ -19,6 +19,7 @@ import torch
 BLOCK = 32  # values of a row sharing one d (and m) (csrc/coded_gemm.cpp's kCodeBlock)
 _D_STEPS = (0, -1, 1, -2, 2)  # float16 neighbours of the estimate of d tried, nearest first
 _BLOCKS_AT_ONCE = 1 << 16  # blocks recovered per pass (bounds the temporaries)
+_FIRST_BLOCKS = 256  # the first pass's
 
 Codes = tuple[torch.Tensor, ...]  # (codes [N, K], d [N, K / 32]) and for Q4 m [N, K / 32]
 
@@ -40,14 +41,25 @@ def _recover(w: torch.Tensor, blocks_fn) -> Codes | None:
     if not torch.isfinite(blocks).all():
         return None
     parts: list[Codes] = []
-    for s in range(0, blocks.shape[0], _BLOCKS_AT_ONCE):
-        found = blocks_fn(blocks[s : s + _BLOCKS_AT_ONCE])
+    # a first pass over a few blocks: a weight that is not coded (most of a float32 checkpoint's) is refused in
+    # microseconds rather than after a pass over all of it
+    for s, e in _spans(blocks.shape[0]):
+        found = blocks_fn(blocks[s:e])
         if found is None:
             return None
         parts.append(found)
     n, k = w.shape
     codes, *scales = (torch.cat(p) for p in zip(*parts))
     return (codes.view(n, k), *(x.view(n, k // BLOCK) for x in scales))
+
+
+def _spans(n: int):
+    """[start, end) of the passes over n blocks: _FIRST_BLOCKS, then _BLOCKS_AT_ONCE at a time."""
+    start, step = 0, _FIRST_BLOCKS
+    while start < n:
+        end = min(n, start + step)
+        yield start, end
+        start, step = end, _BLOCKS_AT_ONCE
 
 
 def _candidates(estimate: torch.Tensor):

@@ -37,7 +37,7 @@ RECOVER = {4: coded.recover_q4, 8: coded.recover_q8}
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_recover_finds_each_blocks_scales_and_codes_exactly(bits):
-    w, made = coded_weight(bits, 48, 96)
+    w, made = coded_weight(bits, 80, 256)  # 640 blocks: a first pass of 256, then the rest
     got = RECOVER[bits](w)
     assert got is not None and len(got) == len(made)
     for a, b in zip(got, made):
@@ -46,14 +46,18 @@ def test_recover_finds_each_blocks_scales_and_codes_exactly(bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
-    "case", ["float32 values", "one value off by an ulp", "K not a multiple of 32", "bfloat16", "a NaN", "a -0.0"]
+    "case",
+    ["float32 values", "one value off by an ulp", "its last value off by an ulp", "K not a multiple of 32", "bfloat16"]
+    + ["a NaN", "a -0.0"],
 )
 def test_recover_refuses_a_weight_that_is_not_coded_blocks(bits, case):
-    w = coded_weight(bits, 16, 64)[0]
+    w = coded_weight(bits, 40, 256)[0]  # 320 blocks: the last ones past the first pass
     if case == "float32 values":
-        w = torch.randn(16, 64)
+        w = torch.randn(40, 256)
     elif case == "one value off by an ulp":
         w[3, 17] = torch.nextafter(w[3, 17], torch.tensor(1.0))
+    elif case == "its last value off by an ulp":
+        w[-1, -1] = torch.nextafter(w[-1, -1], torch.tensor(1.0))
     elif case == "K not a multiple of 32":
         w = w[:, :48].contiguous()
     elif case == "bfloat16":
