@@ -105,3 +105,15 @@ def test_coded_gemm_refuses_records_that_do_not_match_x_n_or_bits(kernels):
         kernels.coded_gemm(torch.randn(2, 64), records, torch.randn(29), 30, 4)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.pack_q4(codes[:, :40].contiguous(), d[:, :1].contiguous(), m[:, :1].contiguous())
+
+
+def test_the_bundled_models_linears_are_q4_blocks_and_its_embedding_q8_blocks(engine_model):
+    """What the GEMM on codes is for: the default SmolLM2 (converted from its Q4_1 GGUF file) has every linear weight
+    as 4-bit blocks and its embedding, the tied LM head, as 8-bit ones; a change to the conversion that lost them
+    would leave the engine reading five times the bytes."""
+    linears = [
+        m for name, m in engine_model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name
+    ]
+    assert len(linears) == 7 * engine_model.config.num_hidden_layers
+    assert all(coded.recover_q4(m.weight.detach()) is not None for m in linears)
+    assert coded.recover_q8(engine_model.get_input_embeddings().weight.detach()) is not None
