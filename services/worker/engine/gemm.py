@@ -49,9 +49,8 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
     MAX_ROWS,
     NEAR_MAX_ROWS,
     SMALL_COPIES,
+    copy_for,
     offered,
-    pack,
-    pack_panels,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,10 +144,9 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
     for m, k, _ in targets:  # property of each weight's values, not of its shape)
         probe = torch.randn(3, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
         mine = copies[id(m)]
-        here = [
+        names[k] = [
             n for n in names.get(k, kernels) if n == "linear" or _usable(n, probe, m.weight, mine.get(COPY_OF.get(n)))
         ]
-        names[k] = here
     fast: dict[str, list[dict[str, float]]] = {k: [] for k in names}  # per bucket: kernel -> time / linear's
     for i in range(max(b for _, _, b in targets)):
         live = [(m, k) for m, k, b in targets if i < b]
@@ -174,15 +172,14 @@ def measure(targets: list[tuple[nn.Linear, str, int]], kernels: tuple[str, ...])
 
 def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
     """The plan from each bucket's kernels over their bars (time relative to linear's), holding at most one float32
-    copy of the weight (gemm_kernels.COPIES: memory stays within twice the weights) and, beside it, a small one
-    (SMALL_COPIES: a sixth or a third of the weight): of the plans each set of copies allows, the one with the least summed
-    relative time; on a tie, the fewest copies."""
+    copy of the weight (COPIES: memory within twice the weights) and a small one (SMALL_COPIES): of the plans each
+    set of copies allows, the one with the least summed relative time; on a tie, the fewest copies."""
     options = []
     for big in (None, *(c for c in COPIES if c not in SMALL_COPIES)):
         for small in (None, *SMALL_COPIES):
             kinds = {c for c in (big, small) if c is not None}
             plan = [
-                min(((t, n) for n, t in b.items() if COPY_OF.get(n, big) in kinds | {big}), default=(1.0, "linear"))
+                min(((t, n) for n, t in b.items() if COPY_OF.get(n) in kinds | {None}), default=(1.0, "linear"))
                 for b in buckets
             ]
             options.append((sum(t for t, _ in plan), len(kinds), tuple(n for _, n in plan)))
@@ -209,27 +206,12 @@ def _timed_pass(
 def _try_copy(name: str, module: nn.Linear) -> torch.Tensor | None:
     """The copy of kind `name` of the weight; None where it cannot be made (then its kernels are no candidates)."""
     try:
-        return _copy(name, module)
+        return copy_for(name, module)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # no oneDNN / CPU kernels here, or the dtype
-        w = module.weight
-        logger.info("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
+        w = module.weight  # a weight that is not coded is the rule, not news (tune_linears counts the coded ones)
+        log = logger.debug if name in SMALL_COPIES else logger.info
+        log("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
         return None
-
-
-def _copy(name: str, module: nn.Linear) -> torch.Tensor:
-    """COPIES[name] of the module's weight; a coded copy (SMALL_COPIES) made once (tune_linears asks for them first,
-    to key the plan by them: whether a weight is coded blocks is a property of its values, not of its shape)."""
-    if name not in SMALL_COPIES:
-        return COPIES[name](module.weight.detach())
-    made = module.__dict__.setdefault("conveyor_coded", {})
-    if name not in made:
-        try:
-            made[name] = COPIES[name](module.weight.detach())
-        except RuntimeError:
-            made[name] = None
-    if made[name] is None:
-        raise RuntimeError(f"the weight is not blocks of {name}'s codes (coded.py)")
-    return made[name]
 
 
 class PlanStore:
@@ -319,7 +301,7 @@ def apply_plan(module: nn.Linear, plan: Plan) -> None:
     """Run `module` by `plan` from now on (the weight copies its kernels read made here: gemm_kernels.COPIES)."""
     module.conveyor_gemm_plan = plan
     kinds = {COPY_OF[n] for n in plan.kernels if n in COPY_OF}  # panel and panel8 share one copy
-    module.conveyor_copies = {c: _copy(c, module) for c in sorted(kinds)}
+    module.conveyor_copies = {c: copy_for(c, module) for c in sorted(kinds)}
     module.__dict__.pop("conveyor_coded", None)  # coded copies made to key the plan: kept only where it takes them
     module.forward = types.MethodType(_planned_forward, module)
 
@@ -357,10 +339,13 @@ def tune_linears(
             t.nbytes if c in SMALL_COPIES else module.weight.nbytes for c, t in module.conveyor_copies.items()
         )
         mixed += any(n != "linear" for n in plan)
-    logger.info(
-        "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere; weight copies %.1f MiB",
+    read_coded = sum(1 for m, _, _ in targets if set(m.conveyor_copies) & set(SMALL_COPIES))
+    logger.info(  # how many read their weight as codes: 0 for a model whose weights are not coded blocks
+        "GEMM plans: %d of %d layers use a faster kernel than F.linear somewhere, %d read as codes; weight copies "
+        "%.1f MiB",
         mixed,
         len(targets),
+        read_coded,
         copy_bytes / 2**20,
     )
     return mixed

@@ -115,6 +115,23 @@ NEAR_MAX_ROWS = 8
 MAX_ROWS = {"gemv": GEMV_MAX_ROWS, "gemv256": GEMV_MAX_ROWS, "gemv_near": NEAR_MAX_ROWS, "gemv256_near": NEAR_MAX_ROWS}
 
 
+def copy_for(name: str, module: torch.nn.Linear) -> torch.Tensor:
+    """COPIES[name] of the module's weight; a coded one (SMALL_COPIES) made once: gemm.tune_linears asks first, to
+    key the plan by it (whether a weight is coded blocks is a property of its values, not of its shape), and
+    gemm.apply_plan drops what its plan does not take. RuntimeError where it cannot be made."""
+    if name not in SMALL_COPIES:
+        return COPIES[name](module.weight.detach())
+    made = module.__dict__.setdefault("conveyor_coded", {})
+    if name not in made:
+        try:
+            made[name] = COPIES[name](module.weight.detach())
+        except RuntimeError:
+            made[name] = None
+    if made[name] is None:
+        raise RuntimeError(f"the weight is not blocks of {name}'s codes (coded.py)")
+    return made[name]
+
+
 def offered(gemv: bool) -> tuple[str, ...]:
     """The kernels plans choose from; the engine's own (gemv, panel, q4, q8) only when its CPU kernels are loaded with a
     vector path (their portable loops are slower than any library's), gemv256 besides where cpu_ops.narrow_ops has
