@@ -180,11 +180,9 @@ void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, in
     }
     const int64_t cols = std::min(kCodeCols, N - p * kCodeCols);
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < R && t * R + r < M; ++r) {
-        const float* c = acc + ((t - t0) * R + r) * kCodeCols;
-        float* out = y + (t * R + r) * N + p * kCodeCols;
-        for (int64_t j = 0; j < cols; ++j) out[j] = c[j] + (bias ? bias[p * kCodeCols + j] : 0.f);
-      }
+      for (int64_t r = 0; r < R && t * R + r < M; ++r)
+        store_row(y + (t * R + r) * N + p * kCodeCols, acc + ((t - t0) * R + r) * kCodeCols,
+                  bias ? bias + p * kCodeCols : nullptr, cols);  // panel_gemm's (its vector path: 48 columns)
   }
 }
 
