@@ -89,6 +89,39 @@ def test_a_gemm_plan_measured_with_other_kernel_sources_is_not_reused(tmp_path, 
     assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_a_gemm_plan_measured_with_another_kernel_variant_is_not_reused(tmp_path, monkeypatch, isa):
+    import torch
+
+    kernels = ("linear", "packed")  # the same offer under both variants: only the variant differs
+    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(cpu_ops, "_active", {"isa": "avx512"})
+    store = gemm.PlanStore(tmp_path)
+    store.put(gemm.key(48, 32, torch.float32, 4, kernels), gemm.PlanEntry(("packed",) * 4))
+    store.save()
+    monkeypatch.setattr(gemm, "_memory", {})  # a new process on the same CPU, its kernels forced to `isa`
+    monkeypatch.setattr(cpu_ops, "_active", {"isa": isa})
+    assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, kernels)) is None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2")],
+)
+def test_a_gemm_plan_measured_with_the_libraries_held_to_another_isa_is_not_reused(
+    tmp_path, monkeypatch, variable, value
+):
+    import torch
+
+    kernels = ("linear", "packed")
+    monkeypatch.setattr(gemm, "_memory", {})
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    before = gemm.key(48, 32, torch.float32, 4, kernels)
+    monkeypatch.setenv(variable, value)  # read by torch, oneDNN, MKL at their start: a worker started so
+    assert gemm.key(48, 32, torch.float32, 4, kernels) != before
+
+
 def test_kernel_build_name_differs_for_other_kernel_sources(tmp_path, monkeypatch):
     zen4 = CpuInfo("AMD EPYC", frozenset(ZEN4.split()))
     before = cpu_ops.build_name("avx512", zen4)

@@ -55,10 +55,10 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
 
 logger = logging.getLogger(__name__)
 
-# v12: keys carry the kernels' source digest (cpu_ops.sources_digest: no more names bumped by hand at a kernel
-# change); v11: avx512 panel tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to
-# 64 rows, gemv256; v5: keys name kernels)
-PLAN_FILE = "gemm-plan-v12.json"
+# v13: keys carry the kernels' variant and the libraries' ISA limits; v12: the kernels' source digest
+# (cpu_ops.sources_digest: no more names bumped by hand at a kernel change); v11: avx512 panel tiles of 8 rows at
+# 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
+PLAN_FILE = "gemm-plan-v13.json"
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2
@@ -109,11 +109,17 @@ def needs_measuring(entry: PlanEntry | None, others_now: float | None) -> bool:
 _memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 
+# What holds the libraries' own kernels to a narrower ISA than the CPU's (read by ATen, oneDNN and MKL when they
+# start): a worker started with one of them set runs other code than one without, on the same CPU.
+LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, kernels: tuple[str, ...]) -> str:
     cpu = this_cpu().identity()  # the model name and a digest of its ISA flags: another CPU measures its own
-    # and the kernels' sources: a plan measured with other kernels (an older build) is measured again
-    kernels_built = cpu_ops.sources_digest()
-    fields = (cpu, kernels_built, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
+    # and the code that runs on it: the kernels' sources (an older build is measured again), the variant loaded
+    # (cpu_isa may force avx2 on an AVX-512 CPU) and the libraries' ISA limits
+    code = (cpu_ops.sources_digest(), cpu_ops.active_isa(), *(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES))
+    fields = (cpu, *code, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
     return "|".join(map(str, (*fields, "+".join(kernels))))
 
 
