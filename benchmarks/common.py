@@ -316,8 +316,9 @@ def vllm_installed() -> bool:
 class VllmServe:
     """vLLM's CPU server via the peers script, in its own session so its engine processes stop with it."""
 
-    def __init__(self, model: Path, log_path: Path, extra: list[str] | None = None):
+    def __init__(self, model: Path, log_path: Path, extra: list[str] | None = None, env: dict | None = None):
         self.model, self.log_path, self.extra = model, Path(log_path), list(extra or [])
+        self.env = {**os.environ, **(env or {})}
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -328,6 +329,7 @@ class VllmServe:
             ["bash", str(PEERS_SCRIPT), "serve", str(self.model), str(self.port), *self.extra],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,
         )
         t0 = time.monotonic()

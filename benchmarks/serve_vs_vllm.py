@@ -9,6 +9,7 @@ with the ratio Conveyor/vLLM of output tok/s, and mean TTFT and TPOT of both.
 Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128,512x128,32x256]
      [--concurrency 1,8,32,64] [--out DIR]
   bfloat16 on both: --conveyor-env CONVEYOR_DTYPE=bfloat16 --vllm-args='--dtype bfloat16'
+  both held to AVX2 on an AVX-512 CPU (a proxy for an AVX2-only one): --isa avx2
 Also prints the CPU seconds each Conveyor process spent during its rounds.
 The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import isa_hold
 from benchmarks.common import (
     DEFAULT_OUT,
     PEERS_SCRIPT,
@@ -216,6 +218,12 @@ def main() -> None:
         default=[],
         help="extra `vllm serve` arguments, one string: --vllm-args='--dtype bfloat16'",
     )
+    ap.add_argument(
+        "--isa",
+        choices=("auto", "avx2"),
+        default="auto",
+        help="avx2: both servers held to AVX2 on an AVX-512 CPU (benchmarks.isa_hold), a proxy for an AVX2-only one",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if not args.skip_vllm and not vllm_installed():
@@ -225,9 +233,10 @@ def main() -> None:
     out = args.out / f"serve_vs_vllm-{run_id}"
     out.mkdir(parents=True, exist_ok=True)
     model = model_dir()
-    env = dict(kv.split("=", 1) for kv in args.conveyor_env)
+    env = {**isa_hold.conveyor_env(args.isa), **dict(kv.split("=", 1) for kv in args.conveyor_env)}
     conveyor = ConveyorUp(out / "conveyor.log", workers=1, env=env, args=args.conveyor_args).start()
-    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log", extra=args.vllm_args).start()
+    vllm_env = isa_hold.vllm_env(args.isa)
+    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log", args.vllm_args, vllm_env).start()
     try:
         servers = {"conveyor": conveyor.port, **({"vllm": vllm.port} if vllm else {})}
         for name, port in servers.items():  # warm-up: one-off costs (kernel selection per shape) out of the rounds
@@ -240,7 +249,10 @@ def main() -> None:
             vllm.stop()
     report(rows)
     path = write_json(
-        args.out, "serve_vs_vllm", {"rows": rows, "conveyor_env": env, "wall_s": time.monotonic() - t0}, run_id
+        args.out,
+        "serve_vs_vllm",
+        {"rows": rows, "conveyor_env": env, "isa": args.isa, "wall_s": time.monotonic() - t0},
+        run_id,
     )
     print(f"results: {path} (client logs in {out})")
 
