@@ -27,18 +27,6 @@ collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]
 TESTS = Path(__file__).parent
 TIERS = ("unit", "redis", "e2e", "browser")
 SHARED_CLUSTERS = ("cluster", "keyed_cluster", "sim_cluster")  # the session's clusters, below
-# The engine tests of the second engine process (_xdist_group): ~300 of their 617 s in a make test of 2026-12-05,
-# the tiny random models of the architectures' tests (which load no bundled model) among them.
-ENGINE_SECOND = frozenset(
-    {
-        "test_engine_layer_stack.py",
-        "test_engine_architectures.py",
-        "test_engine_choices.py",
-        "test_engine_sessions.py",
-        "test_engine_prefix_cache.py",
-        "test_kv_block_copy.py",
-    }
-)
 
 
 def _xdist_group(item) -> str | None:
@@ -50,11 +38,9 @@ def _xdist_group(item) -> str | None:
         # EPYC, 2026-12-03, over the 15 min budget).
         if Path(item.path).name == "test_engine_cpu_kernels.py":
             return "engine-kernels"
-        # The engine's own tests run the model in the test's process: in few processes, the models are loaded once
-        # a process and held once (spread over four processes they held 6-7 GB each, and the machine ran out of
-        # memory). Two, not one: in one, on one thread (pytest_configure), they summed 617 s of a 639 s suite
-        # (an Intel Xeon, 2026-12-05), the suite's critical path; the files of ENGINE_SECOND make half of that.
-        return "engine-2" if Path(item.path).name in ENGINE_SECOND else "engine"
+        # The engine's own tests run the model in the test's process: in one process, the models are loaded once
+        # and held once (spread over four processes they held 6-7 GB each, and the machine ran out of memory).
+        return "engine"
     defs = item._fixtureinfo.name2fixturedefs if hasattr(item, "_fixtureinfo") else {}
     for name in SHARED_CLUSTERS:
         if name in defs and defs[name][-1].scope == "session":
