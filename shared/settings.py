@@ -398,3 +398,15 @@ def child_environment(**overrides: str) -> dict[str, str]:
     import os
 
     return {**os.environ, **overrides}
+
+
+# What holds the libraries' own kernels to a narrower ISA than the CPU's: read by ATen, oneDNN and MKL themselves
+# when they start, so a process started with one of them runs other code than one without, on the same CPU.
+LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def library_isa_limits() -> tuple[str, ...]:
+    """This process's values of LIBRARY_ISA_VARIABLES, "" where unset (this module touches the environment)."""
+    import os
+
+    return tuple(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES)

@@ -52,6 +52,7 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
     copy_for,
     offered,
 )
+from shared.settings import library_isa_limits
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +110,11 @@ def needs_measuring(entry: PlanEntry | None, others_now: float | None) -> bool:
 _memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 
-# What holds the libraries' own kernels to a narrower ISA than the CPU's (read by ATen, oneDNN and MKL when they
-# start): a worker started with one of them set runs other code than one without, on the same CPU.
-LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, kernels: tuple[str, ...]) -> str:
     cpu = this_cpu().identity()  # the model name and a digest of its ISA flags: another CPU measures its own
     # and the code that runs on it: the kernels' sources (an older build is measured again), the variant loaded
     # (cpu_isa may force avx2 on an AVX-512 CPU) and the libraries' ISA limits
-    code = (cpu_ops.sources_digest(), cpu_ops.active_isa(), *(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES))
+    code = (cpu_ops.sources_digest(), cpu_ops.active_isa(), *library_isa_limits())
     fields = (cpu, *code, torch.__version__, torch.get_num_threads(), dtype, out_features, in_features, buckets)
     return "|".join(map(str, (*fields, "+".join(kernels))))
 
