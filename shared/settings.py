@@ -400,13 +400,13 @@ def child_environment(**overrides: str) -> dict[str, str]:
     return {**os.environ, **overrides}
 
 
-# What holds the libraries' own kernels to a narrower ISA than the CPU's: read by ATen, oneDNN and MKL themselves
-# when they start, so a process started with one of them runs other code than one without, on the same CPU.
+
+# By these ATen, oneDNN and MKL hold their kernels to a narrower ISA than the CPU's (each reads it at its start).
 LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def library_isa_limits() -> tuple[str, ...]:
-    """This process's values of LIBRARY_ISA_VARIABLES, "" where unset (this module touches the environment)."""
+    """This process's values of LIBRARY_ISA_VARIABLES, "" where unset: part of what code it runs (gemm.key)."""
     import os
 
     return tuple(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES)
