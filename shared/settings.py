@@ -400,7 +400,6 @@ def child_environment(**overrides: str) -> dict[str, str]:
     return {**os.environ, **overrides}
 
 
-
 # By these ATen, oneDNN and MKL hold their kernels to a narrower ISA than the CPU's (each reads it at its start).
 LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
