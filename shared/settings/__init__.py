@@ -1,19 +1,25 @@
 """Validated settings, read once from the environment (prefix CONVEYOR_).
 
-Every service has exactly one settings class here (a subclass of CommonSettings); nothing else reads the environment.
+Every service has exactly one settings class here (a subclass of CommonSettings); nothing outside this package reads
+the environment (environment.py: the raw variables a process passes on or that other libraries read).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import sys
 from pathlib import Path
-from typing import Annotated, Iterator, Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.settings.environment import (  # noqa: F401 - re-exported: shared.settings is where the environment is read
+    LIBRARY_ISA_VARIABLES,
+    child_environment,
+    library_isa_limits,
+    this_pythons_bin_on_path,
+)
 
 
 # An instance id is part of stream names and, in braces, of a hash tag: ':' ends the part the scheduler reads a
@@ -376,36 +382,3 @@ class WorkerSettings(CommonSettings):
     prefill_overshoot_tokens: int = Field(
         32, ge=0, description="a prompt this many (and 1/16 of the room) over a step's room ends in it; 0 = strict"
     )
-
-
-@contextlib.contextmanager
-def this_pythons_bin_on_path() -> Iterator[None]:
-    """While it lasts, PATH starts with this interpreter's bin folder (a venv's tools, e.g. the pinned ninja, for a
-    process started as .venv/bin/python); restored after. Here: this module is the one that touches the environment."""
-    import os
-
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), old))
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
-def child_environment(**overrides: str) -> dict[str, str]:
-    """The environment for a child service process: this one's, with some CONVEYOR_* settings (this module touches
-    the environment; nothing else does)."""
-    import os
-
-    return {**os.environ, **overrides}
-
-
-# By these ATen, oneDNN and MKL hold their kernels to a narrower ISA than the CPU's (each reads it at its start).
-LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def library_isa_limits() -> tuple[str, ...]:
-    """This process's values of LIBRARY_ISA_VARIABLES, "" where unset: part of what code it runs (gemm.key)."""
-    import os
-
-    return tuple(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES)
