@@ -350,7 +350,9 @@ def make_engine(engine_model):
         # No GEMM measuring: its plans are tested in test_engine_gemm (every kernel equals nn.Linear, plans kept on
         # disk); measured here (in memory, this process's one thread) it cost 70-115 s at the engine tests' start.
         cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa}
-        cfg = cfg | {"gemm_tuning": False} | overrides
+        # Nor huge pages (tests/unit/test_huge_pages.py covers them): moving the process's memory into them took
+        # 62 s of the engine tests' 244 s (88 engines; up to 8 s each on a VM's first use of its memory, 2026-12-05).
+        cfg = cfg | {"gemm_tuning": False, "huge_pages": False} | overrides
         return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
 
     # An engine is freed by the cyclic garbage collector only (its parts refer to one another), which counts objects,

@@ -27,6 +27,7 @@ def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
         cpu_kernels=s.cpu_kernels,
         cpu_isa=s.cpu_isa,
         fused_model=s.fused_model,
+        huge_pages=s.huge_pages,
         tuning_cache_dir=str(s.cache_dir),
         session_max_blocks=s.session_max_blocks,
         session_swap_dir=swap_dir or None,

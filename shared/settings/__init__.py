@@ -308,6 +308,11 @@ class WorkerSettings(CommonSettings):
         description="Llama-family models run the engine's own forward (fused QKV and gate/up GEMMs, rotary once per "
         "step); off = transformers' module forward",
     )
+    huge_pages: bool = Field(
+        True,
+        description="CPU: move the weights and the KV pool into transparent huge pages once allocated (decode "
+        "attention 1.03-1.18x, engine/huge_pages.py); a VM's first use of its memory so costs ~13 ms per 2 MB",
+    )
     warmup_budget_s: float = Field(
         60.0,
         ge=0,

@@ -55,3 +55,11 @@ def test_a_touched_tensor_is_moved_into_huge_pages():
         pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1+)")
     assert region_huge_bytes(t) >= 32 << 20
     assert torch.all(t == 1), "the contents move with the pages"
+
+
+def test_the_huge_pages_setting_reaches_the_engine():
+    from services.worker.build import engine_config
+    from shared.settings import WorkerSettings
+
+    assert engine_config(WorkerSettings(huge_pages=False)).huge_pages is False
+    assert engine_config(WorkerSettings()).huge_pages is True

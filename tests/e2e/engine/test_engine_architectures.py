@@ -59,7 +59,10 @@ def test_engine_matches_hf_on_other_architectures(config, path):
     """Both forward paths: the engine's fused one with the CPU decode kernel, and transformers' modules."""
     model, ref = tiny(config)
     engine = LLMEngine.from_model(
-        model, EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8, **PATHS[path])
+        model,
+        EngineConfig(
+            block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=8, huge_pages=False, **PATHS[path]
+        ),
     )
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (5, 23, 9)]  # 23 > window: chunked
@@ -83,7 +86,9 @@ def test_unsupported_architecture_runs_on_transformers_modules():
 
     model, _ = tiny(Qwen3Config(**COMMON))  # q/k norms: not in the fused forward
     assert "qwen3" in unsupported_reason(model)
-    engine = LLMEngine.from_model(model, EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine.from_model(
+        model, EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, huge_pages=False)
+    )
     assert engine.runner.fused is None
     engine.add_request(EngineRequest("a", [5, 6, 7], SamplingOptions(temperature=0, max_tokens=4, ignore_eos=True)))
     runs, _ = run_to_completion(engine)
