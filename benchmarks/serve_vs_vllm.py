@@ -10,7 +10,9 @@ Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128
      [--concurrency 1,8,32,64] [--out DIR]
   bfloat16 on both: --conveyor-env CONVEYOR_DTYPE=bfloat16 --vllm-args='--dtype bfloat16'
   both held to AVX2 on an AVX-512 CPU (a proxy for an AVX2-only one): --isa avx2
-Also prints the CPU seconds each Conveyor process spent during its rounds.
+Also prints each server's seconds from launch to /ready, and the CPU seconds each Conveyor process spent during
+its rounds. Before the first round both get the same short client warm-up (16 requests of 64/16) unless
+--no-warmup: then the first round is each server's first traffic after its /ready.
 The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
 """
 
@@ -197,7 +199,7 @@ def parse_pairs(text: str) -> list[tuple[tuple[int, int], int]]:
     return [(parse_shapes(shape)[0], int(conc)) for shape, conc in (p.split("@") for p in text.split(","))]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x128"))
@@ -224,8 +226,25 @@ def main() -> None:
         default="auto",
         help="avx2: both servers held to AVX2 on an AVX-512 CPU (benchmarks.isa_hold), a proxy for an AVX2-only one",
     )
+    ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="no client warm-up (16 short requests) before the first round: that round is each server's first "
+        "traffic after its /ready",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def timed_start(server):
+    """The server started, and the seconds from its launch to its /ready."""
+    t = time.monotonic()
+    server.start()
+    return server, time.monotonic() - t
+
+
+def main() -> None:
+    args = parse_args()
     if not args.skip_vllm and not vllm_installed():
         raise SystemExit(f"vLLM is not installed: bash {PEERS_SCRIPT} install (or pass --skip-vllm)")
     raise_fd_limit()
@@ -234,12 +253,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = model_dir()
     env = {**isa_hold.conveyor_env(args.isa), **dict(kv.split("=", 1) for kv in args.conveyor_env)}
-    conveyor = ConveyorUp(out / "conveyor.log", workers=1, env=env, args=args.conveyor_args).start()
-    vllm_env = isa_hold.vllm_env(args.isa)
-    vllm = None if args.skip_vllm else VllmServe(model, out / "vllm.log", args.vllm_args, vllm_env).start()
+    conveyor, ready_s = timed_start(ConveyorUp(out / "conveyor.log", workers=1, env=env, args=args.conveyor_args))
+    ready = {"conveyor": ready_s}
+    vllm = None
+    if not args.skip_vllm:
+        vllm, ready["vllm"] = timed_start(
+            VllmServe(model, out / "vllm.log", args.vllm_args, isa_hold.vllm_env(args.isa))
+        )
+    print("ready after " + ", ".join(f"{name} {s:.1f} s" for name, s in ready.items()), flush=True)
     try:
         servers = {"conveyor": conveyor.port, **({"vllm": vllm.port} if vllm else {})}
-        for name, port in servers.items():  # warm-up: one-off costs (kernel selection per shape) out of the rounds
+        for name, port in servers.items() if not args.no_warmup else ():  # one-off costs out of the rounds
             bench(port, model, (64, 16), 8, 16, 0, out, f"{name}-warmup")
         t0 = time.monotonic()
         rows = run(servers, model, args, out, conveyor)
@@ -251,7 +275,14 @@ def main() -> None:
     path = write_json(
         args.out,
         "serve_vs_vllm",
-        {"rows": rows, "conveyor_env": env, "isa": args.isa, "wall_s": time.monotonic() - t0},
+        {
+            "rows": rows,
+            "conveyor_env": env,
+            "isa": args.isa,
+            "ready_s": ready,
+            "client_warmup": not args.no_warmup,
+            "wall_s": time.monotonic() - t0,
+        },
         run_id,
     )
     print(f"results: {path} (client logs in {out})")
