@@ -351,7 +351,7 @@ def make_engine(engine_model):
         # disk); measured here (in memory, this process's one thread) it cost 70-115 s at the engine tests' start.
         cfg = {"num_kv_blocks": 256, "max_num_batched_tokens": 512, "max_num_seqs": 64, "cpu_isa": isa}
         # Nor huge pages (tests/unit/test_huge_pages.py covers them): moving the process's memory into them took
-        # 62 s of the engine tests' 244 s (88 engines; up to 8 s each on a VM's first use of its memory, 2026-12-05).
+        # 62 s of the engine tests' 244 s (88 engines, up to 8 s each on a VM with free page reporting, 2026-12-05).
         cfg = cfg | {"gemm_tuning": False, "huge_pages": False} | overrides
         return LLMEngine.from_model(engine_model, EngineConfig(**cfg))
 

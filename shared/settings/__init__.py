@@ -311,7 +311,7 @@ class WorkerSettings(CommonSettings):
     huge_pages: bool = Field(
         True,
         description="CPU: move the weights and the KV pool into transparent huge pages once allocated (decode "
-        "attention 1.03-1.18x, engine/huge_pages.py); a VM's first use of its memory so costs ~13 ms per 2 MB",
+        "attention 1.03-1.18x, engine/huge_pages.py); on a VM with free page reporting each 2 MB costs 5-13 ms",
     )
     warmup_budget_s: float = Field(
         60.0,

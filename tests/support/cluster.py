@@ -83,8 +83,8 @@ class Cluster:
             # Nor the warm-up over every shape bucket (~10 s of both cores per torch worker): only its smallest
             # prefill, the first forward's one-off costs (tests/e2e/engine/test_warmup.py covers the rest).
             "CONVEYOR_WARMUP_BUDGET_S": "0",
-            # Nor huge pages (tests/unit/test_huge_pages.py): up to 8 s of a torch worker's start on a VM's first
-            # use of its memory, for a speed no cluster test measures.
+            # Nor huge pages (tests/unit/test_huge_pages.py): 11-26 s of a torch worker's start on a VM that hands
+            # its free memory back to its host, for a speed no cluster test measures.
             "CONVEYOR_HUGE_PAGES": "false",
             **_threads_beside_other_test_processes(),
             **(env or {}),

@@ -12,6 +12,11 @@ pages in the THP "madvise" mode most distributions default to, and MADV_COLLAPSE
 already there moves into huge pages now rather than in the minutes khugepaged would take. Why not only the
 tensors' own ranges: oneDNN's packed weights are opaque tensors whose memory Python cannot see. Both are hints:
 a kernel without them, THP set to "never", or any failure leaves the memory as it was, and says so in the log.
+
+Cost: on bare metal a copy of the memory. On a VM whose balloon reports free memory to its host (virtio-balloon
+free page reporting, as on the Xeon VM) the guest's free 2 MB blocks are exactly what it hands back, so every huge
+page faults on the host: 5-13 ms per 2 MB, 11-26 s of a start there (2026-12-05). WorkerSettings.huge_pages turns
+it off; at 32 sequences the huge pages under the weights, not only the pool's, made the step 1.08x faster.
 """
 
 from __future__ import annotations
