@@ -69,17 +69,18 @@ def huge_page_bytes() -> int:
     return 0
 
 
-def advise() -> Advised | None:
-    """Advise (and collapse) the process's big anonymous mappings; None where there is no /proc or madvise."""
+def advise(ranges: list[tuple[int, int]] | None = None) -> Advised | None:
+    """Advise (and collapse) `ranges` ((start, end) addresses), by default the process's big anonymous mappings;
+    None where there is no /proc or madvise."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        ranges = anon_regions(Path("/proc/self/maps").read_text()) if ranges is None else ranges
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError) as e:
         logger.info("transparent huge pages not advised: %s", e)
         return None
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     regions, total, collapsed, errors = 0, 0, 0, set()
-    for lo, hi in anon_regions(maps):
+    for lo, hi in ranges:
         start, end = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
         if end <= start:
             continue
