@@ -129,6 +129,20 @@ def test_kernel_build_name_differs_for_other_kernel_sources(tmp_path, monkeypatc
     assert cpu_ops.build_name("avx512", zen4) != before
 
 
+def test_kernel_build_name_differs_for_the_same_sources_in_another_checkout(tmp_path, monkeypatch):
+    """Two checkouts (or venvs) on one machine share ~/.cache/conveyor: torch's build files name the sources' and
+    torch's paths, so one folder for both made each rebuild the other's kernels at every start (60 s a worker
+    start on the Xeon VM, 2026-12-05)."""
+    zen4 = CpuInfo("AMD EPYC", frozenset(ZEN4.split()))
+    before = cpu_ops.build_name("avx512", zen4)
+    copies = []
+    for src in cpu_ops.SOURCES:
+        copies.append(tmp_path / src.name)
+        copies[-1].write_bytes(src.read_bytes())
+    monkeypatch.setattr(cpu_ops, "SOURCES", tuple(copies))  # the same bytes, so the same sources digest
+    assert cpu_ops.build_name("avx512", zen4) != before
+
+
 def _change_kernel_sources(tmp_path, monkeypatch) -> None:
     """The kernels' sources as if one had been edited (the digest of them computed afresh)."""
     edited = tmp_path / "edited.cpp"

@@ -120,10 +120,13 @@ def sources_digest() -> str:
 
 
 def build_name(isa: str, cpu: CpuInfo | None = None) -> str:
-    """The build folder and library name: the variant and the CPU's ISA flags in clear, the rest digested."""
+    """The build folder and library name: the variant and the CPU's ISA flags in clear, the rest digested. The
+    paths of the sources and of torch are in it: torch's build files name them, and a folder shared by two
+    checkouts (or venvs) was rebuilt by each for the other, 60 s of a worker's start."""
     cpu = cpu or this_cpu()
     h = hashlib.sha256(sources_digest().encode())
-    h.update(" ".join((torch.__version__, cpu.identity(), *CFLAGS, *ISA_CFLAGS[isa])).encode())
+    paths = (str(SOURCES[0].parent.resolve()), str(Path(torch.__file__).parent.resolve()))
+    h.update(" ".join((torch.__version__, *paths, cpu.identity(), *CFLAGS, *ISA_CFLAGS[isa])).encode())
     return f"conveyor_{isa}_{cpu.flags_digest()}_{h.hexdigest()[:12]}"
 
 
