@@ -291,7 +291,9 @@ class WorkerSettings(CommonSettings):
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks of a shared prompt prefix")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish held requests")
     gemm_tuning: bool = Field(
-        True, description="CPU: measure the faster GEMM orientation of each layer at start (kept in the cache dir)"
+        True,
+        description="CPU: measure each layer's fastest GEMM kernel at start (kept in the cache dir); off: a coded "
+        "weight runs on its codes up to 32 rows, F.linear beyond",
     )
     cpu_kernels: bool = Field(
         True,

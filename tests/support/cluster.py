@@ -76,9 +76,10 @@ class Cluster:
             # the tests of deadlines set their own.
             "CONVEYOR_TIMEOUT_MIN_S": "120",
             "CONVEYOR_REDIS_CLUSTER": "true" if redis_cluster else "false",
-            # No GEMM measuring at a worker's start (F.linear throughout): on a fresh 2-core machine the first
-            # worker measured for 180 s under the suite's load, and a plan measured under load was measured again
-            # at a later start. The plans are tested in tests/e2e/engine/test_engine_gemm.py.
+            # No GEMM measuring at a worker's start (the unmeasured plan: the model's codes at up to 32 rows, F.linear
+            # beyond): on a fresh 2-core machine the first worker measured for 180 s under the suite's load, and a
+            # plan measured under load was measured again at a later start. The plans are tested in
+            # tests/e2e/engine/test_engine_gemm.py.
             "CONVEYOR_GEMM_TUNING": "false",
             # Nor the warm-up over every shape bucket (~10 s of both cores per torch worker): only its smallest
             # prefill, the first forward's one-off costs (tests/e2e/engine/test_warmup.py covers the rest).

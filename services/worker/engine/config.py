@@ -26,7 +26,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
     num_kv_blocks: int | None = None  # overrides the byte budget: exact pool size (tests, tuning)
     max_model_len: int | None = None  # caps the context window below the model's own
-    gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (gemm.py)
+    gemm_tuning: bool = True  # CPU: measure each linear layer's fastest GEMM kernel at start (off: unmeasured_plans)
     cpu_kernels: bool = True  # CPU: the engine's C++ paged decode and prefill attention (cpu_ops.py) over torch's
     cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     gemv_kernel: bool = True  # CPU: offer those kernels' GEMV (csrc/gemv.cpp) to the GEMM plans (they measure it)

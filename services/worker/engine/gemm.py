@@ -353,6 +353,34 @@ def tune_linears(
     return mixed
 
 
+CODED_MAX_ROWS = 32  # the most rows an unmeasured plan runs on a weight's codes
+
+
+def unmeasured_plans(layers: list[nn.Linear]) -> int:
+    """Plans without measuring (gemm_tuning off): a layer whose weight is coded blocks (coded.py) runs on its codes
+    (q4, else q8) up to CODED_MAX_ROWS rows, where a step is bound by reading the weight and the codes are a sixth
+    or a third of its bytes, and F.linear beyond; any other layer keeps F.linear. The 20 plans measured for the
+    bundled model on the Xeon of docs/benchmarks.md (its avx512 and avx2 builds, two threads) chose the codes at 1-16
+    rows in all, at 32 in 16 (a float32 panel or packed copy, memory of its own, in the others). Returns how many
+    layers run so."""
+    coded = 0
+    for module in layers:
+        name = next((n for n in SMALL_COPIES if _try_copy(n, module) is not None), None)
+        if name is None:
+            module.__dict__.pop("conveyor_coded", None)  # what the tries left: none of them is a copy
+            continue
+        buckets = CODED_MAX_ROWS.bit_length() + 1  # 1, 2, 4 ... 32 rows, then all beyond
+        apply_plan(module, Plan((name,) * (buckets - 1) + ("linear",)))
+        coded += 1
+    logger.info(
+        "GEMM plans not measured: %d of %d layers read their weight as codes up to %d rows, F.linear beyond",
+        coded,
+        len(layers),
+        CODED_MAX_ROWS,
+    )
+    return coded
+
+
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's nn.Linear layers that tuning may take over (subclasses, e.g. quantized, keep their forward)."""
     return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dim() == 2]

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import coded, cpu_ops
+from services.worker.engine import cpu_ops
 
 _PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
 
@@ -49,14 +49,13 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 def _pack_coded(bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """w [N, K] -> csrc/coded_gemm.cpp's records of `bits`-bit codes; RuntimeError for a weight that is not such
-    blocks (coded.recover_q4 / recover_q8)."""
-    recover = coded.recover_q4 if bits == 4 else coded.recover_q8
+    blocks (found by csrc/coded_recover.cpp: coded.py's search, which is its reference, ~20x faster)."""
 
     def pack_coded(w: torch.Tensor) -> torch.Tensor:
         if cpu_ops.active_isa() is None:
             raise RuntimeError("the engine's CPU kernels are not loaded")
-        found = recover(w)
-        if found is None:
+        found = getattr(cpu_ops.ops(), f"recover_q{bits}")(w.detach())
+        if not found:
             raise RuntimeError(f"the weight is not {bits}-bit blocks of 32 values (coded.py)")
         return getattr(cpu_ops.ops(), f"pack_q{bits}")(*found)
 

@@ -20,7 +20,7 @@ from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
 from services.worker.engine.config import EngineConfig
 from services.worker.engine import cpu_ops, huge_pages
 from services.worker.engine.fused_llama import FusedLlama
-from services.worker.engine.gemm import plain_linears, tune_linears
+from services.worker.engine.gemm import plain_linears, tune_linears, unmeasured_plans
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.outputs import TokenLogprobs
@@ -79,13 +79,15 @@ class ModelRunner:
         fused = FusedLlama.build(model) if config.fused_model else None
         kernel = config.cpu_kernels and device.type == "cpu"
         kernel = kernel and cpu_ops.load(config.tuning_cache_dir, config.cpu_isa)
-        if config.gemm_tuning and device.type == "cpu":
-            layers = fused.linears() if fused else plain_linears(model)
+        gemv = bool(kernel and config.gemv_kernel and cpu_ops.vector_path())
+        layers = (fused.linears() if fused else plain_linears(model)) if device.type == "cpu" else []
+        if config.gemm_tuning and layers:
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            gemv = bool(kernel and config.gemv_kernel and cpu_ops.vector_path())
             tune_linears(
                 layers, head, config.max_num_batched_tokens, config.max_num_seqs, config.tuning_cache_dir, gemv
             )
+        elif gemv and layers:
+            unmeasured_plans(layers)
         native = bool(kernel and fused and fused.use_native_ops(config.layer_stack))
         prefill = bool(kernel and cpu_ops.prefill_kernel_pays())
         num_blocks = kv_pool_blocks(config, model, device)

@@ -1,5 +1,6 @@
 """Weights that are coded blocks (a GGUF Q4_1 or Q8_0 tensor in float32): coded.py finds each block's scales and
-codes exactly or refuses the weight, and csrc/coded_gemm.cpp equals the panel GEMM on the float32 weight to the bit,
+codes exactly or refuses the weight, csrc/coded_recover.cpp finds the same (coded.py is its reference), and
+csrc/coded_gemm.cpp equals the panel GEMM on the float32 weight to the bit,
 for every ISA variant this CPU runs (the `kernels` fixture: one the CPU lacks is skipped, naming the flags)."""
 
 from __future__ import annotations
@@ -44,14 +45,13 @@ def test_recover_finds_each_blocks_scales_and_codes_exactly(bits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(
-    "case",
-    ["float32 values", "one value off by an ulp", "its last value off by an ulp", "K not a multiple of 32", "bfloat16"]
-    + ["a NaN", "a -0.0"],
-)
-def test_recover_refuses_a_weight_that_is_not_coded_blocks(bits, case):
-    w = coded_weight(bits, 40, 256)[0]  # 320 blocks: the last ones past the first pass
+NOT_CODED = ["float32 values", "one value off by an ulp", "its last value off by an ulp", "K not a multiple of 32"]
+NOT_CODED += ["bfloat16", "a NaN", "an infinity", "a -0.0"]
+
+
+def not_coded(bits: int, case: str) -> torch.Tensor:
+    """A weight of coded blocks spoilt as `case` says (320 blocks: the last ones past the reference's first pass)."""
+    w = coded_weight(bits, 40, 256)[0]
     if case == "float32 values":
         w = torch.randn(40, 256)
     elif case == "one value off by an ulp":
@@ -62,12 +62,46 @@ def test_recover_refuses_a_weight_that_is_not_coded_blocks(bits, case):
         w = w[:, :48].contiguous()
     elif case == "bfloat16":
         w = w.bfloat16()
-    elif case == "a NaN":
-        w[0, 0] = float("nan")
+    elif case in ("a NaN", "an infinity"):
+        w[0, 0] = float("nan" if case == "a NaN" else "inf")
     else:  # rebuilt as +0.0: equal as numbers, not to the bit
         w[5] = 0.0
         w[5, 3] = -0.0
-    assert RECOVER[bits](w) is None
+    return w
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", NOT_CODED)
+def test_recover_refuses_a_weight_that_is_not_coded_blocks(bits, case):
+    assert RECOVER[bits](not_coded(bits, case)) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernels_recover_each_blocks_scales_and_codes_as_the_reference(kernels, bits):
+    w, made = coded_weight(bits, 80, 256)
+    got = getattr(kernels, f"recover_q{bits}")(w)
+    assert len(got) == len(made)
+    for a, b in zip(got, made):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", NOT_CODED)
+def test_the_kernels_refuse_a_weight_that_is_not_coded_blocks(kernels, bits, case):
+    assert getattr(kernels, f"recover_q{bits}")(not_coded(bits, case)) == []
+
+
+def test_the_kernels_recover_the_bundled_models_codes_as_the_reference(kernels, engine_model):
+    """The first layer's seven weights and the embedding: the codes, scales and offsets the reference finds."""
+    layer = engine_model.model.layers[0]
+    weights = [(4, m.weight.detach()) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append((8, engine_model.get_input_embeddings().weight.detach()))
+    assert len(weights) == 8
+    for bits, w in weights:
+        got, want = getattr(kernels, f"recover_q{bits}")(w), RECOVER[bits](w)
+        assert want is not None and len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_q4_weight_is_not_taken_for_q8_codes():

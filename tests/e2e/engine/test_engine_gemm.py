@@ -335,3 +335,20 @@ def _q4_copy(w: torch.Tensor) -> torch.Tensor:
     if coded.recover_q4(w) is None:
         raise RuntimeError("not 4-bit blocks")
     return w.clone()
+
+
+def test_an_engine_that_does_not_measure_reads_coded_weights_as_codes_up_to_32_rows(make_engine):
+    """gemm_tuning off (make_engine's default): the bundled model's layers run on their 4-bit codes and its tied head on
+    its 8-bit ones at 1-32 rows, the decode steps, and F.linear beyond, with no measuring."""
+    runner = make_engine().runner
+    plans = [Plan(lin.conveyor_gemm_plan.kernels) for lin in runner.fused.linears()]
+    assert len(plans) == 4 * len(runner.fused.layers) + 1
+    for plan, codes in zip(plans, ["q4"] * (len(plans) - 1) + ["q8"]):
+        assert [plan.kernel_for(m) for m in (1, 2, 17, 32, 33, 512)] == [codes] * 4 + ["linear"] * 2
+
+
+def test_a_weight_that_is_not_coded_keeps_f_linear_when_nothing_is_measured(make_engine):
+    make_engine()  # the CPU kernels loaded, as at an engine's start
+    plain = tiny_model()[0]
+    assert gemm.unmeasured_plans([plain]) == 0
+    assert not hasattr(plain, "conveyor_gemm_plan") and "conveyor_coded" not in vars(plain)

@@ -9,4 +9,5 @@
 #include "gemv.cpp"
 #include "panel_gemm.cpp"
 #include "coded_gemm.cpp"
+#include "coded_recover.cpp"
 #include "layer_stack.cpp"
