@@ -11,8 +11,8 @@ the float16 numbers nearest (largest - smallest) / 15 as d; `recover_q8` tries t
 127; a weight is kept only if every value of every block is rebuilt exactly. Any other weight (a float32 or bfloat16
 checkpoint, another GGUF type) gets None and keeps its float32 kernels.
 
-The engine runs the same search in C++ (csrc/coded_recover.cpp, one pass over the weight: 0.4 s of one thread for
-the bundled model's layers against 2.5 s here, at every engine's start); this file is its reference, which the tests
+The engine runs the same search in C++ (csrc/coded_recover.cpp, one pass over the weight: 0.54 s of one thread for
+the bundled model's weights against 2.49 s here, at every engine's start); this file is its reference, which the tests
 hold it to, code for code.
 """
 

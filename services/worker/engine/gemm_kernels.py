@@ -49,7 +49,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 def _pack_coded(bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """w [N, K] -> csrc/coded_gemm.cpp's records of `bits`-bit codes; RuntimeError for a weight that is not such
-    blocks (found by csrc/coded_recover.cpp: coded.py's search, which is its reference, ~20x faster)."""
+    blocks (found by csrc/coded_recover.cpp: coded.py's search, its reference, in a fifth of the time)."""
 
     def pack_coded(w: torch.Tensor) -> torch.Tensor:
         if cpu_ops.active_isa() is None:

@@ -1,8 +1,8 @@
 // A float32 weight's blocks of 32 values as codes and scales, exactly, or an empty list where it is not such blocks:
 // the search coded.py describes and implements in torch (its reference, which the tests hold this to), in one pass
-// over the weight. Why here: torch's passes over a whole weight per candidate scale took 2.5 s of one thread for the
-// default SmolLM2 (every engine's start, before each GEMM plan can be keyed by whether its weight is coded); this
-// takes a fraction of a second. Registered as torch.ops.conveyor_<isa>.recover_q4 / recover_q8.
+// over the weight. Why here: torch's passes over a whole weight per candidate scale took 2.49 s of one thread for the
+// default SmolLM2's weights (every engine's start, before each GEMM plan can be keyed by whether its weight is
+// coded); this takes 0.54 s. Registered as torch.ops.conveyor_<isa>.recover_q4 / recover_q8.
 //
 // The numbers must be IEEE float32's, rounded as torch rounds them: the variant is built with -ffast-math, which
 // would turn the division into a multiply by a reciprocal, drop the finiteness checks and contract the product and
