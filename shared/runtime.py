@@ -20,8 +20,13 @@ from shared.settings import CommonSettings
 logger = logging.getLogger(__name__)
 
 
+QUIET_LIBRARIES = ("httpx", "httpcore")  # a line per HTTP request at INFO: the launcher's /ready polls filled the log
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    for name in QUIET_LIBRARIES:  # their warnings and errors still show
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def instance_id(settings: CommonSettings, service: str) -> str:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.conversation.routes import router as sessions_router
-from services.gateway.edge import log_redaction
+from services.gateway.edge import log_redaction, probe_log
 from services.gateway.edge.auth import OPEN_PATHS, ApiKeyAuth
 from services.gateway.edge.errors import GatewayError
 from services.gateway.edge.handlers import gateway_error_handler, http_error_handler, validation_error_handler
@@ -62,6 +62,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await core.stop()
 
     log_redaction.install([*settings.api_keys, *settings.admin_api_keys])  # before any request is logged
+    probe_log.install()  # a probe's polls logged when its answer changes (uvicorn's logging config keeps filters)
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.add_exception_handler(GatewayError, gateway_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)

@@ -4,37 +4,18 @@ the app's is captured as it is made, during requests that carry keys in the quer
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import httpx
 import pytest
-import uvicorn
 
-from services.gateway.app import create_app
 from shared.redis_server import free_port
 from shared.settings import GatewaySettings
 from tests.support.cache import CACHE_DIR
+from tests.support.gateway_log import logged_gateway
 from tests.support.inproc import mark_live
 from tests.support.waiting import wait_for
 
 KEY, ADMIN = "key-log-user-4242424242", "key-log-admin-1717171717"
 STRANGER = "key-not-configured-31337"  # a secret too, though not one of ours (a typo, another deployment's)
-LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "")  # "": the root, where the app's loggers propagate
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def lines(self) -> list[str]:
-        """The gateway's lines: not those of this test's own HTTP client."""
-        fmt = logging.Formatter("%(name)s %(message)s")
-        return [fmt.format(r) for r in self.records if not r.name.startswith(("httpx", "httpcore"))]
 
 
 @pytest.fixture
@@ -48,23 +29,9 @@ def gateway(redis_server, redis_client, names):
         admin_api_keys=[ADMIN],
         port=free_port(),
     )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="debug")
-    )
-    records = Records()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 60, what="the gateway started")
-    for name in LOGGERS:  # after uvicorn configured its loggers
-        logging.getLogger(name).addHandler(records)
     mark_live(redis_client, names)
-    try:
-        yield f"http://127.0.0.1:{settings.port}", records
-    finally:
-        for name in LOGGERS:
-            logging.getLogger(name).removeHandler(records)
-        server.should_exit = True
-        thread.join(30)
+    with logged_gateway(settings) as running:
+        yield running
 
 
 def _sent(url: str) -> list[httpx.Response]:
