@@ -82,16 +82,16 @@ bool recover_block(const float* b, void* codes, float* d_out, float* m_out) {
   const float m = kBits == 4 ? lo : 0.f;
   const float qmin = kBits == 4 ? 0.f : -127.f, qmax = kBits == 4 ? 15.f : 127.f;
   const uint16_t h = half_bits(kBits == 4 ? (hi - lo) / 15.f : amax / 127.f);
-  int q[kRecoverBlock];
+  float q[kRecoverBlock];
   for (const int step : kDSteps) {
     const float d = candidate(h, step), div = d > 0.f ? d : 1.f;
-    uint32_t differ = 0;  // the whole block without an early exit: the loop vectorizes
+    uint32_t differ = 0;  // the whole block without an early exit, in floats: the loop vectorizes
     for (int64_t k = 0; k < kRecoverBlock; ++k) {
       const float base = kBits == 4 ? b[k] - m : b[k];
       float r = __builtin_roundevenf(base / div);  // torch.round's ties to even; inlined, unlike nearbyint
-      r = r < qmin ? qmin : (r > qmax ? qmax : r);
-      q[k] = static_cast<int>(r);  // a rounded -0.0 is the code 0
-      const float prod = d * static_cast<float>(q[k]);  // rounded on its own (fp-contract off), as the file's was
+      r = (r < qmin ? qmin : (r > qmax ? qmax : r)) + 0.f;  // + 0: a rounded -0.0 is the code 0, as an integer
+      q[k] = r;
+      const float prod = d * r;  // rounded on its own (fp-contract off), as the file's converter did
       const float rebuilt = kBits == 4 ? prod + m : prod;
       differ |= bits_of(rebuilt) ^ bits_of(b[k]);  // to the bit: -0.0 is not 0.0
     }
