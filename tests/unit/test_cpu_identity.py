@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from services.worker.engine import cpu_ops, gemm
+from services.worker.engine import cpu_ops, gemm, gemm_store
 from services.worker.engine.cpu_info import CpuInfo, CpuSample, others_busy, parse_cpuinfo
 
 ZEN3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 fma f16c avx avx2 bmi1 bmi2 hypervisor"
@@ -67,12 +67,12 @@ def test_kernel_build_name_names_the_variant_and_differs_for_other_isa_flags():
 def test_a_gemm_plan_saved_on_a_cpu_with_other_flags_is_not_reused(tmp_path, monkeypatch):
     import torch
 
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
     monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN4.split())))
     store = gemm.PlanStore(tmp_path)
     store.put(gemm.key(48, 32, torch.float32, 4, gemm.offered(False)), gemm.PlanEntry(("packed",) * 4))
     store.save()
-    monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a CPU of the same name without AVX-512
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process, on a CPU of the same name without AVX-512
     monkeypatch.setattr(gemm, "this_cpu", lambda: CpuInfo("AMD EPYC", frozenset(ZEN3.split())))
     assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
 
@@ -80,11 +80,11 @@ def test_a_gemm_plan_saved_on_a_cpu_with_other_flags_is_not_reused(tmp_path, mon
 def test_a_gemm_plan_measured_with_other_kernel_sources_is_not_reused(tmp_path, monkeypatch):
     import torch
 
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
     store = gemm.PlanStore(tmp_path)
     store.put(gemm.key(48, 32, torch.float32, 4, gemm.offered(False)), gemm.PlanEntry(("panel",) * 4))
     store.save()
-    monkeypatch.setattr(gemm, "_memory", {})  # a new process, its kernels built from changed sources
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process, its kernels built from changed sources
     _change_kernel_sources(tmp_path, monkeypatch)
     assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, gemm.offered(False))) is None
 
@@ -94,12 +94,12 @@ def test_a_gemm_plan_measured_with_another_kernel_variant_is_not_reused(tmp_path
     import torch
 
     kernels = ("linear", "packed")  # the same offer under both variants: only the variant differs
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
     monkeypatch.setattr(cpu_ops, "_active", {"isa": "avx512"})
     store = gemm.PlanStore(tmp_path)
     store.put(gemm.key(48, 32, torch.float32, 4, kernels), gemm.PlanEntry(("packed",) * 4))
     store.save()
-    monkeypatch.setattr(gemm, "_memory", {})  # a new process on the same CPU, its kernels forced to `isa`
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process on the same CPU, its kernels forced to `isa`
     monkeypatch.setattr(cpu_ops, "_active", {"isa": isa})
     assert gemm.PlanStore(tmp_path).get(gemm.key(48, 32, torch.float32, 4, kernels)) is None
 
@@ -114,7 +114,7 @@ def test_a_gemm_plan_measured_with_the_libraries_held_to_another_isa_is_not_reus
     import torch
 
     kernels = ("linear", "packed")
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         monkeypatch.delenv(name, raising=False)
     before = gemm.key(48, 32, torch.float32, 4, kernels)

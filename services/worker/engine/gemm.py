@@ -21,17 +21,11 @@ for some M also holds that kernel's copy of the weight (gemm_kernels.COPIES: mem
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
-import os
-import tempfile
 import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -52,14 +46,18 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
     copy_for,
     offered,
 )
+from services.worker.engine.gemm_store import (  # noqa: F401 - the store's names, re-exported for callers
+    LOADED_SHARE,
+    MAX_TRIES,
+    PLAN_FILE,
+    PlanEntry,
+    PlanStore,
+    needs_measuring,
+)
 from shared.settings import library_isa_limits
 
 logger = logging.getLogger(__name__)
 
-# v13: keys carry the kernels' variant and the libraries' ISA limits; v12: the kernels' source digest
-# (cpu_ops.sources_digest: no more names bumped by hand at a kernel change); v11: avx512 panel tiles of 8 rows at
-# 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys name kernels)
-PLAN_FILE = "gemm-plan-v13.json"
 # Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
 # rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
 _REPS = 2
@@ -69,8 +67,6 @@ _REPS_FEW_ROWS = (8, 6)  # (up to this many rows, this many passes)
 # tests, >= 3 % (the plans' timing noise): at one row it draws 5-15 % more of the memory's bandwidth than MKL.
 _MARGIN = dict.fromkeys(("gemv", "gemv256", "gemv_near", "gemv256_near"), 0.97)
 _DEFAULT_MARGIN = 0.9
-LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
-MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
 
 
 @dataclass(frozen=True)
@@ -82,32 +78,6 @@ class Plan:
     def kernel_for(self, m: int) -> str:
         i = max(0, (m - 1).bit_length())  # ceil(log2(m)); m=1 -> 0
         return self.kernels[min(i, len(self.kernels) - 1)]
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """A measured plan and how: others_busy, the share of the cores other processes used meanwhile (None:
-    unknown, taken as quiet); tries, how many times this key has been measured."""
-
-    kernels: tuple[str, ...]
-    others_busy: float | None = None
-    tries: int = 1
-
-    @property
-    def provisional(self) -> bool:
-        """Measured under load, with tries left: to measure again once the machine is quiet."""
-        return self.others_busy is not None and self.others_busy >= LOADED_SHARE and self.tries < MAX_TRIES
-
-
-def needs_measuring(entry: PlanEntry | None, others_now: float | None) -> bool:
-    """Measure (again) at this start? Yes without a plan; yes for a provisional one when the machine is quiet
-    now (others_now: the share of the cores others use now; None, unknown: not quiet, keep the plan)."""
-    if entry is None:
-        return True
-    return entry.provisional and others_now is not None and others_now < LOADED_SHARE
-
-
-_memory: dict[str, PlanEntry] = {}  # this process's plans, by key()
 
 
 def key(out_features: int, in_features: int, dtype: torch.dtype, buckets: int, kernels: tuple[str, ...]) -> str:
@@ -214,79 +184,6 @@ def _try_copy(name: str, module: nn.Linear) -> torch.Tensor | None:
         log = logger.debug if name in SMALL_COPIES else logger.info
         log("GEMM weight copy for %s unavailable for %s %s: %s", name, tuple(w.shape), w.dtype, e)
         return None
-
-
-class PlanStore:
-    """Plans in memory, backed by one JSON file (written atomically; unreadable = measure again)."""
-
-    def __init__(self, cache_dir: Path | str | None):
-        self.path = Path(cache_dir) / PLAN_FILE if cache_dir else None
-        self._disk: dict[str, PlanEntry] = {}
-        self._load()
-
-    def _load(self) -> None:
-        if self.path is None or not self.path.exists():
-            return
-        try:
-            self._disk = {k: e for k, v in json.loads(self.path.read_text()).items() if (e := _entry(v)) is not None}
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            logger.warning("ignoring unreadable GEMM plan file %s: %s", self.path, e)
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the plan file's lock (a no-op without a file), then see what others saved meanwhile."""
-        if self.path is None:
-            yield
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(self.path.with_suffix(".lock"), "a")
-        except OSError as e:
-            logger.warning("cannot lock %s (%s): measuring without the lock", self.path, e)
-            yield
-            return
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-            self._load()
-            yield
-
-    def get(self, k: str) -> PlanEntry | None:
-        """The disk's entry wins over this process's memory: another process may have re-measured it."""
-        if k in self._disk:
-            _memory[k] = self._disk[k]
-        return _memory.get(k)
-
-    def put(self, k: str, entry: PlanEntry) -> None:
-        _memory[k] = entry
-        self._disk[k] = entry
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gemm-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump({k: _entry_json(e) for k, e in self._disk.items()}, f, indent=0)
-            os.replace(tmp, self.path)  # atomic: concurrent workers never read half a file
-        except OSError as e:
-            logger.warning("cannot save the GEMM plan to %s (it will be measured again next start): %s", self.path, e)
-
-
-def _entry(v: object) -> PlanEntry | None:
-    """A file entry read back; None for anything malformed (that key is measured again)."""
-    if not isinstance(v, dict):
-        return None
-    kernels, busy, tries = v.get("kernels"), v.get("others_busy"), v.get("tries")
-    if not (isinstance(kernels, list) and kernels and all(n in KERNELS for n in kernels)):
-        return None
-    if not (busy is None or isinstance(busy, (int, float))) or not (isinstance(tries, int) and tries >= 1):
-        return None
-    return PlanEntry(tuple(kernels), busy, tries)
-
-
-def _entry_json(e: PlanEntry) -> dict:
-    return {"kernels": list(e.kernels), "others_busy": e.others_busy, "tries": e.tries}
 
 
 def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.engine import coded, cpu_ops, gemm
+from services.worker.engine import coded, cpu_ops, gemm, gemm_store
 from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
 
 
 @pytest.fixture(autouse=True)
 def fresh_memory(monkeypatch):
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
 
 
 def tiny_model() -> nn.Module:
@@ -136,7 +136,7 @@ def test_measured_plan_is_saved_and_a_restart_reuses_it_without_measuring(tmp_pa
     tune(first, 64, tmp_path)
     assert (tmp_path / PLAN_FILE).exists()
     plans = [m.conveyor_gemm_plan for m in first.modules() if isinstance(m, nn.Linear)]
-    monkeypatch.setattr(gemm, "_memory", {})  # a new process
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process
     monkeypatch.setattr(gemm, "measure", lambda *a: pytest.fail("measured again despite the saved plan"))
     second = tiny_model()
     tune(second, 64, tmp_path)
@@ -154,7 +154,7 @@ def test_unreadable_plan_file_is_measured_again_and_rewritten(tmp_path):
 def test_tuning_keeps_the_tied_output_head_sharing_the_embedding(engine_model, monkeypatch):
     """Even with a plan that holds a packed copy of the head: the copy is beside the weight, never instead of it.
     (The plans are given, not measured: measuring the model's seven buckets took 37 s of the suite.)"""
-    monkeypatch.setattr(gemm, "_memory", {})  # this process's other engine tests never see these plans
+    monkeypatch.setattr(gemm_store, "_memory", {})  # this process's other engine tests never see these plans
     monkeypatch.setattr(gemm, "measure", lambda targets, kernels: {k: ("packed",) * b for _, k, b in targets})
     head = engine_model.get_output_embeddings()
     tune_linears(plain_linears(engine_model), head, 64, 64, None)
@@ -201,14 +201,14 @@ def test_a_plan_measured_under_load_is_measured_again_at_the_next_quiet_start(tm
     monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.9)  # others kept 90 % of the cores busy
     tune(tiny_model(), 16, tmp_path)
     assert all(e["others_busy"] == 0.9 and e["tries"] == 1 for e in saved_entries(tmp_path))
-    monkeypatch.setattr(gemm, "_memory", {})  # a new process, on a quiet machine
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process, on a quiet machine
     monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.0)
     monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.02)
     calls = measured_counts(monkeypatch)
     tune(tiny_model(), 16, tmp_path)
     assert calls == [2]  # both layers' shapes
     assert all(e["others_busy"] == 0.02 and e["tries"] == 2 for e in saved_entries(tmp_path))
-    monkeypatch.setattr(gemm, "_memory", {})  # measured quiet: the next start only reads it
+    monkeypatch.setattr(gemm_store, "_memory", {})  # measured quiet: the next start only reads it
     tune(tiny_model(), 16, tmp_path)
     assert calls == [2]
 
@@ -216,7 +216,7 @@ def test_a_plan_measured_under_load_is_measured_again_at_the_next_quiet_start(tm
 def test_a_plan_measured_under_load_is_kept_while_starts_find_the_machine_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm, "others_busy", lambda before, after: 0.9)
     tune(tiny_model(), 16, tmp_path)
-    monkeypatch.setattr(gemm, "_memory", {})
+    monkeypatch.setattr(gemm_store, "_memory", {})
     monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.7)
     calls = measured_counts(monkeypatch)
     tune(tiny_model(), 16, tmp_path)
@@ -228,7 +228,7 @@ def test_a_plan_measured_under_load_every_time_is_kept_after_the_last_try(tmp_pa
     monkeypatch.setattr(gemm, "others_busy_now", lambda: 0.0)  # yet quiet at every start
     calls = measured_counts(monkeypatch)
     for _ in range(gemm.MAX_TRIES + 2):
-        monkeypatch.setattr(gemm, "_memory", {})
+        monkeypatch.setattr(gemm_store, "_memory", {})
         tune(tiny_model(), 16, tmp_path)
     assert calls == [2] * gemm.MAX_TRIES
     assert all(e["tries"] == gemm.MAX_TRIES for e in saved_entries(tmp_path))
