@@ -194,13 +194,7 @@ def hf_model(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    # Every object alive now (the collected tests, torch, transformers, this model) is moved out of the collector's
-    # sight: the full collections make_engine runs around each engine then scan only what came after (0.2-0.3 s
-    # each over ~400,000 objects, 18 % of the engine tests' time before). No engine exists yet to be frozen alive.
-    gc.collect()
-    gc.freeze()
-    return model
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
