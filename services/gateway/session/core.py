@@ -9,7 +9,6 @@ hold nothing anyone could take over.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -23,6 +22,7 @@ from services.gateway.session.admission import Admission
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.feed_hub import FeedHub
 from services.gateway.session.handle import RequestHandle
+from services.gateway.session.received import Placement, input_layer, received_event, sampling_of, stop_strings
 from services.gateway.session.replies import ReplyReader
 from services.gateway.text.logprobs import TokenStrings
 from services.gateway.session.metrics import GatewayMetrics
@@ -30,7 +30,7 @@ from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import active, finish_trace, published, refused, start_trace
 from shared.context_store import ContextStore
 from shared.errors import FatalError
-from shared.events import CancelRequested, Cancelled, ChatMessage, Constraint, RequestReceived, Sampling, TimedOut
+from shared.events import CancelRequested, Cancelled, Constraint, TimedOut
 from shared.lifecycle import Lifecycle, Publish, State
 from shared import liveness
 from shared.epoch import DatasetEpoch
@@ -200,76 +200,25 @@ class GatewayCore(ReplyReader):
             )
         rid = request_id or uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
-        timeout = req.timeout or self.s.request_timeout_s
-        sampling = Sampling(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(0, req.top_k),
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
-            seed=req.seed,
-            min_tokens=req.min_tokens,
-            stop_token_ids=tuple(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            logprobs=req.logprobs,
-            prompt_logprobs=req.prompt_logprobs,
-            constraint=constraint,
-            logit_bias=tuple(sorted((int(t), b) for t, b in (req.logit_bias or {}).items())),
-        )
-        messages = tuple(ChatMessage(m.role, m.content) for m in req.messages) if req.messages else None
+        deadline = now + (req.timeout or self.s.request_timeout_s)
+        sampling = sampling_of(req, max_tokens, constraint)
         rt = start_trace(rid, req, sampling, self.model_name, route, traceparent, t0)  # honours the client's
-        ev = RequestReceived(
-            request_id=rid,
+        placement = Placement(group_id, group_size, session, session_worker)
+        ev = received_event(
+            req,
+            rid,
+            sampling,
             reply_to=self.reply_to,
-            prompt=req.prompt,
-            messages=messages,
-            prompt_token_ids=tuple(req.prompt_token_ids or ()),
-            truncate_prompt_tokens=req.truncate_prompt_tokens or 0,
-            sampling=sampling,
-            priority=req.priority,
-            deadline=now + timeout,
-            adaptive_deadline=req.timeout is None,
             received_at=now,
+            deadline=deadline,
             traceparent=rt.publish_tp,
-            group_id=group_id,
-            group_size=group_size,
             tools=tools,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template_kwargs=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "",
-            session=session,
-            session_worker=session_worker,
+            placement=placement,
         )
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), now + timeout, t0)
-        handle.trace = rt
-        handle.session = session
-        handle.epoch = self.epoch.known
-        handle.logprobs = [] if req.logprobs is not None else None
-        self.handles[rid] = handle  # before publishing: the first reply may come back at once
-        meta = {
-            "model": self.model_name,
-            "priority": req.priority,
-            "deadline": now + timeout,
-            "timeout": req.timeout,
-            "deadline_source": "adaptive" if req.timeout is None else "client",
-            "reply_to": self.reply_to,
-            "gateway": self.id,
-            "stream": req.stream,
-            "traceparent": rt.traceparent,
-            "owner": owner,
-            **(extra_meta or {}),
-        }
-        input_ = {
-            "prompt": req.prompt,
-            "prompt_token_ids": req.prompt_token_ids,
-            "messages": [m.model_dump() for m in req.messages] if req.messages else None,
-            "sampling": {k: getattr(sampling, k) for k in sampling.__struct_fields__},
-            "stop": stops,
-        }
+        stops = stop_strings(req)
+        handle = self._open_handle(rid, rt, stops, deadline, t0, session, req.logprobs is not None)
+        meta = self._meta_layer(req, deadline, rt.traceparent, owner, extra_meta)
+        input_ = input_layer(req, sampling, stops)
         try:
             await self.admission.create(rid, meta, input_, ev)
         except BaseException as e:
@@ -279,6 +228,31 @@ class GatewayCore(ReplyReader):
         handle.created()
         published(rt, rid, self.names.received_stream(self.names.partition(rid)))
         return handle
+
+    def _open_handle(self, rid, trace, stops, deadline, t0, session, logprobs: bool) -> RequestHandle:
+        handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), deadline, t0)
+        handle.trace = trace
+        handle.session = session
+        handle.epoch = self.epoch.known
+        handle.logprobs = [] if logprobs else None
+        self.handles[rid] = handle  # before publishing: the first reply may come back at once
+        return handle
+
+    def _meta_layer(self, req: GenerateRequest, deadline: float, traceparent: str, owner: str, extra) -> dict:
+        """The context's meta layer: who asked, through which gateway, by when (owner: the caller's key id)."""
+        return {
+            "model": self.model_name,
+            "priority": req.priority,
+            "deadline": deadline,
+            "timeout": req.timeout,
+            "deadline_source": "adaptive" if req.timeout is None else "client",
+            "reply_to": self.reply_to,
+            "gateway": self.id,
+            "stream": req.stream,
+            "traceparent": traceparent,
+            "owner": owner,
+            **(extra or {}),
+        }
 
     def release(self, handle: RequestHandle) -> None:
         """Forget a request whose client has its answer (or left); its Prometheus figures move here, once. A

@@ -131,6 +131,47 @@ def check_chat_options(body: GenerateRequest) -> None:
         raise InvalidRequest(f"{param}: {problem[1]}", param, "invalid_value")
 
 
+def check_body(body: GenerateRequest, vocab: int, max_len: int) -> None:
+    """What accept checks before anything is created: one prompt form, the chat options, and every token id (the
+    prompt's, the stop ids, logit_bias's) within the vocabulary (raises InvalidRequest naming the field)."""
+    given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(body, f) is not None]
+    if len(given) != 1:
+        which = f"{' and '.join(given)} were given" if given else "none was given"
+        raise InvalidRequest(
+            f"give exactly one of prompt, messages or prompt_token_ids ({which})", "prompt", "prompt_or_messages"
+        )
+    check_chat_options(body)
+    if body.truncate_prompt_tokens == 0:
+        raise InvalidRequest(
+            "truncate_prompt_tokens: must be -1 or at least 1 (got 0)", "truncate_prompt_tokens", "invalid_value"
+        )
+    check_token_prompt(body.prompt_token_ids, vocab, max_len, body.truncate_prompt_tokens)
+    if any(t >= vocab for t in body.stop_token_ids):
+        raise InvalidRequest(
+            f"stop_token_ids: every id must be below the vocabulary size {vocab}",
+            "stop_token_ids",
+            "token_id_out_of_range",
+        )
+    if any(int(t) >= vocab for t in body.logit_bias or {}):
+        raise InvalidRequest(
+            f"logit_bias: every token id must be below the vocabulary size {vocab}",
+            "logit_bias",
+            "token_id_out_of_range",
+        )
+
+
+def max_tokens_of(body: GenerateRequest, default: int | None, s, max_len: int) -> int:
+    """The request's output budget: its max_tokens, or the API's default within the limit (raises InvalidRequest
+    above the limit: the settings' max_tokens_limit, and the context window less one prompt token)."""
+    limit = min(s.max_tokens_limit, max_len - 1) if max_len else s.max_tokens_limit
+    max_tokens = body.max_tokens or min(default or s.default_max_tokens, limit)
+    if max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens", "max_tokens_too_large"
+        )
+    return max_tokens
+
+
 async def accept(
     core: GatewayCore,
     request: Request,
@@ -144,37 +185,8 @@ async def accept(
     """Validate, apply back-pressure and submit; returns the handle to drive (raises GatewayError). constraint and
     tools: what openai.structured_output.plan_chat decided (already checked). choice: a choice of an n > 1 request
     (accept_choices) gives its request_id, group_id, group_size and traceparent."""
-    given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(body, f) is not None]
-    if len(given) != 1:
-        which = f"{' and '.join(given)} were given" if given else "none was given"
-        raise InvalidRequest(
-            f"give exactly one of prompt, messages or prompt_token_ids ({which})", "prompt", "prompt_or_messages"
-        )
-    check_chat_options(body)
-    vocab = len(core.tokenizer)  # the worker would refuse an id beyond it, as its own error (a 500)
-    if body.truncate_prompt_tokens == 0:
-        raise InvalidRequest(
-            "truncate_prompt_tokens: must be -1 or at least 1 (got 0)", "truncate_prompt_tokens", "invalid_value"
-        )
-    check_token_prompt(body.prompt_token_ids, vocab, core.max_len, body.truncate_prompt_tokens)
-    if any(t >= vocab for t in body.stop_token_ids):
-        raise InvalidRequest(
-            f"stop_token_ids: every id must be below the vocabulary size {vocab}",
-            "stop_token_ids",
-            "token_id_out_of_range",
-        )
-    if any(int(t) >= vocab for t in body.logit_bias or {}):
-        raise InvalidRequest(
-            f"logit_bias: every token id must be below the vocabulary size {vocab}",
-            "logit_bias",
-            "token_id_out_of_range",
-        )
-    limit = min(core.s.max_tokens_limit, core.max_len - 1) if core.max_len else core.s.max_tokens_limit
-    max_tokens = body.max_tokens or min(default_max_tokens or core.s.default_max_tokens, limit)
-    if max_tokens > limit:
-        raise InvalidRequest(
-            f"max_tokens: must be at most {limit} (got {max_tokens})", "max_tokens", "max_tokens_too_large"
-        )
+    check_body(body, len(core.tokenizer), core.max_len)  # the worker would refuse an id beyond it, as a 500
+    max_tokens = max_tokens_of(body, default_max_tokens, core.s, core.max_len)
     if caller(request) and not is_admin(request) and body.priority < core.s.priority_floor:
         # An urgent priority is an entitlement: one key at -1000 would starve every other key until their timeouts.
         extra_meta = {**(extra_meta or {}), "priority_requested": body.priority}

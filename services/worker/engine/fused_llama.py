@@ -302,18 +302,7 @@ class FusedLlama:
         through the kernel its GEMM plan picked for this many rows (the last layer's tail: for the kept rows), so
         the same bits."""
         if self._stack is None:
-            linears = [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
-            weights = [
-                w
-                for x in self.layers
-                for w in (x.qkv.weight, x.o.weight, x.gate_up.weight, x.down.weight, x.norm1[0], x.norm2[0])
-            ]
-            copies = [getattr(lin, "conveyor_copies", {}) for lin in linears]  # gemm.apply_plan's
-            packed, panels = ([c.get(n) for c in copies] for n in ("packed", "panel"))
-            coded = [c.get("q4", c.get("q8")) for c in copies]  # a weight is one or the other (coded.py)
-            windows = [x.window or 0 for x in self.layers]
-            biases = [lin.bias for lin in linears]
-            self._stack = (linears, weights, biases, packed, panels, coded, windows, self.layers[0].norm1[1])
+            self._stack = self._stack_arguments()
         linears, weights, biases, packed, panels, coded, windows, eps = self._stack
         t, cache, d = h.shape[0], meta.kv_cache, meta.decode
         codes = self._codes(linears, t)
@@ -348,6 +337,21 @@ class FusedLlama:
             tail,
         )
         return h if keep is None else h.index_select(0, keep)
+
+    def _stack_arguments(self) -> tuple:
+        """The layer stack's per-layer lists, gathered once (the plans' copies are made before the first forward)."""
+        linears = [lin for x in self.layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
+        weights = [
+            w
+            for x in self.layers
+            for w in (x.qkv.weight, x.o.weight, x.gate_up.weight, x.down.weight, x.norm1[0], x.norm2[0])
+        ]
+        copies = [getattr(lin, "conveyor_copies", {}) for lin in linears]  # gemm.apply_plan's
+        packed, panels = ([c.get(n) for c in copies] for n in ("packed", "panel"))
+        coded = [c.get("q4", c.get("q8")) for c in copies]  # a weight is one or the other (coded.py)
+        windows = [x.window or 0 for x in self.layers]
+        biases = [lin.bias for lin in linears]
+        return linears, weights, biases, packed, panels, coded, windows, self.layers[0].norm1[1]
 
     def _codes(self, linears: list[nn.Linear], rows: int) -> list[int]:
         """Each linear's kernel code at this many rows, kept per bucket of rows (the plans' granularity)."""

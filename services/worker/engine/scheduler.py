@@ -208,7 +208,6 @@ class Scheduler:
             if self._held(seq, computing):
                 held.append(self.waiting.popleft())
                 continue
-            hits: list[int] = []
             if (key := self.sessions.key_of(seq)) and not self.sessions.prepare(seq, key) and self.running:
                 if (back := self._preempt_for_first_token(seq, self.sessions.blocks_to_swap_in(key), batch)) >= 0:
                     budget += back
@@ -216,14 +215,7 @@ class Scheduler:
                 if self._first_token_to_front():
                     continue
                 break  # its KV waits in the tier until a running request ends and leaves the room to swap it in
-            if self.blocks.enable_prefix_caching:
-                # hash full blocks, but never serve the block holding the last token from cache:
-                # that token must be computed to get the next token's logits.
-                extend_block_hashes(seq.token_ids, seq.block_hashes, bs, seq.num_tokens)
-                limit = (seq.num_tokens - 1) // bs
-                if (cap := max_cached_tokens(seq)) is not None:  # it needs those positions' logits computed
-                    limit = min(limit, cap // bs)
-                hits = self.blocks.lookup_prefix(seq.block_hashes, limit)
+            hits = self._prefix_hits(seq)
             cached = len(hits) * bs
             n = self._chunk(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_for(cached + n) - len(hits)
@@ -236,28 +228,45 @@ class Scheduler:
                 if self._first_token_to_front():
                     continue
                 break  # head of line waits for blocks
-            self.blocks.acquire(hits)
-            if key:
-                self.sessions.resumed(key)
-            if seq.session_id and seq.status == SequenceStatus.WAITING:
-                self.sessions.admitted(seq.session_id)
-            self.blocks.record_query(seq.num_tokens, cached)
-            seq.block_table = hits + self.blocks.allocate(need)
-            seq.num_computed_tokens = cached
-            if seq.status == SequenceStatus.WAITING:
-                # What the request reused: its first admission's hits, prompt tokens only. After a preemption
-                # it finds its own blocks again (outputs too): recomputation saved, not a reuse to report.
-                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
-            seq.num_registered_blocks = len(hits)
-            seq.admitted_tokens = seq.num_tokens
-            self.waiting.popleft()
-            self.running.append(seq)
-            seq.status = SequenceStatus.PREFILLING
+            self._start_prefill(seq, hits, need, key)
             batch.transitions.append((seq.request_id, State.PREFILLING))
             batch.items.append((seq, n))
             budget -= n
             self._note_prefill(seq, computing)
         self.waiting.extendleft(reversed(held))
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """The pool blocks already holding seq's leading full blocks (prefix caching), never the block of its last
+        token: that token must be computed to get the next token's logits."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        bs = self.blocks.block_size
+        extend_block_hashes(seq.token_ids, seq.block_hashes, bs, seq.num_tokens)
+        limit = (seq.num_tokens - 1) // bs
+        if (cap := max_cached_tokens(seq)) is not None:  # it needs those positions' logits computed
+            limit = min(limit, cap // bs)
+        return self.blocks.lookup_prefix(seq.block_hashes, limit)
+
+    def _start_prefill(self, seq: Sequence, hits: list[int], need: int, key: str) -> None:
+        """The head of the line moves to running: its cached blocks held, `need` more allocated."""
+        cached = len(hits) * self.blocks.block_size
+        self.blocks.acquire(hits)
+        if key:
+            self.sessions.resumed(key)
+        if seq.session_id and seq.status == SequenceStatus.WAITING:
+            self.sessions.admitted(seq.session_id)
+        self.blocks.record_query(seq.num_tokens, cached)
+        seq.block_table = hits + self.blocks.allocate(need)
+        seq.num_computed_tokens = cached
+        if seq.status == SequenceStatus.WAITING:
+            # What the request reused: its first admission's hits, prompt tokens only. After a preemption
+            # it finds its own blocks again (outputs too): recomputation saved, not a reuse to report.
+            seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+        seq.num_registered_blocks = len(hits)
+        seq.admitted_tokens = seq.num_tokens
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SequenceStatus.PREFILLING
 
     def _preempt_for_first_token(
         self, seq: Sequence, need: int, batch: ScheduledBatch, hits: list[int] | None = None
