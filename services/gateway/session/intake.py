@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from services.gateway.session.handle import RequestHandle
     from services.gateway.session.request import GenerateRequest
     from shared.events import Constraint
+    from shared.settings import GatewaySettings
 
 
 async def accept_choices(
@@ -160,7 +161,7 @@ def check_body(body: GenerateRequest, vocab: int, max_len: int) -> None:
         )
 
 
-def max_tokens_of(body: GenerateRequest, default: int | None, s, max_len: int) -> int:
+def max_tokens_of(body: GenerateRequest, default: int | None, s: GatewaySettings, max_len: int) -> int:
     """The request's output budget: its max_tokens, or the API's default within the limit (raises InvalidRequest
     above the limit: the settings' max_tokens_limit, and the context window less one prompt token)."""
     limit = min(s.max_tokens_limit, max_len - 1) if max_len else s.max_tokens_limit
