@@ -279,6 +279,10 @@ def report(stats: dict, outcomes: Counter) -> None:
         print(f"  {n:7d}  {key}")
 
 
+def minutes(pts: list[tuple[float, float, str]], unit: float) -> tuple[list[float], list[float]]:
+    return [t / 60 for t, _, _ in pts], [v / unit for _, v, _ in pts]
+
+
 def plot(samples: list[dict], args, path: Path) -> Path | None:
     try:
         import matplotlib
@@ -290,15 +294,19 @@ def plot(samples: list[dict], args, path: Path) -> Path | None:
         return None
     s = series(samples)
     fig, (top, bottom, lat) = plt.subplots(3, 1, sharex=True, figsize=(9, 8))
-    for ax, name, label, k in (
-        (top, "redis used_memory", "Redis used_memory (MiB)", MIB),
-        (bottom, "rss gateway", "gateway RSS (MiB)", MIB),
-        (lat, "latency p99_s", "request latency p99 (s), per interval", 1),
-    ):
-        pts = s.get(name, [])
-        ax.plot([t / 60 for t, _, _ in pts], [v / k for _, v, _ in pts], marker=".")
-        ax.set_ylabel(label)
-        ax.axvline(args.warmup * args.duration / 60, color="grey", ls="--", lw=0.8)  # end of warm-up
+    top.plot(*minutes(s.get("redis used_memory", []), MIB), marker=".")
+    top.set_ylabel("Redis used_memory (MiB)")
+    warm_min = args.warmup * args.duration / 60
+    for name in sorted(n for n in s if n.startswith("rss ") and n != "rss redis"):  # each from the end of warm-up
+        t, v = minutes(s[name], MIB)
+        base = next((x for m, x in zip(t, v) if m >= warm_min), v[-1])
+        bottom.plot(t, [x - base for x in v], label=name.removeprefix("rss "), lw=1)
+    bottom.set_ylabel("RSS change after warm-up (MiB)")
+    bottom.legend(fontsize=7, ncol=3)
+    lat.plot(*minutes(s.get("latency p99_s", []), 1), marker=".")
+    lat.set_ylabel("request latency p99 (s), per interval")
+    for ax in (top, bottom, lat):
+        ax.axvline(warm_min, color="grey", ls="--", lw=0.8)  # end of warm-up
         ax.axvline(args.duration / 60, color="grey", ls=":", lw=0.8)  # end of load
         ax.grid(alpha=0.3)
     keys = s.get("redis keys", [])
