@@ -189,15 +189,19 @@ def take_sample(
     return sample
 
 
-async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, interval: float) -> None:
-    t0 = state["t0"]
+async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, interval: float, seed: int) -> None:
+    """One sample in each interval of a grid from t0 (no drift), at a random point of it: the cluster's own periodic
+    work (the janitor's 10 s sweeps: ended contexts run from the cap to the cap + 10 s of endings between two) would
+    otherwise be seen at one phase, drifting slowly, and a phase's wrap read as a step (docs/benchmarks.md, issue 29)."""
+    t0, rng, k = state["t0"], random.Random(seed), 0
     while True:
         ended, load.latencies = load.latencies, []
         s = await asyncio.to_thread(
             take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()), ended
         )
         samples.append(s)
-        await asyncio.sleep(interval - (time.monotonic() - t0) % interval)  # no drift: on the interval's grid
+        k = max(k + 1, int((time.monotonic() - t0) // interval) + 1)  # the next interval not yet begun
+        await asyncio.sleep(max(0.0, t0 + (k + rng.random()) * interval - time.monotonic()))
 
 
 async def soak(cluster: ConveyorUp, redis_srv: RedisServer, args) -> tuple[list[dict], Counter]:
@@ -205,7 +209,7 @@ async def soak(cluster: ConveyorUp, redis_srv: RedisServer, args) -> tuple[list[
     state = {"t0": time.monotonic(), "phase": "load"}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        sampling = asyncio.create_task(sampler(cluster, redis_srv, load, state, samples, args.interval))
+        sampling = asyncio.create_task(sampler(cluster, redis_srv, load, state, samples, args.interval, args.seed))
         clients = [asyncio.create_task(load.client_loop(client, i)) for i in range(args.clients)]
         await asyncio.sleep(args.duration)
         load.stopping.set()  # no new requests; the ones in flight finish (short max_tokens)

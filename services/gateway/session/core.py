@@ -109,9 +109,6 @@ class GatewayCore(ReplyReader):
         self.replies_read_to = 0.0
         self.replies_read_id: bytes | str | None = None  # the last reply entry read (the stream is trimmed to it)
         self._trimmed_to: bytes | str | None = None
-        Gauge(
-            "conveyor:gateway_open_requests", "requests this gateway holds a client for", registry=self.metrics.registry
-        ).set_function(lambda: len(self.handles))
         # The dashboards' one reader of the lifecycle feed, with a connection of its own (its XREAD blocks).
         self.feed_hub = FeedHub(
             lambda: async_client(settings, 1, settings.redis_pool_timeout_s),
@@ -119,6 +116,13 @@ class GatewayCore(ReplyReader):
             settings.read_block_ms,
             settings.dashboard_queue_events,
         )
+        self._gauges()
+
+    def _gauges(self) -> None:
+        """The gauges Prometheus reads from the core's own structures at each scrape."""
+        Gauge(
+            "conveyor:gateway_open_requests", "requests this gateway holds a client for", registry=self.metrics.registry
+        ).set_function(lambda: len(self.handles))
         Gauge(
             "conveyor:gateway_dashboard_connections",
             "dashboards connected to this gateway's event stream",
