@@ -200,8 +200,15 @@ async def sampler(cluster, redis_srv, load: Load, state: dict, samples: list, in
             take_sample, cluster, redis_srv, t0, state["phase"], sum(load.outcomes.values()), ended
         )
         samples.append(s)
-        k = max(k + 1, int((time.monotonic() - t0) // interval) + 1)  # the next interval not yet begun
-        await asyncio.sleep(max(0.0, t0 + (k + rng.random()) * interval - time.monotonic()))
+        k, at = next_sample(k, time.monotonic() - t0, interval, rng)
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+
+
+def next_sample(k: int, elapsed: float, interval: float, rng: random.Random) -> tuple[int, float]:
+    """After the sample of interval k, taken with `elapsed` seconds gone: the next interval not yet over, and the
+    time (from t0) of its sample, at a random point of it (at once where that point has passed)."""
+    k = max(k + 1, int(elapsed // interval))
+    return k, max(elapsed, (k + rng.random()) * interval)
 
 
 async def soak(cluster: ConveyorUp, redis_srv: RedisServer, args) -> tuple[list[dict], Counter]:
