@@ -13,7 +13,8 @@ engine (huge_pages.advise). Passes alternate across the kernels
 ratio to F.linear, next to a read of a 1 GiB tensor on the same threads (torch.sum: the memory's read rate).
 With --baseline REV the panel GEMM as it was at git revision REV is built too (decode_attention.build_baseline: same
 flags, a namespace of its own) and measured in the same passes, on its own panel copies (`panel@REV`, and on avx512
-`panel8@REV`: a revision from before the 8-row tiles' `wide` cannot run it).
+`panel8@REV`: a revision from before the 8-row tiles' `wide` cannot run it), and its GEMM on codes (`coded@REV`, on
+its own records; a revision from before csrc/coded_gemm.cpp has none).
 
 Run: flock /tmp/conveyor-bench.lock .venv/bin/python -m benchmarks.gemv [--rows 1,2,4,8,16,32,64,128] [--passes 7]
      [--baseline REV]
@@ -49,24 +50,33 @@ def kernels(cache_dir: str) -> dict:
     if cpu_ops.active_isa() == "avx512":  # tiles of 8 rows at any row count (gemm_kernels' panel8)
         out["panel8"] = (lambda x, w, c: cpu_ops.ops().panel_gemm(x, c, None, w.shape[0], True), "panel", None)
     if cpu_ops.vector_path():  # the codes where the weight is such blocks, else the panel GEMM
-        out["coded"] = (_coded, "coded|panel", None)
+        out["coded"] = (_coded_by(cpu_ops.ops()), "coded|panel", None)
     return out
 
 
-def _coded_or_panels(w: torch.Tensor) -> tuple[str, torch.Tensor]:
-    for kind in gemm.SMALL_COPIES:
-        try:
-            return kind, gemm.COPIES[kind](w)
-        except RuntimeError:
-            continue
-    return "panel", gemm.COPIES["panel"](w)
+def _coded_copy(ops):
+    """w -> (bits, copy) by a build's ops: its records of w's codes (q4, else q8; coded_recover.cpp finds them), or
+    (0, its panel copy) for a weight that is not such blocks."""
+
+    def make(w: torch.Tensor) -> tuple[int, torch.Tensor]:
+        for bits in (4, 8):
+            if found := getattr(ops, f"recover_q{bits}")(w):
+                return bits, getattr(ops, f"pack_q{bits}")(*found)
+        return 0, ops.pack_panels(w)
+
+    return make
 
 
-def _coded(x: torch.Tensor, w: torch.Tensor, c: tuple[str, torch.Tensor]) -> torch.Tensor:
-    kind, copy = c
-    if kind == "panel":
-        return cpu_ops.ops().panel_gemm(x, copy, None, w.shape[0], cpu_ops.active_isa() == "avx512")
-    return gemm.KERNELS[kind](x, w, None, copy)
+def _coded_by(ops):
+    """A build's GEMM on the codes of _coded_copy's copy, its panel GEMM on any other weight."""
+
+    def run(x: torch.Tensor, w: torch.Tensor, c: tuple[int, torch.Tensor]) -> torch.Tensor:
+        bits, copy = c
+        if not bits:
+            return ops.panel_gemm(x, copy, None, w.shape[0], cpu_ops.active_isa() == "avx512")
+        return ops.coded_gemm(x, copy, None, w.shape[0], bits)
+
+    return run
 
 
 def _gemv(ops, far_lines: int):
@@ -94,7 +104,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--passes", type=int, default=7)
-    ap.add_argument("--baseline", help="a git revision whose panel GEMM to measure beside this tree's")
+    ap.add_argument(
+        "--baseline", help="a git revision whose panel GEMM and GEMM on codes to measure beside this tree's"
+    )
     args = ap.parse_args()
     s = CommonSettings()
     engine = LLMEngine.from_model_dir(
@@ -103,7 +115,9 @@ def main() -> None:
     )
     weights = [lin.weight.detach() for lin in engine.runner.fused.linears()]
     fns = kernels(str(s.cache_dir))
-    makers = dict(gemm.COPIES) | {"coded|panel": _coded_or_panels}
+    makers = dict(gemm.COPIES)
+    if cpu_ops.vector_path():
+        makers["coded|panel"] = _coded_copy(cpu_ops.ops())
     if args.baseline and cpu_ops.vector_path():
         base = build_baseline(args.baseline, cpu_ops.active_isa())
         makers["baseline"] = base.pack_panels
@@ -114,6 +128,9 @@ def main() -> None:
                 "baseline",
                 None,
             )
+        if hasattr(base, "coded_gemm"):  # the revision's GEMM on codes, on its own records
+            makers["baseline-coded"] = _coded_copy(base)
+            fns[f"coded@{args.baseline}"] = (_coded_by(base), "baseline-coded", None)
     copies = {name: [makers[name](w) for w in weights] for name in {c for _, c, _ in fns.values() if c}}
     huge_pages.advise()  # the copies made after the engine's own advice
     total = sum(w.nbytes for w in weights)

@@ -16,7 +16,8 @@
 // [kCols] (float32), Q4 also m [kCols], then 32 k-steps of codes: Q4 W bytes, byte j holding column j's code in its
 // low nibble and column j + W's in its high one; Q8 kCols signed bytes. Each thread takes a contiguous run of panels;
 // per panel and block it rebuilds the 32 x kCols floats into an L1 buffer once, and every tile of R x rows runs its
-// 32 k-steps over that buffer, its accumulators carried in a per-thread scratch from block to block.
+// 32 k-steps over that buffer, its accumulators carried in a per-thread scratch from block to block; an x block of one
+// tile (1-4 rows) rebuilds each k-step in registers beside its FMAs instead (lone_tile).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -96,32 +97,53 @@ at::Tensor pack_codes(const at::Tensor& codes, const at::Tensor& d, const at::Te
 at::Tensor pack_q4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) { return pack_codes<4>(codes, d, &m); }
 at::Tensor pack_q8(const at::Tensor& codes, const at::Tensor& d) { return pack_codes<8>(codes, d, nullptr); }
 
-// buf [32, kCodeCols] = the record's block rebuilt: Q4 fl(fl(d * q) + m), the product never contracted with the sum
-// into an FMA (that would round once and differ from the weight in its last bit); Q8 fl(d * q).
+// k-step k of a record's block rebuilt into b0, b1 (its two vectors of columns): Q4 fl(fl(d * q) + m), the product
+// never contracted with the sum into an FMA (that would round once and differ from the weight in its last bit); Q8
+// fl(d * q). d, m: the record's scales (m unused for Q8).
+#if defined(CONVEYOR_VEC)
+template <int kBits>
+inline void rebuild_step(const uint8_t* rq, int64_t k, const conveyor_vec::vf (&d)[2], const conveyor_vec::vf (&m)[2],
+                         conveyor_vec::vf& b0, conveyor_vec::vf& b1) {
+  using namespace conveyor_vec;
+  if (kBits == 8) {
+    b0 = vmul(vbytes(rq + k * kCodeCols), d[0]);
+    b1 = vmul(vbytes(rq + k * kCodeCols + W), d[1]);
+    return;
+  }
+  vf lo, hi;
+  vnibbles(rq + k * W, lo, hi);
+  vf p0 = vmul(lo, d[0]), p1 = vmul(hi, d[1]);
+  asm("" : "+v"(p0), "+v"(p1));  // the products stay rounded on their own
+  b0 = vadd(p0, m[0]);
+  b1 = vadd(p1, m[1]);
+}
+
+// The record's scales: d, and m (Q4; Q8: d again, unused).
+template <int kBits>
+inline void record_scales(const uint8_t* rec, conveyor_vec::vf (&d)[2], conveyor_vec::vf (&m)[2]) {
+  using namespace conveyor_vec;
+  const float* rd = reinterpret_cast<const float*>(rec);
+  const float* rm = kBits == 4 ? rd + kCodeCols : rd;
+  d[0] = vload(rd), d[1] = vload(rd + W), m[0] = vload(rm), m[1] = vload(rm + W);
+}
+#endif
+
+// buf [32, kCodeCols] = the record's block rebuilt (rebuild_step's values).
 template <int kBits>
 inline void rebuild(const uint8_t* rec, float* buf) {
-  const float* rd = reinterpret_cast<const float*>(rec);
   const uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
 #if defined(CONVEYOR_VEC)
   using namespace conveyor_vec;
-  const vf d0 = vload(rd), d1 = vload(rd + W);
-  if (kBits == 8) {
-    for (int64_t k = 0; k < kCodeBlock; ++k) {
-      vstore(buf + k * kCodeCols, vmul(vbytes(rq + k * kCodeCols), d0));
-      vstore(buf + k * kCodeCols + W, vmul(vbytes(rq + k * kCodeCols + W), d1));
-    }
-    return;
-  }
-  const vf m0 = vload(rd + kCodeCols), m1 = vload(rd + kCodeCols + W);
+  vf d[2], m[2];
+  record_scales<kBits>(rec, d, m);
   for (int64_t k = 0; k < kCodeBlock; ++k) {
-    vf lo, hi;
-    vnibbles(rq + k * W, lo, hi);
-    vf p0 = vmul(lo, d0), p1 = vmul(hi, d1);
-    asm("" : "+v"(p0), "+v"(p1));  // the products stay rounded on their own
-    vstore(buf + k * kCodeCols, vadd(p0, m0));
-    vstore(buf + k * kCodeCols + W, vadd(p1, m1));
+    vf b0, b1;
+    rebuild_step<kBits>(rq, k, d, m, b0, b1);
+    vstore(buf + k * kCodeCols, b0);
+    vstore(buf + k * kCodeCols + W, b1);
   }
 #else
+  const float* rd = reinterpret_cast<const float*>(rec);
   for (int64_t k = 0; k < kCodeBlock; ++k)
     for (int64_t j = 0; j < kCodeCols; ++j) {
       if (kBits == 8) {
@@ -135,17 +157,19 @@ inline void rebuild(const uint8_t* rec, float* buf) {
 #endif
 }
 
-// acc [R, kCodeCols] (+)= a [32, R] . buf [32, kCodeCols]; first: from zero. The panel GEMM's FMAs in its order.
-template <int64_t R>
-inline void coded_tile(const float* a, const float* buf, float* acc, bool first) {
+// acc [R, kCodeCols] (+)= a [32, R] . the block's 32 k-steps of weight, each k-step's two vectors from
+// step(k, b0, b1); first: from zero. The panel GEMM's FMAs in its order.
 #if defined(CONVEYOR_VEC)
+template <int64_t R, typename Step>
+inline void tile_fmas(const float* a, float* acc, bool first, Step step) {
   using namespace conveyor_vec;
   vf c[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2; ++v) c[r][v] = first ? vzero() : vload(acc + r * kCodeCols + v * W);
   for (int64_t k = 0; k < kCodeBlock; ++k) {
-    const vf b0 = vload(buf + k * kCodeCols), b1 = vload(buf + k * kCodeCols + W);
+    vf b0, b1;
+    step(k, b0, b1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vf xv = vset1(a[k * R + r]);
@@ -156,11 +180,44 @@ inline void coded_tile(const float* a, const float* buf, float* acc, bool first)
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2; ++v) vstore(acc + r * kCodeCols + v * W, c[r][v]);
+}
+#endif
+
+// acc [R, kCodeCols] (+)= a [32, R] . buf [32, kCodeCols] (the block rebuilt); first: from zero.
+template <int64_t R>
+inline void coded_tile(const float* a, const float* buf, float* acc, bool first) {
+#if defined(CONVEYOR_VEC)
+  using namespace conveyor_vec;
+  tile_fmas<R>(a, acc, first, [buf](int64_t k, vf& b0, vf& b1) {
+    b0 = vload(buf + k * kCodeCols), b1 = vload(buf + k * kCodeCols + W);
+  });
 #else
   for (int64_t i = 0; first && i < R * kCodeCols; ++i) acc[i] = 0.f;
   for (int64_t k = 0; k < kCodeBlock; ++k)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < kCodeCols; ++j) acc[r * kCodeCols + j] += a[k * R + r] * buf[k * kCodeCols + j];
+#endif
+}
+
+// coded_tile for an x block of one tile (decode at 1-4 rows: M <= R): each k-step's weight rebuilt in registers just
+// before its FMAs, not the whole block into buf first. The FMAs and their order are coded_tile's (the result is the
+// same to the bit); what changes is that the rebuild of the next k-steps overlaps the accumulators' FMA chains: with
+// the block rebuilt first, a 1-row tile's two chains (an FMA's latency each k-step) ran after the rebuild, not beside
+// it. On the Zen 3 of docs/benchmarks.md (avx2: 8 lanes, twice avx512's rebuilds per weight), side by side in one
+// process (benchmarks.gemv --baseline, three runs): the model's 121 weights at 1 row in 7.6-9.5 ms against 10.0-12.4,
+// at 2 rows 8.8-12.1 against 10.9-16.5, at 4 rows 10.8-14.6 against 11.7-18.4.
+template <int kBits, int64_t R>
+inline void lone_tile(const uint8_t* rec, const float* a, float* acc, bool first, float* buf) {
+#if defined(CONVEYOR_VEC)
+  using namespace conveyor_vec;
+  (void)buf;
+  const uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
+  vf d[2], m[2];
+  record_scales<kBits>(rec, d, m);
+  tile_fmas<R>(a, acc, first, [&](int64_t k, vf& b0, vf& b1) { rebuild_step<kBits>(rq, k, d, m, b0, b1); });
+#else
+  rebuild<kBits>(rec, buf);
+  coded_tile<R>(a, buf, acc, first);
 #endif
 }
 
@@ -174,6 +231,10 @@ void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, in
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* rec = recs + (p * KB + kb) * bytes;
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(rec + kCodeAheadRecords * bytes + b);
+      if (t1 - t0 == 1) {
+        lone_tile<kBits, R>(rec, tiles + t0 * K * R + kb * kCodeBlock * R, acc, kb == 0, buf);
+        continue;
+      }
       rebuild<kBits>(rec, buf);
       for (int64_t t = t0; t < t1; ++t)
         coded_tile<R>(tiles + t * K * R + kb * kCodeBlock * R, buf, acc + (t - t0) * R * kCodeCols, kb == 0);
