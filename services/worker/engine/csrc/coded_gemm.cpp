@@ -17,7 +17,7 @@
 // low nibble and column j + W's in its high one; Q8 kCols signed bytes. Each thread takes a contiguous run of panels;
 // per panel and block it rebuilds the 32 x kCols floats into an L1 buffer once, and every tile of R x rows runs its
 // 32 k-steps over that buffer, its accumulators carried in a per-thread scratch from block to block; an x block of one
-// tile (1-4 rows) rebuilds each k-step in registers beside its FMAs instead (lone_tile).
+// tile (up to 4 rows on avx2, 8 on avx512) rebuilds each k-step in registers beside its FMAs instead (lone_tile).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -199,13 +199,13 @@ inline void coded_tile(const float* a, const float* buf, float* acc, bool first)
 #endif
 }
 
-// coded_tile for an x block of one tile (decode at 1-4 rows: M <= R): each k-step's weight rebuilt in registers just
-// before its FMAs, not the whole block into buf first. The FMAs and their order are coded_tile's (the result is the
-// same to the bit); what changes is that the rebuild of the next k-steps overlaps the accumulators' FMA chains: with
-// the block rebuilt first, a 1-row tile's two chains (an FMA's latency each k-step) ran after the rebuild, not beside
-// it. On the Zen 3 of docs/benchmarks.md (avx2: 8 lanes, twice avx512's rebuilds per weight), side by side in one
-// process (benchmarks.gemv --baseline, three runs): the model's 121 weights at 1 row in 7.6-9.5 ms against 10.0-12.4,
-// at 2 rows 8.8-12.1 against 10.9-16.5, at 4 rows 10.8-14.6 against 11.7-18.4.
+// coded_tile for an x block of one tile (M <= kCodeMaxRows: 4 on avx2, 8 on avx512): each k-step's weight rebuilt
+// in registers just before its FMAs, not the whole block into buf first. The FMAs and their order are coded_tile's
+// (the result is the same to the bit); what changes is that the rebuild of the next k-steps overlaps the FMA chains:
+// with the block rebuilt first, a 1-row tile's two chains (an FMA's latency each k-step) ran after the rebuild, not
+// beside it. On the Zen 3 of docs/benchmarks.md (avx2: 8 lanes, twice avx512's rebuilds per weight), side by side
+// in one process (benchmarks.gemv --baseline, three runs): the model's 121 weights at 1 row in 7.6-9.5 ms against
+// 10.0-12.4, at 2 rows 8.8-12.1 against 10.9-16.5, at 4 rows 10.8-14.6 against 11.7-18.4.
 template <int kBits, int64_t R>
 inline void lone_tile(const uint8_t* rec, const float* a, float* acc, bool first, float* buf) {
 #if defined(CONVEYOR_VEC)
