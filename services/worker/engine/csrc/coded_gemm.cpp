@@ -15,9 +15,10 @@
 // Layout (pack_q4, pack_q8): panels of kCols = 2 W output columns; per panel and block of 32 k-steps one record: d
 // [kCols] (float32), Q4 also m [kCols], then 32 k-steps of codes: Q4 W bytes, byte j holding column j's code in its
 // low nibble and column j + W's in its high one; Q8 kCols signed bytes. Each thread takes a contiguous run of panels;
-// per panel and block it rebuilds the 32 x kCols floats into an L1 buffer once, and every tile of R x rows runs its
-// 32 k-steps over that buffer, its accumulators carried in a per-thread scratch from block to block; an x block of one
-// tile (up to 4 rows on avx2, 8 on avx512) rebuilds each k-step in registers beside its FMAs instead (lone_tile).
+// per panel and kBufRecords blocks it rebuilds their 32 x kCols floats each into an L1 buffer once, and every tile
+// of R x rows runs its k-steps over that buffer, its accumulators carried in a per-thread scratch from pass to pass;
+// an x block of one tile (up to 4 rows on avx2, 8 on avx512) rebuilds each k-step in registers beside its FMAs
+// instead (lone_tile).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,13 +46,25 @@ template <int kBits>
 constexpr int64_t record_bytes() {
   return kBits == 4 ? 2 * kCodeCols * 4 + kCodeBlock * kCodeLanes : kCodeCols * 4 + kCodeBlock * kCodeCols;
 }
-// Tiles of x rows: two accumulators a row; the widest that leaves registers for the weight and x.
+// Tiles of x rows: two accumulators a row. kCodeMaxRows: the widest a lone tile (rebuilding in registers) leaves
+// registers for; kCodeWideRows: the widest over the L1 buffer, taken from 9 rows (avx512: 8, the same).
+// Why 6 rows on avx2 (12 accumulators + 2 weight vectors + 1 x of 16 registers), not 4: 4 rows keep 8 FMA chains
+// in flight, exactly what 2 FMA pipes of 4 cycles' latency need, with no slack and a load for every FMA and a
+// third; a standalone loop of these FMAs on L1-resident operands, 32 k-steps a call, on the Zen 3 of
+// docs/benchmarks.md ran 107 GFLOPS on both cores at 4 rows against 141 at 6 (the panel GEMM's 4 x 24: 148). The
+// zero rows a 6-row tiling pads (36 for 32) cost less than that: with kBufRecords below, the model's 121 weights at
+// 9-64 rows 1.09-1.25x faster (benchmarks.gemv --baseline, one process).
 #if defined(CONVEYOR_VEC) && CONVEYOR_VEC == 16
-constexpr int64_t kCodeMaxRows = 8;
+constexpr int64_t kCodeMaxRows = 8, kCodeWideRows = 8;
+#elif defined(CONVEYOR_VEC)
+constexpr int64_t kCodeMaxRows = 4, kCodeWideRows = 6;
 #else
-constexpr int64_t kCodeMaxRows = 4;
+constexpr int64_t kCodeMaxRows = 4, kCodeWideRows = 4;
 #endif
 constexpr int64_t kCodeAheadRecords = 4;  // records prefetched ahead of the one being rebuilt
+// Records rebuilt into the L1 buffer at once, before every tile's FMAs over them: each tile's accumulators are loaded
+// and stored once a pass, so more k-steps a pass spend fewer of its loads and stores on them (avx2: 8 KB of buffer).
+constexpr int64_t kBufRecords = kCodeLanes == 8 ? 4 : 1;
 
 // codes [N, K] (Q4: uint8 0..15; Q8: int8), d (and m, Q4) [N, K / 32] float32 -> records [P, K / 32, bytes]
 // (columns past N: zeros).
@@ -157,17 +170,17 @@ inline void rebuild(const uint8_t* rec, float* buf) {
 #endif
 }
 
-// acc [R, kCodeCols] (+)= a [32, R] . the block's 32 k-steps of weight, each k-step's two vectors from
-// step(k, b0, b1); first: from zero. The panel GEMM's FMAs in its order.
+// acc [R, kCodeCols] (+)= a [steps, R] . steps k-steps of weight, each k-step's two vectors from step(k, b0, b1);
+// first: from zero. The panel GEMM's FMAs in its order.
 #if defined(CONVEYOR_VEC)
 template <int64_t R, typename Step>
-inline void tile_fmas(const float* a, float* acc, bool first, Step step) {
+inline void tile_fmas(const float* a, float* acc, bool first, int64_t steps, Step step) {
   using namespace conveyor_vec;
   vf c[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2; ++v) c[r][v] = first ? vzero() : vload(acc + r * kCodeCols + v * W);
-  for (int64_t k = 0; k < kCodeBlock; ++k) {
+  for (int64_t k = 0; k < steps; ++k) {
     vf b0, b1;
     step(k, b0, b1);
 #pragma GCC unroll 8
@@ -183,17 +196,17 @@ inline void tile_fmas(const float* a, float* acc, bool first, Step step) {
 }
 #endif
 
-// acc [R, kCodeCols] (+)= a [32, R] . buf [32, kCodeCols] (the block rebuilt); first: from zero.
+// acc [R, kCodeCols] (+)= a [steps, R] . buf [steps, kCodeCols] (blocks rebuilt); first: from zero.
 template <int64_t R>
-inline void coded_tile(const float* a, const float* buf, float* acc, bool first) {
+inline void coded_tile(const float* a, const float* buf, float* acc, bool first, int64_t steps) {
 #if defined(CONVEYOR_VEC)
   using namespace conveyor_vec;
-  tile_fmas<R>(a, acc, first, [buf](int64_t k, vf& b0, vf& b1) {
+  tile_fmas<R>(a, acc, first, steps, [buf](int64_t k, vf& b0, vf& b1) {
     b0 = vload(buf + k * kCodeCols), b1 = vload(buf + k * kCodeCols + W);
   });
 #else
   for (int64_t i = 0; first && i < R * kCodeCols; ++i) acc[i] = 0.f;
-  for (int64_t k = 0; k < kCodeBlock; ++k)
+  for (int64_t k = 0; k < steps; ++k)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < kCodeCols; ++j) acc[r * kCodeCols + j] += a[k * R + r] * buf[k * kCodeCols + j];
 #endif
@@ -214,10 +227,10 @@ inline void lone_tile(const uint8_t* rec, const float* a, float* acc, bool first
   const uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
   vf d[2], m[2];
   record_scales<kBits>(rec, d, m);
-  tile_fmas<R>(a, acc, first, [&](int64_t k, vf& b0, vf& b1) { rebuild_step<kBits>(rq, k, d, m, b0, b1); });
+  tile_fmas<R>(a, acc, first, kCodeBlock, [&](int64_t k, vf& b0, vf& b1) { rebuild_step<kBits>(rq, k, d, m, b0, b1); });
 #else
   rebuild<kBits>(rec, buf);
-  coded_tile<R>(a, buf, acc, first);
+  coded_tile<R>(a, buf, acc, first, kCodeBlock);
 #endif
 }
 
@@ -225,19 +238,22 @@ inline void lone_tile(const uint8_t* rec, const float* a, float* acc, bool first
 template <int kBits, int64_t R>
 void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
                int64_t t0, int64_t t1, int64_t p0, int64_t p1, float* acc) {
-  alignas(64) float buf[kCodeBlock * kCodeCols];
+  alignas(64) float buf[kBufRecords * kCodeBlock * kCodeCols];
   const int64_t KB = K / kCodeBlock, bytes = record_bytes<kBits>();
+  const bool lone = R <= kCodeMaxRows && t1 - t0 == 1;  // a wider tile has no registers to rebuild in
   for (int64_t p = p0; p < p1; ++p) {
-    for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int64_t kb = 0, n = 0; kb < KB; kb += n) {
+      n = lone ? 1 : std::min(kBufRecords, KB - kb);  // records this pass
       const uint8_t* rec = recs + (p * KB + kb) * bytes;
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(rec + kCodeAheadRecords * bytes + b);
-      if (t1 - t0 == 1) {
-        lone_tile<kBits, R>(rec, tiles + t0 * K * R + kb * kCodeBlock * R, acc, kb == 0, buf);
+      for (int64_t b = 0; b < n * bytes; b += 64) __builtin_prefetch(rec + kCodeAheadRecords * bytes + b);
+      if (lone) {
+        lone_tile<kBits, std::min(R, kCodeMaxRows)>(rec, tiles + t0 * K * R + kb * kCodeBlock * R, acc, kb == 0, buf);
         continue;
       }
-      rebuild<kBits>(rec, buf);
+      for (int64_t r = 0; r < n; ++r) rebuild<kBits>(rec + r * bytes, buf + r * kCodeBlock * kCodeCols);
       for (int64_t t = t0; t < t1; ++t)
-        coded_tile<R>(tiles + t * K * R + kb * kCodeBlock * R, buf, acc + (t - t0) * R * kCodeCols, kb == 0);
+        coded_tile<R>(tiles + t * K * R + kb * kCodeBlock * R, buf, acc + (t - t0) * R * kCodeCols, kb == 0,
+                      n * kCodeBlock);
     }
     const int64_t cols = std::min(kCodeCols, N - p * kCodeCols);
     for (int64_t t = t0; t < t1; ++t)
@@ -273,8 +289,10 @@ void coded_by_rows(const at::Tensor& x, const at::Tensor& recs, const float* bia
     coded_rows<kBits, 2>(x, recs, bias, n, y);
   } else if (M <= 4) {
     coded_rows<kBits, 4>(x, recs, bias, n, y);
-  } else {
+  } else if (M <= 8) {
     coded_rows<kBits, kCodeMaxRows>(x, recs, bias, n, y);
+  } else {
+    coded_rows<kBits, kCodeWideRows>(x, recs, bias, n, y);
   }
 }
 
