@@ -176,3 +176,25 @@ def test_a_plan_is_measured_again_only_if_measured_under_load_with_tries_left_an
     entry, others_now, expected
 ):
     assert gemm.needs_measuring(entry, others_now) is expected
+
+
+def test_the_gemm_plan_file_keeps_only_the_newest_plans(tmp_path, monkeypatch):
+    """Each change of the kernels' sources, CPU or thread count keys new plans; the file must not grow with them
+    forever (it is read at every worker's start). The newest MAX_PLANS written are kept, a re-measured plan counts
+    as new."""
+    monkeypatch.setattr(gemm_store, "_memory", {})
+    monkeypatch.setattr(gemm_store, "MAX_PLANS", 4, raising=False)
+    store = gemm.PlanStore(tmp_path)
+    for i in range(6):
+        store.put(f"key{i}", gemm.PlanEntry(("packed",)))
+    store.put("key1", gemm.PlanEntry(("panel",), tries=2))  # measured again: the newest now
+    store.save()
+    monkeypatch.setattr(gemm_store, "_memory", {})  # a new process reads the file
+    again = gemm.PlanStore(tmp_path)
+    assert [k for k in ("key0", "key1", "key2", "key3", "key4", "key5") if again.get(k)] == [
+        "key1",
+        "key3",
+        "key4",
+        "key5",
+    ]
+    assert again.get("key1") == gemm.PlanEntry(("panel",), tries=2)

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 PLAN_FILE = "gemm-plan-v13.json"
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
+# Plans the file keeps, the newest written: every change of the kernels' sources (or of the CPU, the threads, the
+# model's shapes) keys new ones, and the file is read at every worker's start. A model is 5-10 keys.
+MAX_PLANS = 256
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,12 @@ class PlanStore:
         return _memory.get(k)
 
     def put(self, k: str, entry: PlanEntry) -> None:
+        """Keep entry for k, as the newest plan (the file drops the oldest beyond MAX_PLANS)."""
         _memory[k] = entry
+        self._disk.pop(k, None)
         self._disk[k] = entry
+        while len(self._disk) > MAX_PLANS:
+            del self._disk[next(iter(self._disk))]
 
     def save(self) -> None:
         if self.path is None:
