@@ -110,12 +110,14 @@ using namespace conveyor_vec;
 // the V row, the broadcast weight and addresses); more would spill to the stack inside the inner loop.
 constexpr int kAccRegs = W == 16 ? 24 : 12;
 
-// scores[t] = scale * q . k_t for the m <= W rows starting at rows[0] (offset: the KV head's columns);
-// D = W * NC, a compile-time count so that every accumulator lives in a register. rows[m..W-1] must be readable
-// rows too (the caller pads a tail tile with its last row): every lane computes, the store keeps the first m,
-// and the loop has no branch.
+// scores[0..W) = scale * q . k_t for the W rows starting at rows[0] (offset: the KV head's columns); D = W * NC, a
+// compile-time count so that every accumulator lives in a register. A tail tile's rows past the sequence's end are
+// its last row again (the caller pads them so), so every lane computes, the loop has no branch, and the scores past
+// the end repeat the last one: room for them is part of the scores' rows (their stride is padded to a whole tile).
+// Why whole stores: AVX2's masked store (vmaskmovps) here and in the softmax cost ~18 % of the kernel's time with K/V
+// in cache on the Zen 3 of docs/benchmarks.md (2026-12-06: 67 against 55 ns a token, one thread, no loads ahead).
 template <typename T, int NC>
-inline void scores_tile(float* scores, const float* q, const T* const* rows, int64_t off, int m, float sc) {
+inline void scores_tile(float* scores, const float* q, const T* const* rows, int64_t off, float sc) {
   vf acc[W];
   vf qc[NC];
 #pragma GCC unroll 16
@@ -127,21 +129,23 @@ inline void scores_tile(float* scores, const float* q, const T* const* rows, int
 #pragma GCC unroll 16
     for (int c = 1; c < NC; ++c) acc[i] = vfmadd(qc[c], vload(k + W * c), acc[i]);
   }
-  vstore_first(scores, vfirst(m), vmul(vreduce_rows(acc), vset1(sc)));
+  vstore(scores, vmul(vreduce_rows(acc), vset1(sc)));
 }
 
-// In place: p = exp(s - max s); returns 1 / sum p, and max s in `top`.
+// In place on scores_tile's row of n scores padded to a whole tile (the pad repeats the last score, so the max is
+// the n scores' own): p = exp(s - max s), zero past n; returns 1 / sum p, and max s in `top`. Whole loads and
+// stores, as scores_tile's.
 inline float softmax_unnormalized(float* s, int64_t n, float& top) {
   vf mx = vset1(-INFINITY);
-  for (int64_t t = 0; t < n; t += W) mx = vmax(mx, vload_first(s + t, vfirst(n - t), -INFINITY));
+  for (int64_t t = 0; t < n; t += W) mx = vmax(mx, vload(s + t));
   top = vreduce_max(mx);
   const vf m = vset1(top);
   vf sum = vzero();
   for (int64_t t = 0; t < n; t += W) {
-    const vmask k = vfirst(n - t);
-    const vf e = vkeep(vexp(vsub(vload_first(s + t, k), m)), k);
+    vf e = vexp(vsub(vload(s + t), m));
+    if (t + W > n) e = vkeep(e, vfirst(n - t));
     sum = vadd(sum, e);
-    vstore_first(s + t, k, e);
+    vstore(s + t, e);
   }
   return 1.f / vreduce_add(sum);
 }
@@ -205,9 +209,9 @@ struct Prefetcher {
   }
 };
 
-// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off), for GC
-// query heads of one KV head: each V row is loaded once for all of them. GC is a compile-time count so that the
-// GC * NC accumulators live in registers and the inner loop has no branch (accumulate_heads picks it).
+// o[h] += sum over the tile's m tokens of p[h][t] * v_t (the KV head's D = W * NC columns at off; p's rows n
+// apart), for GC query heads of one KV head: each V row is loaded once for all of them. GC is a compile-time count so
+// that the GC * NC accumulators live in registers and the inner loop has no branch (accumulate_heads picks it).
 template <typename T, int NC, int GC>
 inline void accumulate_tile(float* o, const float* p, int64_t n, const T* const* rows, int64_t off, int m) {
   vf acc[GC * NC];
@@ -261,15 +265,15 @@ void attend_sequence(float* os, const float* qs, const T* const* krows, int64_t 
   // A tile's lines spread over the calls that read it (H in the K pass, KVH in the V pass), plus a few so that
   // the loads catch up to their distance after a start.
   const int64_t k_lines = (W * pf.lines + H - 1) / H + 4, v_lines = (W * pf.lines + KVH - 1) / KVH + 4;
-  scores.resize(H * n);  // [H, n]
+  scores.resize(H * padded);  // [H, padded]: each head's row a whole number of tiles (scores_tile stores tiles)
   for (int64_t t = 0; t < n; t += W) {
     for (int64_t hq = 0; hq < H; ++hq) {
       pf.step(k_lines, first + t + W + kAheadRows);
-      scores_tile<T, NC>(scores.data() + hq * n + t, qs + hq * D, krows + t, (hq / G) * D, tile(t), sc);
+      scores_tile<T, NC>(scores.data() + hq * padded + t, qs + hq * D, krows + t, (hq / G) * D, sc);
     }
   }
   float inv[256], mx[256];
-  for (int64_t hq = 0; hq < H; ++hq) inv[hq] = softmax_unnormalized(scores.data() + hq * n, n, mx[hq]);
+  for (int64_t hq = 0; hq < H; ++hq) inv[hq] = softmax_unnormalized(scores.data() + hq * padded, n, mx[hq]);
   if (top != nullptr)
     for (int64_t hq = 0; hq < H; ++hq) top[hq] = mx[hq], sum[hq] = 1.f / inv[hq];
   std::fill(os, os + H * D, 0.f);
@@ -277,8 +281,8 @@ void attend_sequence(float* os, const float* qs, const T* const* krows, int64_t 
     for (int64_t g = 0; g < KVH; ++g) {
       pf.step(v_lines, first + padded + t + W + kAheadRows);
       for (int64_t h = 0; h < G; h += kHeads)
-        accumulate_heads<T, NC>(os + (g * G + h) * D, scores.data() + (g * G + h) * n + t, n, vrows + t, g * D,
-                                tile(t), static_cast<int>(std::min<int64_t>(kHeads, G - h)));
+        accumulate_heads<T, NC>(os + (g * G + h) * D, scores.data() + (g * G + h) * padded + t, padded, vrows + t,
+                                g * D, tile(t), static_cast<int>(std::min<int64_t>(kHeads, G - h)));
     }
   }
   for (int64_t hq = 0; hq < H; ++hq) {
