@@ -340,6 +340,11 @@ class VllmServe:
         )
         return self
 
+    def processes(self) -> dict[str, psutil.Process]:
+        """The peers script's process and every process under it (the API server, the engine core), by pid."""
+        root = psutil.Process(self.proc.pid)
+        return {str(p.pid): p for p in [root, *root.children(recursive=True)]}
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

@@ -10,8 +10,8 @@ Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128
      [--concurrency 1,8,32,64] [--out DIR]
   bfloat16 on both: --conveyor-env CONVEYOR_DTYPE=bfloat16 --vllm-args='--dtype bfloat16'
   both held to AVX2 on an AVX-512 CPU (a proxy for an AVX2-only one): --isa avx2
-Also prints each server's seconds from launch to /ready, and the CPU seconds each Conveyor process spent during
-its rounds. Before the first round both get the same short client warm-up (16 requests of 64/16) unless
+Also prints each server's seconds from launch to /ready, and for every round the CPU seconds of the server
+measured (each Conveyor process, vLLM's in all), of the other server idling beside it, and of the client. Before the first round both get the same short client warm-up (16 requests of 64/16) unless
 --no-warmup: then the first round is each server's first traffic after its /ready.
 The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shlex
 import subprocess
 import time
@@ -104,20 +105,33 @@ def cpu_seconds(procs: dict) -> dict[str, float]:
     return out
 
 
-def measured(name: str, conveyor: ConveyorUp, fn) -> dict:
-    """fn()'s result; for Conveyor with the CPU seconds each of its processes spent meanwhile (where the
-    machine's two cores went: the worker's forward passes or the pipeline around them)."""
-    if name != "conveyor":
-        return fn()
-    procs = conveyor.processes()
-    before = cpu_seconds(procs)
+def client_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children: the client of each round (`vllm bench serve`)."""
+    t = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return t.ru_utime + t.ru_stime
+
+
+def measured(name: str, servers: dict, fn) -> dict:
+    """fn()'s result with the CPU seconds the machine's two cores gave meanwhile (two cores = 2 s a wall second):
+    each process of the server measured (Conveyor's by role, vLLM's in all), the other server idling beside it
+    (what it takes from the round: both stay up), and the client. Why: on two cores a round's speed depends on
+    what else runs; these say whether a slow round was its server's work or the machine's."""
+    procs = {server: s.processes() for server, s in servers.items()}
+    before = {server: cpu_seconds(p) for server, p in procs.items()}
+    client = client_cpu_seconds()
     res = fn()
-    after = cpu_seconds(procs)
-    res["cpu_s"] = {role: round(after[role] - before[role], 2) for role in after if role in before}
+    res["client_cpu_s"] = round(client_cpu_seconds() - client, 2)
+    for server, p in procs.items():
+        after = cpu_seconds(p)
+        spent = {role: after[role] - before[server][role] for role in after if role in before[server]}
+        if server == name and server == "conveyor":
+            res["cpu_s"] = {role: round(v, 2) for role, v in spent.items()}
+        else:
+            res["cpu_s" if server == name else "idle_peer_cpu_s"] = round(sum(spent.values()), 2)
     return res
 
 
-def run(servers: dict[str, int], model: Path, args, out: Path, conveyor: ConveyorUp) -> list[dict]:
+def run(servers: dict, model: Path, args, out: Path) -> list[dict]:
     rows = []
     pairs = args.pairs or [(shape, conc) for shape in args.shapes for conc in args.concurrency]
     for shape, conc in pairs:
@@ -134,7 +148,7 @@ def run(servers: dict[str, int], model: Path, args, out: Path, conveyor: Conveyo
             for name in order:
                 tag = f"{name}-{shape[0]}x{shape[1]}-c{conc}-r{rnd}"
                 row[name] = measured(
-                    name, conveyor, lambda: bench(servers[name], model, shape, conc, prompts, rnd, out, tag)
+                    name, servers, lambda: bench(servers[name].port, model, shape, conc, prompts, rnd, out, tag)
                 )
                 print(f"{tag}: {row[name]}", flush=True)
             rows.append(row)
@@ -188,6 +202,17 @@ def report(rows: list[dict]) -> None:
     ]
     print("\nConveyor CPU seconds per process during its bench (two cores = 2 s per wall second)")
     print_table(["in x out", "conc", "round", *ROLES], cpu)
+    beside = [
+        [r["shape"], r["concurrency"], r["round"], name, r[name].get("client_cpu_s"), r[name].get("idle_peer_cpu_s")]
+        for r in rows
+        for name in r["order"]
+    ]
+    print("\nBeside each bench: the client's CPU seconds and the idle server's")
+    print_table(["in x out", "conc", "round", "measured", "client", "idle server"], beside)
+    vllm_cpu = [[r["shape"], r["concurrency"], r["round"], r["vllm"].get("cpu_s")] for r in rows if "vllm" in r]
+    if vllm_cpu:
+        print("\nvLLM's CPU seconds during its bench (all its processes)")
+        print_table(["in x out", "conc", "round", "vllm"], vllm_cpu)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -262,11 +287,11 @@ def main() -> None:
         )
     print("ready after " + ", ".join(f"{name} {s:.1f} s" for name, s in ready.items()), flush=True)
     try:
-        servers = {"conveyor": conveyor.port, **({"vllm": vllm.port} if vllm else {})}
-        for name, port in servers.items() if not args.no_warmup else ():  # one-off costs out of the rounds
-            bench(port, model, (64, 16), 8, 16, 0, out, f"{name}-warmup")
+        servers = {"conveyor": conveyor, **({"vllm": vllm} if vllm else {})}
+        for name, server in servers.items() if not args.no_warmup else ():  # one-off costs out of the rounds
+            bench(server.port, model, (64, 16), 8, 16, 0, out, f"{name}-warmup")
         t0 = time.monotonic()
-        rows = run(servers, model, args, out, conveyor)
+        rows = run(servers, model, args, out)
     finally:
         conveyor.stop()
         if vllm:
