@@ -66,6 +66,10 @@ def die_with_parent() -> None:
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its terminating NUL)
 
 
+class PortTaken(FatalError):
+    """The port a redis-server was started on is another process's."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +85,7 @@ class RedisServer:
 
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = False, unix_socket: bool = False):
         self.data_dir = Path(data_dir)
+        self.port_given = port is not None
         self.port = port or free_port()
         self.appendonly = appendonly
         socket_path = self.data_dir.resolve() / "redis.sock"
@@ -98,6 +103,18 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        """Started and answering on its port. A port chosen here may be handed to another process too before either
+        binds it (free_port releases it): then the server is started again on another; a port given is refused."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout_s)
+            except PortTaken as e:
+                if self.port_given or attempt == 2:
+                    raise
+                logger.warning("%s: starting on another port", e)
+                self.port = free_port()
+
+    def _start_once(self, timeout_s: float) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             find_redis_server(),
@@ -123,10 +140,13 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise FatalError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+                raise PortTaken(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
             try:
-                client.ping()
-                return self
+                # Whoever answers must be this process: another server on the port answers PING as well.
+                if client.info("server")["process_id"] == self.proc.pid:
+                    return self
+                self.stop()
+                raise PortTaken(f"port {self.port} is another redis-server's")
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise FatalError(f"redis-server did not answer on port {self.port} within {timeout_s} s")

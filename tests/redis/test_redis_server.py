@@ -8,6 +8,8 @@ import stat
 import pytest
 import redis
 
+from shared import redis_server
+from shared.errors import FatalError
 from shared.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -43,5 +45,26 @@ def test_a_redis_server_without_a_unix_socket_is_reached_on_its_port(tmp_path):
         assert srv.url == srv.tcp_url
         assert redis.Redis.from_url(srv.url).ping()
         assert not (tmp_path / "data" / "redis.sock").exists()
+    finally:
+        srv.stop()
+
+
+def test_a_redis_server_whose_port_another_server_holds_refuses_to_start_naming_the_port(server, tmp_path):
+    """The other server answers the port's PING: it must not be taken for this one (its data, its lifetime)."""
+    other = RedisServer(tmp_path / "other", port=server.port)
+    with pytest.raises(FatalError, match=f"port {server.port}"):
+        other.start()
+    assert other.proc.poll() is not None  # its own process is not left behind
+
+
+def test_a_redis_server_whose_free_port_was_taken_meanwhile_starts_on_another(server, tmp_path, monkeypatch):
+    """Two processes can be handed one free port before either binds it (the test suite's parallel workers did)."""
+    ports = iter([server.port])
+    real_free_port = redis_server.free_port
+    monkeypatch.setattr(redis_server, "free_port", lambda: next(ports, None) or real_free_port())
+    srv = RedisServer(tmp_path / "second").start()
+    try:
+        assert srv.port != server.port
+        assert redis.Redis(port=srv.port).info("server")["process_id"] == srv.proc.pid
     finally:
         srv.stop()
