@@ -11,8 +11,9 @@ Run: .venv/bin/python -m benchmarks.serve_vs_vllm [--rounds 2] [--shapes 128x128
   bfloat16 on both: --conveyor-env CONVEYOR_DTYPE=bfloat16 --vllm-args='--dtype bfloat16'
   both held to AVX2 on an AVX-512 CPU (a proxy for an AVX2-only one): --isa avx2
 Also prints each server's seconds from launch to /ready, and for every round the CPU seconds of the server
-measured (each Conveyor process, vLLM's in all), of the other server idling beside it, and of the client. Before the first round both get the same short client warm-up (16 requests of 64/16) unless
---no-warmup: then the first round is each server's first traffic after its /ready.
+measured (each Conveyor process, vLLM's in all), of the other server idling beside it, and of the client. Before
+the first round both get the same short client warm-up (16 requests of 64/16) unless --no-warmup: then the first
+round is each server's first traffic after its /ready.
 The issue's headline figure is the 128x128 shape at concurrency 32 with 64 prompts.
 """
 
