@@ -51,6 +51,7 @@ HEADERS = (
     CSRC / "coded_gemm.cpp",
     CSRC / "coded_recover.cpp",
     CSRC / "layer_stack.cpp",
+    CSRC / "shares.h",
     CSRC / "vec.h",
 )
 CFLAGS = ("-O3", "-ffast-math", "-fopenmp")

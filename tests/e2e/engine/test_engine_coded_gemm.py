@@ -124,6 +124,27 @@ def test_coded_gemm_equals_the_panel_gemm_on_the_float32_weight_to_the_bit(kerne
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-4, atol=1e-4 * float(w.abs().max()) * k**0.5)
 
 
+# the threads share a call's panels out in chunks and take each other's once done (csrc/shares.h): 3 and 5 threads
+# on the 2 cores here are preempted mid-call, so some take others' chunks; several x blocks at K = 4,096
+@pytest.mark.parametrize("rows", [3, 32, 130])
+def test_the_gemms_compute_every_panel_once_whatever_the_thread_count(kernels, rows):
+    n, k = 700, 4096
+    w, made = coded_weight(8, n, k, seed=rows)
+    x = torch.randn(rows, k)
+    records, panels = kernels.pack_q8(*made), kernels.pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = kernels.coded_gemm(x, records, None, n, 8), kernels.panel_gemm(x, panels, None, n, False)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            for _ in range(4):
+                got = kernels.coded_gemm(x, records, None, n, 8), kernels.panel_gemm(x, panels, None, n, False)
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_coded_gemm_refuses_records_that_do_not_match_x_n_or_bits(kernels):
     w, (codes, d, m) = coded_weight(4, 30, 64)
     records = kernels.pack_q4(codes, d, m)

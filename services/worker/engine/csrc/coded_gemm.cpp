@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "shares.h"
 #include "vec.h"
 
 namespace {
@@ -273,11 +274,11 @@ void coded_rows(const at::Tensor& x, const at::Tensor& recs, const float* bias, 
   const float* tp = tiles.data_ptr<float>();
   const uint8_t* rp = recs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(std::min(block, T) * R * kCodeCols);
-    for (int64_t t0 = 0; t0 < T; t0 += block)
-      coded_run<kBits, R>(tp, rp, K, M, n, bias, yp, t0, std::min(T, t0 + block), p0, p1, acc.data());
+  const int64_t per_acc = std::min(block, T) * R * kCodeCols;  // a thread's sums of one block's tiles
+  std::vector<float> acc(std::min<int64_t>(at::get_num_threads(), P) * per_acc);
+  conveyor_shares::share_out(P, (T + block - 1) / block, [&](int64_t j, int64_t b, int64_t p0, int64_t p1, int64_t) {
+    coded_run<kBits, R>(tp, rp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1,
+                        acc.data() + j * per_acc);
   });
 }
 

@@ -14,7 +14,7 @@
 //
 // x is repacked per call into tiles of kPanelRows rows (avx512: kWideRows at 5-16 rows), K-major (zero rows past
 // M); blocks of x rows are sized so a block's tiles stay in L2 while the thread's panels stream by. Each thread
-// takes one contiguous run of panels.
+// starts on one contiguous run of panels and takes the others' last panels once done (shares.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "shares.h"
 #include "vec.h"
 
 namespace {
@@ -156,13 +157,13 @@ inline void store_row(float* out, const float* c, const float* bias, int64_t col
 }
 
 // Panels [p0, p1) against x tiles [t0, t1) of R rows: y rows and columns they cover (with bias), the next panel
-// prefetched.
+// prefetched, up to panel `limit` (the thread reads on in order up to there: shares.h).
 template <int64_t R>
 void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
-               int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+               int64_t t0, int64_t t1, int64_t p0, int64_t p1, int64_t limit) {
   alignas(64) float c[R * kPanelCols];
   const int64_t panel_floats = K * kPanelCols, lines = panel_floats / 16;
-  const float* last = w + p1 * panel_floats - 16;  // prefetches stay inside the thread's run
+  const float* last = w + limit * panel_floats - 16;  // prefetches stay inside the thread's run
   const float* stream = w + p0 * panel_floats;  // one tile: how far the prefetches have got
   for (int64_t p = p0; p < p1; ++p) {
     const float* panel = w + p * panel_floats;
@@ -174,7 +175,7 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
         tile<true, R>(a, panel, K, c, stream, 0, last + 16);
       } else {  // this tile's share of the next panel, if the thread's run has one
         const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
-        const int64_t share = p + 1 < p1 && pf <= last ? std::min(per_tile, (last - pf) / 16 + 1) : 0;
+        const int64_t share = p + 1 < limit && pf <= last ? std::min(per_tile, (last - pf) / 16 + 1) : 0;
         tile<false, R>(a, panel, K, c, pf, share, last);
       }
       for (int64_t m = 0; m < R && t * R + m < M; ++m)
@@ -183,7 +184,8 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
   }
 }
 
-// y = x . panels (+ bias) in x tiles of R rows, each thread one contiguous run of panels.
+// y = x . panels (+ bias) in x tiles of R rows: per block of x tiles, the panels shared out between the threads
+// (shares.h), each thread starting on its own contiguous run.
 template <int64_t R>
 void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias, int64_t n, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), T = (M + R - 1) / R;
@@ -193,10 +195,8 @@ void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias,
   const float* tp = tiles.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t per_thread = (P + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, P, per_thread, [&](int64_t p0, int64_t p1) {
-    for (int64_t t0 = 0; t0 < T; t0 += block)
-      panel_run<R>(tp, wp, K, M, n, bias, yp, t0, std::min(T, t0 + block), p0, p1);
+  conveyor_shares::share_out(P, (T + block - 1) / block, [&](int64_t, int64_t b, int64_t p0, int64_t p1, int64_t limit) {
+    panel_run<R>(tp, wp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1, limit);
   });
 }
 
