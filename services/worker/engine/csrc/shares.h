@@ -3,13 +3,13 @@
 // without a deque: a share is one range of indices).
 //
 // Why not a static split (each thread one contiguous run, what at::parallel_for gives): on the 2-vCPU VMs of
-// docs/benchmarks.md the host slows one vCPU and not the other for tenths of a second at a time (a loop of FMAs
-// pinned to each, both at once, 2026-12-06 on the Zen 3: one at 60-88 % of the other's rate in 12 of 48 samples, no
-// steal time counted), and a step's every GEMM then waits at its end for the slower thread's half. Why each thread
-// starts on its own share, in order: a run of consecutive panels keeps the kernels' loads ahead running on into the
-// next panel (handing chunks out in turn from one counter was 14 % slower at 32 rows, docs/benchmarks.md,
-// 2026-12-06); stealing from a share's back leaves its owner's front, and the panels it is loading ahead, alone.
-// Which thread computes an index changes nothing in what is computed: the GEMMs' results are the same to the bit.
+// docs/benchmarks.md the host slows one vCPU and not the other for tenths of a second at a time (a loop of FMAs pinned
+// to each, both at once, 2026-12-06 on the Zen 3: one at 62-89 % of the other's rate in 12 of 48 samples, no steal time
+// counted in the served rounds), and a step's every GEMM then waits at its end for the slower thread's half. Why each
+// thread starts on its own share, in order: a run of consecutive panels keeps the kernels' loads ahead running on into
+// the next panel (handing chunks out in turn from one counter was 14 % slower at 32 rows, docs/benchmarks.md,
+// 2026-12-06); stealing from a share's back leaves its owner's front, and the panels it is loading ahead, alone. Which
+// thread computes an index changes nothing in what is computed: the GEMMs' results are the same to the bit.
 #pragma once
 
 #include <ATen/Parallel.h>
