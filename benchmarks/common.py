@@ -125,17 +125,18 @@ def log_summary(path: Path, top: int = 8) -> dict:
 
 def wait_http(url: str, ok, proc: subprocess.Popen, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
-        if ok():
-            return
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
+    with httpx.Client(timeout=2) as client:  # one for every poll: a new one costs ~35 ms of CPU (its CA bundle),
+        while time.monotonic() < deadline:  # beside the server's worker timing its GEMM kernels at start
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+            if ok():
                 return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not answering yet: polled again below
+            time.sleep(0.5)
     raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
 
 
