@@ -58,9 +58,12 @@ from shared.settings import library_isa_limits
 
 logger = logging.getLogger(__name__)
 
-# Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). More at a few
-# rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
-_REPS = 2
+# Timed passes per kernel and bucket (after one warm-up); the fastest is kept (noise only adds time). Three: on the
+# 2-core Zen 3 of docs/benchmarks.md a quiet pass strays up to +60 % from its kernel's median in slow seconds that
+# span rounds, and from 16 rows up the fastest of 2 passes picked a kernel >= 5 % slower than the best in 0.9-1.3
+# of the 30 choices of a measurement, of 3 passes in 0.35-0.5 (resampled from 10-pass runs), for ~12 s more at
+# start. More at a few rows, where a pass takes ~20-30 ms and the kernels lie within a few % of each other.
+_REPS = 3
 _REPS_FEW_ROWS = (8, 6)  # (up to this many rows, this many passes)
 # Another kernel must be >= 10 % faster than `linear` to be chosen (the safe default; a packed kernel also holds a
 # copy of the weight); the engine's own GEMV, which holds nothing more and is checked against F.linear in the
