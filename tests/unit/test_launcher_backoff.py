@@ -66,7 +66,8 @@ def test_waiting_for_the_cluster_polls_ready_through_one_http_client(monkeypatch
 
     monkeypatch.setattr(httpx.Client, "__init__", counted_init)
     monkeypatch.setattr(launcher_module, "READY_POLL_S", 0.01, raising=False)
-    launcher = _launcher_with(Child("tokenizer", {}))
+    launcher = Launcher.__new__(Launcher)  # only its wait, no children to start or restart
+    launcher.children = []
     launcher.args = SimpleNamespace(host="127.0.0.1", port=server.server_address[1], ready_timeout=30.0)
     try:
         assert launcher._wait_ready(StopFlag())
