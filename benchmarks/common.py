@@ -27,6 +27,7 @@ import psutil
 import redis
 
 from shared.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
+from shared.ready import wait_ok
 from shared.redis_server import die_with_parent, free_port
 from shared.settings import CommonSettings
 
@@ -124,20 +125,13 @@ def log_summary(path: Path, top: int = 8) -> dict:
 
 
 def wait_http(url: str, ok, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2) as client:  # one for every poll: a new one costs ~35 ms of CPU (its CA bundle),
-        while time.monotonic() < deadline:  # beside the server's worker timing its GEMM kernels at start
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
-            if ok():
-                return
-            try:
-                if client.get(url).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not answering yet: polled again below
-            time.sleep(0.5)
-    raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
+    def check() -> bool | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+        return True if ok() else None
+
+    if not wait_ok(url, timeout, 0.5, check):
+        raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
 
 
 class ConveyorUp:

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from shared.backoff import backoff_s
 from shared.model_files import resolve_model_dir
+from shared.ready import wait_ok
 from shared.redis_server import RedisServer, die_with_parent
 from shared.runtime import StopFlag, setup_logging
 from shared.service_table import SERVICES
@@ -97,18 +96,15 @@ class Launcher:
 
     def _wait_ready(self, stop: StopFlag) -> bool:
         url = f"http://{self.args.host}:{self.args.port}/ready"
-        deadline = time.monotonic() + self.args.ready_timeout
-        # One client for every poll: a new one loads the CA bundle (~35 ms of CPU), which twice a second kept ~8 %
-        # of a core busy beside a worker timing its GEMM kernels at start (gemm.measure).
-        with httpx.Client(timeout=2) as client:
-            while not stop.stopped and time.monotonic() < deadline:
-                self._restart_dead()
-                try:
-                    if client.get(url).status_code == 200:
-                        return True
-                except httpx.HTTPError as e:
-                    logger.debug("gateway not answering yet: %s", e)
-                time.sleep(READY_POLL_S)
+
+        def check() -> bool | None:
+            if stop.stopped:
+                return False
+            self._restart_dead()
+            return None
+
+        if wait_ok(url, self.args.ready_timeout, READY_POLL_S, check):
+            return True
         if not stop.stopped:
             logger.error("the cluster was not ready within %.0f s", self.args.ready_timeout)
         return False

@@ -7,15 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
 from shared.constants import Names
+from shared.ready import wait_ok
 from shared.redis_server import RedisServer, die_with_parent, free_port
 from shared.settings import CommonSettings
 from tests.support.cache import CACHE_DIR
@@ -134,19 +133,13 @@ class Cluster:
         return proc
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2) as client:  # one for every poll: a new one costs ~35 ms of CPU (its CA bundle)
-            while time.monotonic() < deadline:
-                for name, p in self.procs.items():
-                    if p.poll() is not None:
-                        raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.logs(name)}")
-                try:
-                    if client.get(f"{self.url}/ready").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not answering yet: polled again below
-                time.sleep(0.3)
-        raise RuntimeError("cluster not ready:\n" + "\n".join(self.logs(n) for n in self.procs))
+        def check() -> None:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.logs(name)}")
+
+        if not wait_ok(f"{self.url}/ready", timeout, 0.3, check):
+            raise RuntimeError("cluster not ready:\n" + "\n".join(self.logs(n) for n in self.procs))
 
     def logs(self, name: str, tail: int = 4000) -> str:
         path = self.tmp / f"{name}.log"
