@@ -1,4 +1,8 @@
-"""The `conveyor` command: `conveyor up` runs a local cluster; `conveyor <service>` runs one service."""
+"""The `conveyor` command: `conveyor up` runs a local cluster; `conveyor <service>` runs one service.
+
+Each command imports what it needs when it runs: `conveyor health`, a container's healthcheck every 10 s, imports
+the standard library and two small modules (shared.health_file), not redis-py nor the settings (0.4-0.6 s of CPU).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import importlib
 import logging
 import sys
 
-from shared.runtime import setup_logging
 from shared.service_table import SERVICES
 
 logger = logging.getLogger(__name__)
@@ -17,6 +20,7 @@ SERVICE_NAMES = tuple(SERVICES)
 
 def run_service(name: str) -> int:
     from shared import telemetry
+    from shared.runtime import setup_logging
 
     spec = SERVICES[name]
     cfg = spec.settings()
@@ -66,7 +70,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
     for name in SERVICE_NAMES:
         sub.add_parser(name, help=f"run one {name} (settings from CONVEYOR_* environment variables)")
-    health = sub.add_parser("health", help="exit 0 if this host's SERVICE is healthy (a container healthcheck)")
+    health = sub.add_parser(
+        "health",
+        help="exit 0 while this host's SERVICE has a live liveness entry (a container healthcheck; reads "
+        "the health file in CONVEYOR_HEALTH_DIR)",
+    )
     health.add_argument("service", choices=SERVICE_NAMES)
     return p
 
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return Launcher(args).run()
     if args.command == "health":
-        from services.health import check
+        from shared.health_file import check
 
         ok, why = check(args.service)
         sys.stdout.write(why + "\n")  # what `docker inspect` shows as the probe's output

@@ -12,7 +12,7 @@ import uuid
 
 import redis
 
-from shared import liveness
+from shared import health_file, liveness
 from shared.backoff import backoff_s
 from shared.constants import Names
 from shared.settings import CommonSettings
@@ -53,29 +53,57 @@ class StopFlag:
 
 class Liveness:
     """One process's entry in its service kind's liveness hash (shared.liveness); it stops counting as live
-    when the process stops refreshing it."""
+    when the process stops refreshing it. With a health folder, each write Redis accepted is also told to the
+    container's healthcheck (shared.health_file): call written() after executing a pipeline queue() filled."""
 
     read = staticmethod(liveness.read_live)  # live instances of a service kind -> their entries (no SCAN)
 
-    def __init__(self, names: Names, service: str, instance: str, interval_s: float, ttl_s: float):
+    def __init__(self, names: Names, service: str, instance: str, interval_s: float, ttl_s: float, health_dir=""):
         self.names, self.service, self.instance = names, service, instance
         self.interval_s = interval_s
         self.ttl_s = ttl_s
+        self.health_dir = health_dir
         self._last = 0.0
+        self._queued_at = 0.0  # wall time of the last write queued: the entry is live until then + ttl
+        self._file_failing = False
+
+    @classmethod
+    def of(cls, settings: CommonSettings, service: str, instance: str) -> Liveness:
+        """A process's entry as its settings say: interval, TTL, health folder."""
+        s = settings
+        return cls(s.names(), service, instance, s.heartbeat_interval_s, s.liveness_ttl_s, s.health_dir)
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval_s
 
     def queue(self, pipe, info: dict | None = None) -> None:
-        """Queue a refresh on a pipeline the caller executes (with its other writes)."""
+        """Queue a refresh on a pipeline the caller executes (with its other writes), then calls written()."""
         self._last = time.monotonic()
+        self._queued_at = time.time()
         liveness.queue_write(pipe, self.names, self.service, self.instance, self.ttl_s, info)
 
     def refresh(self, client, info: dict | None = None) -> None:
-        self._last = time.monotonic()
-        liveness.write(client, self.names, self.service, self.instance, self.ttl_s, info)
+        pipe = client.pipeline(transaction=False)
+        self.queue(pipe, info)
+        pipe.execute()
+        self.written()
+
+    def written(self) -> None:
+        """The queued write is in Redis: tell the health file. A disk that refuses is logged (once until it
+        works again), never raised: the healthcheck failing is its consequence, not the service's."""
+        if not self.health_dir:
+            return
+        try:
+            health_file.write(self.health_dir, self.service, self._queued_at + self.ttl_s)
+            self._file_failing = False
+        except OSError as e:
+            if not self._file_failing:
+                logger.warning("%s: cannot write its health file in %s (%r)", self.instance, self.health_dir, e)
+            self._file_failing = True
 
     def clear(self, client) -> None:
+        if self.health_dir:
+            health_file.remove(self.health_dir, self.service)
         liveness.remove(client, self.names, self.service, self.instance)
 
 

@@ -66,7 +66,7 @@ class SchedulerService(BusService):
         self.detached_checked: dict[str, bool] = {}  # orphans of dead gateways -> created detached (recovery.detached)
         self.workers: dict[str, WorkerView] = {}
         self.router = Router(settings)
-        self.live = Liveness(self.names, "scheduler", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.live = Liveness.of(settings, "scheduler", self.id)
         # Heartbeats are read by every replica (plain XREAD), the other streams shared through the group.
         self.streams = [
             *(self.names.preprocessed_stream(p) for p in self.names.all_partitions),

@@ -118,7 +118,7 @@ class TokenizerService(BusService):
         super().__init__(settings, on_dead=self._on_dead)
         info = model_info(resolve_model_dir(settings.model, settings.cache_dir))
         self.pre = Preprocessor(load_tokenizer(info.model_dir), info.max_len)
-        self.live = Liveness(self.names, "tokenizer", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.live = Liveness.of(settings, "tokenizer", self.id)
         self.streams = [self.names.received_stream(p) for p in self.names.all_partitions]
 
     def run(self) -> None:

@@ -16,7 +16,7 @@ import msgspec
 import redis
 
 from shared.bus import write_event
-from shared.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S, Names
+from shared.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S
 from shared.events import Heartbeat
 from shared.runtime import Liveness
 
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeater:
-    def __init__(self, client, names: Names, worker_id: str, interval_s: float, ttl_s: float):
+    def __init__(self, client, live: Liveness):
         self.r = client
-        self.names = names
-        self.interval_s = interval_s
-        self.live = Liveness(names, "worker", worker_id, interval_s, ttl_s)
+        self.names = live.names
+        self.interval_s = live.interval_s
+        self.live = live
         self._snapshot: Heartbeat | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -59,6 +59,7 @@ class Heartbeater:
         self.live.queue(pipe, _summary(hb))
         pipe.expire(self.names.worker_stream(hb.worker_id), PRIVATE_STREAM_TTL_S)  # lives while this worker does
         pipe.execute()
+        self.live.written()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

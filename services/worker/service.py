@@ -42,7 +42,7 @@ from shared.events import (
     TimedOut,
 )
 from shared.lifecycle import Publish, State
-from shared.runtime import StopFlag, run_loop
+from shared.runtime import Liveness, StopFlag, run_loop
 from shared.sessions import SessionStore
 from shared.settings import WorkerSettings
 
@@ -61,7 +61,7 @@ class WorkerService(BusService):
         self.active: dict[str, Active] = {}
         self.tracing = WorkerTracing(self.engine)
         self.kv_events = KvEventPublisher(self.bus, self.id, self.engine, settings.block_size)
-        self.beats = Heartbeater(self.r, self.names, self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s)
+        self.beats = Heartbeater(self.r, Liveness.of(settings, "worker", self.id))
         self.last_read_id = ""
         self._cut_short = True  # entries may be pending from a previous life under this id: taken up at start
         self.step_no = 0

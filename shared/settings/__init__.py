@@ -1,7 +1,8 @@
 """Validated settings, read once from the environment (prefix CONVEYOR_).
 
 Every service has exactly one settings class here (a subclass of CommonSettings); nothing outside this package reads
-the environment (environment.py: the raw variables a process passes on or that other libraries read).
+the environment (environment.py: the raw variables a process passes on or that other libraries read), but the
+container healthcheck's CONVEYOR_HEALTH_DIR (shared/health_file.py: a probe that must not import pydantic).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class CommonSettings(BaseSettings):
     )
     liveness_ttl_s: float = Field(5.0, gt=0, description="a process is dead when its liveness entry is older")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="how often liveness entries are refreshed")
+    health_dir: str = Field(
+        "",
+        description="folder where each process writes, after each liveness write, until when it is live "
+        "(<health_dir>/<service>, read by `conveyor health`: shared/health_file.py); empty = none",
+    )
     read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
     socket_timeout_s: float = Field(10.0, gt=0, description="Redis client socket timeout")
     claim_idle_ms: int = Field(10_000, ge=100, description="pending entries idle this long are claimed")

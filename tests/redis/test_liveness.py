@@ -44,7 +44,7 @@ def test_the_hash_expires_when_nobody_refreshes_it(redis_client, names):
 
 
 def test_a_worker_heartbeat_writes_its_summary_into_the_workers_hash(redis_client, names):
-    beat = Heartbeater(redis_client, names, "w-1", 1.0, 5.0)
+    beat = Heartbeater(redis_client, Liveness(names, "worker", "w-1", 1.0, 5.0))
     beat.update(
         Heartbeat(
             worker_id="w-1",

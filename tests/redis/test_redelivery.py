@@ -71,7 +71,9 @@ def test_restarted_scheduler_queues_adaptive_requests_before_hearing_from_worker
 
 def test_redis_outage_longer_than_the_liveness_ttl_loses_no_worker(redis_server, redis_client, names):
     s = scheduler(redis_server, names, liveness_ttl_s=1.0, heartbeat_interval_s=0.2, socket_timeout_s=0.5)
-    beats = Heartbeater(redis.Redis.from_url(redis_server.url, socket_timeout=0.5), names, WORKER, 0.2, 1.0)
+    beats = Heartbeater(
+        redis.Redis.from_url(redis_server.url, socket_timeout=0.5), Liveness(names, "worker", WORKER, 0.2, 1.0)
+    )
     beats.update(heartbeat())
     beats.start()
     gateway = threading.Thread(target=_gateway_alive, args=(redis_server, names, beats), daemon=True)

@@ -85,7 +85,7 @@ class GatewayCore(ReplyReader):
         self._loop_moved = time.monotonic()  # set by the event loop's keep-alive round; read by the liveness thread
         self.liveness = LivenessThread(
             sync_client(settings),
-            Liveness(self.names, "gateway", self.id, settings.heartbeat_interval_s, settings.liveness_ttl_s),
+            Liveness.of(settings, "gateway", self.id),
             lambda: time.monotonic() - self._loop_moved < LOOP_DEAD_S,
             info={"token": self.token},
         )
