@@ -54,13 +54,6 @@ def queue_write(pipe, names: Names, service: str, instance: str, ttl_s: float, i
     pipe.expire(key, hash_ttl_s(ttl_s))
 
 
-def write(client, names: Names, service: str, instance: str, ttl_s: float, info: dict | None = None):
-    """Refresh one instance's entry; returns what the pipeline's execute returns (await it on asyncio)."""
-    pipe = client.pipeline(transaction=False)
-    queue_write(pipe, names, service, instance, ttl_s, info)
-    return pipe.execute()
-
-
 # KEYS: the liveness hash. ARGV: instance, its new entry, the claimant's token, the claimant's now, the hash's TTL.
 # Returns nil when the entry was written, else the entry of the live process (another token) that holds the id.
 _CLAIM_LUA = """

@@ -23,7 +23,7 @@ def test_an_entry_is_live_while_younger_than_its_ttl():
 def test_readers_prune_entries_dead_for_ten_ttls_and_keep_recently_dead_ones(redis_client, names):
     now = time.time()
     for instance, age in (("fresh", 0), ("recent", 20), ("long-gone", 60)):
-        liveness.write(redis_client, names, "worker", instance, 5, {"at": now - age})
+        Liveness(names, "worker", instance, 1.0, 5).refresh(redis_client, {"at": now - age})
     assert set(liveness.read_live(redis_client, names, "worker", now=now)) == {"fresh"}
     assert set(redis_client.hkeys(names.live_hash("worker"))) == {b"fresh", b"recent"}
 
