@@ -73,9 +73,10 @@ def parser() -> argparse.ArgumentParser:
     health = sub.add_parser(
         "health",
         help="exit 0 while this host's SERVICE has a live liveness entry (a container healthcheck; reads "
-        "the health file in CONVEYOR_HEALTH_DIR)",
+        "the health file its process writes in --dir)",
     )
     health.add_argument("service", choices=SERVICE_NAMES)
+    health.add_argument("--dir", required=True, help="the services' health_dir setting (CONVEYOR_HEALTH_DIR)")
     return p
 
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "health":
         from shared.health_file import check
 
-        ok, why = check(args.service)
+        ok, why = check(args.service, args.dir)
         sys.stdout.write(why + "\n")  # what `docker inspect` shows as the probe's output
         return 0 if ok else 1
     return run_service(args.command)

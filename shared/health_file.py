@@ -9,9 +9,9 @@ the standard library alone. Same meaning: the file's time is ahead exactly while
 Several processes of one service in one folder (`conveyor up --workers 2`) share the file: the freshest writer
 wins, "some process of SERVICE here is live", as a container holds one.
 
-The folder is the setting health_dir (CONVEYOR_HEALTH_DIR; empty = no files, the default outside containers).
-The probe reads that variable itself (ENV_VAR), the one reader outside shared.settings: importing the settings
-is the cost it exists to avoid. Standard library only, for the same reason.
+The folder is the setting health_dir (CONVEYOR_HEALTH_DIR; empty = no files, the default outside containers); the
+probe is given it on its command line (docker-compose.yml: `--dir "$CONVEYOR_HEALTH_DIR"`, expanded by the shell),
+as importing the settings is the cost it exists to avoid. Standard library only, for the same reason.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-
-ENV_VAR = "CONVEYOR_HEALTH_DIR"
 
 
 def write(folder: str, service: str, live_until: float) -> None:
@@ -37,11 +35,10 @@ def remove(folder: str, service: str) -> None:
     (Path(folder) / service).unlink(missing_ok=True)
 
 
-def check(service: str, folder: str | None = None, now: float | None = None) -> tuple[bool, str]:
+def check(service: str, folder: str, now: float | None = None) -> tuple[bool, str]:
     """(healthy, a line why): what the probe prints and exits on."""
-    folder = os.environ.get(ENV_VAR, "") if folder is None else folder
     if not folder:
-        return False, f"{ENV_VAR} is not set: no process writes a health file to read"
+        return False, "no health folder given: the services write no health file (their health_dir is empty)"
     path = Path(folder) / service
     try:
         live_until = float(path.read_text())

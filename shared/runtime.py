@@ -102,9 +102,12 @@ class Liveness:
             self._file_failing = True
 
     def clear(self, client) -> None:
-        if self.health_dir:
-            health_file.remove(self.health_dir, self.service)
         liveness.remove(client, self.names, self.service, self.instance)
+        if self.health_dir:
+            try:
+                health_file.remove(self.health_dir, self.service)
+            except OSError as e:  # the file lapses by itself within a TTL
+                logger.warning("%s: cannot remove its health file in %s (%r)", self.instance, self.health_dir, e)
 
 
 class LivenessThread:

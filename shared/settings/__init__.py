@@ -1,8 +1,7 @@
 """Validated settings, read once from the environment (prefix CONVEYOR_).
 
 Every service has exactly one settings class here (a subclass of CommonSettings); nothing outside this package reads
-the environment (environment.py: the raw variables a process passes on or that other libraries read), but the
-container healthcheck's CONVEYOR_HEALTH_DIR (shared/health_file.py: a probe that must not import pydantic).
+the environment (environment.py: the raw variables a process passes on or that other libraries read).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ has its liveness entry live, read from the health file that process writes after
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -16,11 +15,9 @@ CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 HEAVY = ("redis", "pydantic", "pydantic_settings", "opentelemetry", "fastapi", "torch", "msgspec")
 
 
-def probe(service: str, folder: Path | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != health_file.ENV_VAR}
-    if folder is not None:
-        env[health_file.ENV_VAR] = str(folder)
-    return subprocess.run([CONVEYOR, "health", service], env=env, capture_output=True, text=True, timeout=60)
+def probe(service: str, folder: Path | str) -> subprocess.CompletedProcess:
+    cmd = [CONVEYOR, "health", service, "--dir", str(folder)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
 def test_a_worker_whose_entry_is_live_is_healthy(tmp_path):
@@ -41,17 +38,16 @@ def test_a_tokenizer_that_never_wrote_its_entry_is_unhealthy(tmp_path):
     assert done.returncode == 1 and "none yet" in done.stdout
 
 
-def test_the_probe_says_so_when_no_health_folder_is_set():
-    done = probe("gateway", None)
-    assert done.returncode == 1 and health_file.ENV_VAR in done.stdout
+def test_the_probe_says_so_when_its_health_folder_is_empty():
+    done = probe("gateway", "")
+    assert done.returncode == 1 and "no health folder given" in done.stdout
 
 
 def test_the_probe_imports_neither_redis_nor_the_settings(tmp_path):
     health_file.write(str(tmp_path), "scheduler", time.time() + 30)
     code = (
-        "import sys; from services.cli import main; rc = main(['health', 'scheduler']); "
+        f"import sys; from services.cli import main; rc = main(['health', 'scheduler', '--dir', {str(tmp_path)!r}]); "
         f"print(rc, sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
     )
-    env = {**os.environ, health_file.ENV_VAR: str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr

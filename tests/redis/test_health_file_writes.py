@@ -55,3 +55,12 @@ def test_a_cleared_entry_removes_the_health_file(redis_client, names, tmp_path):
         False,
         f"{tmp_path / 'gateway'}: none yet (no liveness write of a gateway here has succeeded)",
     )
+
+
+def test_a_health_folder_that_cannot_be_written_never_stops_the_entry_being_cleared(redis_client, names, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    live = Liveness(names, "scheduler", "sch-1", 1.0, TTL_S, str(blocked))
+    live.refresh(redis_client)
+    live.clear(redis_client)
+    assert Liveness.read(redis_client, names, "scheduler") == {}

@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from services.cli import parser
-from shared import health_file
 from shared import settings as s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,12 +60,13 @@ def test_one_redis_password_for_the_server_and_every_service(compose):
 
 @pytest.mark.parametrize("service", sorted(SETTINGS))
 def test_every_conveyor_service_has_its_own_healthcheck(compose, service):
-    assert compose["services"][service]["healthcheck"]["test"] == ["CMD", "conveyor", "health", service]
+    probe = ["CMD-SHELL", f'conveyor health {service} --dir "$$CONVEYOR_HEALTH_DIR"']
+    assert compose["services"][service]["healthcheck"]["test"] == probe
 
 
 @pytest.mark.parametrize("service", sorted(SETTINGS))
 def test_every_conveyor_service_writes_the_health_file_its_probe_reads(compose, service):
-    assert compose["services"][service]["environment"][health_file.ENV_VAR].startswith("/")
+    assert compose["services"][service]["environment"]["CONVEYOR_HEALTH_DIR"].startswith("/")
 
 
 @pytest.mark.parametrize("service", sorted(SETTINGS))

@@ -8,8 +8,8 @@ from shared.runtime import Liveness
 from shared.settings import CommonSettings
 
 
-def test_the_probe_reads_the_variable_the_health_dir_setting_is_read_from(monkeypatch, tmp_path):
-    monkeypatch.setenv(health_file.ENV_VAR, str(tmp_path))
+def test_the_health_dir_setting_is_the_variable_the_compose_probes_pass_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("CONVEYOR_HEALTH_DIR", str(tmp_path))
     assert CommonSettings().health_dir == str(tmp_path)
 
 
