@@ -198,37 +198,13 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_reference(model_dir, hf_model):
-    """transformers' own greedy generation, one prompt at a time, for token-for-token comparisons."""
-    import torch
-    from transformers import AutoTokenizer
+def hf_reference(model_dir: Path, request):
+    """transformers' greedy continuation of a prompt, for token-for-token comparisons: computed on `hf_model` once
+    per machine and kept on disk, shared by the test processes (tests/support/references.py); the model is loaded
+    only for a continuation the file does not hold."""
+    from tests.support.references import GreedyReferences
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    cache: dict = {}
-
-    def prompt_ids(prompt: str | None = None, messages: list | None = None) -> list[int]:
-        if messages is not None:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(prompt)
-
-    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(ids), max_new_tokens)
-        if key not in cache:
-            with torch.inference_mode():
-                out = hf_model.generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                )
-            cache[key] = out[0, len(ids) :].tolist()
-        return cache[key]
-
-    generate.prompt_ids = prompt_ids
-    generate.tokenizer = tok
-    generate.model = hf_model  # float32, for tests that need its logits
-    return generate
+    return GreedyReferences(model_dir, lambda: request.getfixturevalue("hf_model"))
 
 
 @pytest.fixture(scope="session")
@@ -306,7 +282,7 @@ def start_cluster(tmp_path, model_dir):
         c.stop()
 
 
-# The engine's own tests (tests/e2e/engine): one model for the engine and greedy references computed once.
+# The engine's own tests (tests/e2e/engine): one model for the engine.
 
 
 @pytest.fixture(scope="session")
@@ -333,15 +309,6 @@ def engine_model(model_dir: Path):
     gc.collect()
     gc.freeze()
     return model
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(model_dir: Path, request):
-    """HF greedy continuations on `hf_model`, cached on disk next to the converted model (the model is loaded only
-    for a continuation the file does not hold)."""
-    from tests.support.engine import ReferenceOutputs
-
-    return ReferenceOutputs(model_dir, lambda: request.getfixturevalue("hf_model"))
 
 
 @pytest.fixture

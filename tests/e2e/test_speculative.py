@@ -16,7 +16,7 @@ def _accepted(url: str) -> float:
     return scrape(url).get("conveyor:spec_decode_num_accepted_tokens_total", 0.0)
 
 
-def test_a_greedy_answer_that_repeats_its_prompt_is_drafted_and_counted(cluster, tokenizer, hf_greedy):
+def test_a_greedy_answer_that_repeats_its_prompt_is_drafted_and_counted(cluster, tokenizer, hf_reference):
     before = _accepted(cluster.url)
     body = {"model": MODEL, "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48, "temperature": 0}
     r = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120)
@@ -24,7 +24,7 @@ def test_a_greedy_answer_that_repeats_its_prompt_is_drafted_and_counted(cluster,
     prompt = list(
         tokenizer.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True)["input_ids"]
     )
-    expected = tokenizer.decode(hf_greedy(prompt, 48), skip_special_tokens=True)
+    expected = tokenizer.decode(hf_reference(prompt, 48), skip_special_tokens=True)
     assert (
         r.json()["choices"][0]["message"]["content"] == expected.strip()
         or r.json()["choices"][0]["message"]["content"] == expected

@@ -1,17 +1,9 @@
-"""Shared data and helpers of the engine tests (imported by the test modules), and the engine's greedy reference:
-transformers' `generate(do_sample=False)` run one prompt at a time without padding, on transformers' model (not the
-engine's: the engine switches its model's attention to the paged implementation), cached in a JSON file next to the
-converted model."""
+"""Shared data and helpers of the engine tests (imported by the test modules); their greedy reference is the suite's
+(`hf_reference`, tests/support/references.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
 
 from services.worker.engine import LLMEngine
 
@@ -91,36 +83,3 @@ def run_to_completion(engine: LLMEngine, runs: dict[str, Run] | None = None, max
         collect(result, runs)
         steps.append(result)
     raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
-
-
-class ReferenceOutputs:
-    """HF greedy continuations, computed lazily on transformers' model (load_model() gives it) and cached on disk."""
-
-    def __init__(self, model_dir: Path, load_model: Callable[[], Any]):
-        self.model_dir = model_dir
-        self.path = model_dir.parent / f"{model_dir.name}.engine-test-refs.json"
-        self._load_model = load_model
-        self._lock = threading.Lock()
-        self._cache: dict[str, list[int]] = json.loads(self.path.read_text()) if self.path.exists() else {}
-
-    def __call__(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        key = hashlib.sha256(json.dumps([prompt, max_new_tokens]).encode()).hexdigest()
-        with self._lock:
-            if key not in self._cache:
-                self._cache[key] = self._generate(prompt, max_new_tokens)
-                # A file of this process's own, then renamed: test processes running side by side (pytest-xdist)
-                # each replace the whole file, never write into one another's.
-                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(self._cache))
-                tmp.replace(self.path)
-            return list(self._cache[key])
-
-    def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        import torch
-
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = self._load_model().generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
-            )
-        return out[0, len(prompt) :].tolist()

@@ -10,7 +10,7 @@ from services.worker.engine import EngineRequest, SamplingOptions
 N = 16
 
 
-def test_long_prompt_is_chunked_while_others_keep_decoding(make_engine, chat, hf_greedy):
+def test_long_prompt_is_chunked_while_others_keep_decoding(make_engine, chat, hf_reference):
     engine = make_engine(max_num_batched_tokens=64)
     long_prompt = chat("Read this and list its three main claims:\n" + PASSAGE + PASSAGE)
     assert len(long_prompt) > 300
@@ -34,14 +34,14 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(make_engine, chat, hf
         collect(result, runs)
     # budget 64 minus two decodes per step; the step computing the last chunk also samples
     assert prefill_steps >= (len(long_prompt) - 16) // 62 - 1 >= 3, f"prefilled in {prefill_steps} steps"
-    assert runs["long"].tokens == hf_greedy(long_prompt, N)
+    assert runs["long"].tokens == hf_reference(long_prompt, N)
     for rid, p in short.items():
-        assert runs[rid].tokens == hf_greedy(p, N + 8), rid
+        assert runs[rid].tokens == hf_reference(p, N + 8), rid
     engine.check_no_leak()
 
 
 def test_a_step_with_a_new_prompt_and_another_prompts_next_chunk_gives_both_their_greedy_tokens(
-    make_engine, chat, hf_greedy
+    make_engine, chat, hf_reference
 ):
     """The chunks of one step attend apart by kind: those starting at position 0 within themselves, those with
     cached context over the pool; the rows of both kinds must land back on their own requests."""
@@ -62,5 +62,5 @@ def test_a_step_with_a_new_prompt_and_another_prompts_next_chunk_gives_both_thei
     while engine.has_unfinished():
         collect(engine.step(), runs)
     for rid, p in prompts.items():
-        assert runs[rid].tokens == hf_greedy(p, N), rid
+        assert runs[rid].tokens == hf_reference(p, N), rid
     engine.check_no_leak()

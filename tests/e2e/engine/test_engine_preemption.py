@@ -9,7 +9,7 @@ from services.worker.engine import EngineRequest, SamplingOptions
 N = 24
 
 
-def test_small_pool_preempts_and_outputs_stay_identical(make_engine, chat, hf_greedy):
+def test_small_pool_preempts_and_outputs_stay_identical(make_engine, chat, hf_reference):
     prompts = {f"p{i}": chat(q) for i, q in enumerate(QUESTIONS[:6])}
     need = sum(-(-(len(p) + N) // 16) for p in prompts.values())
     engine = make_engine(num_kv_blocks=need // 2)  # about half of what all six need at once
@@ -19,7 +19,7 @@ def test_small_pool_preempts_and_outputs_stay_identical(make_engine, chat, hf_gr
     preempted = {rid for r in steps for rid, status in r.transitions if status == "PREEMPTED"}
     assert engine.stats().num_preemptions > 0 and preempted
     for rid, p in prompts.items():
-        expected = hf_greedy(p, N)
+        expected = hf_reference(p, N)
         got = runs[rid].tokens
         assert len(got) == N and runs[rid].finish_reason == "length"
         # ignore_eos: the run continues past EOS, so compare the part HF generated

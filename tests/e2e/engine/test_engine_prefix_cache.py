@@ -11,7 +11,7 @@ GREEDY = SamplingOptions(temperature=0, max_tokens=N)
 SYSTEM = "You are a careful assistant. Use this background text when it helps: " + PASSAGE
 
 
-def test_prompts_sharing_a_long_prefix_reuse_cached_blocks(make_engine, chat, hf_greedy):
+def test_prompts_sharing_a_long_prefix_reuse_cached_blocks(make_engine, chat, hf_reference):
     engine = make_engine()
     questions = ["Who invented the printing press?", "How fast could the press print?", "Name one effect."]
     prompts = [chat(q, system=SYSTEM) for q in questions]
@@ -23,7 +23,7 @@ def test_prompts_sharing_a_long_prefix_reuse_cached_blocks(make_engine, chat, hf
     shared = min(len(p) for p in prompts) - 20  # the questions differ only in their last ~20 tokens
     for i, p in enumerate(prompts):
         rid = "first" if i == 0 else f"later{i}"
-        assert runs[rid].tokens == hf_greedy(p, N), rid
+        assert runs[rid].tokens == hf_reference(p, N), rid
         if i:
             assert runs[rid].cached_tokens >= shared // 16 * 16 - 16 > 0, (rid, runs[rid].cached_tokens)
     assert runs["first"].cached_tokens == 0
@@ -47,7 +47,7 @@ def test_outputs_identical_with_and_without_prefix_cache(make_engine, chat):
     assert results[0] == results[1]
 
 
-def test_second_chat_turn_reuses_first_turn_blocks(make_engine, chat, tokenizer, hf_greedy):
+def test_second_chat_turn_reuses_first_turn_blocks(make_engine, chat, tokenizer, hf_reference):
     engine = make_engine()
     turn1 = chat("Tell me about the printing press.", system=SYSTEM)
     engine.add_request(EngineRequest("turn1", turn1, GREEDY))
@@ -62,5 +62,5 @@ def test_second_chat_turn_reuses_first_turn_blocks(make_engine, chat, tokenizer,
     engine.add_request(EngineRequest("turn2", turn2, GREEDY))
     run_to_completion(engine, runs)
     assert runs["turn2"].cached_tokens >= len(turn1) // 16 * 16
-    assert runs["turn2"].tokens == hf_greedy(turn2, N)
+    assert runs["turn2"].tokens == hf_reference(turn2, N)
     engine.check_no_leak()

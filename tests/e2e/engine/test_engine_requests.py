@@ -15,9 +15,9 @@ def greedy(n=N, **kw):
     return SamplingOptions(temperature=0, max_tokens=n, **kw)
 
 
-def test_resume_with_output_token_ids_equals_uninterrupted_run(make_engine, chat, hf_greedy):
+def test_resume_with_output_token_ids_equals_uninterrupted_run(make_engine, chat, hf_reference):
     prompt = chat(QUESTIONS[8])
-    expected = hf_greedy(prompt, N)
+    expected = hf_reference(prompt, N)
     assert len(expected) == N
     engine = make_engine()
     engine.add_request(EngineRequest("resumed", prompt, greedy(), output_token_ids=expected[:8]))
@@ -27,7 +27,7 @@ def test_resume_with_output_token_ids_equals_uninterrupted_run(make_engine, chat
     engine.check_no_leak()
 
 
-def test_abort_mid_decode_frees_blocks_and_stops_output(make_engine, chat, hf_greedy):
+def test_abort_mid_decode_frees_blocks_and_stops_output(make_engine, chat, hf_reference):
     engine = make_engine()
     prompts = {"keep": chat(QUESTIONS[1]), "drop": chat(QUESTIONS[3])}
     for rid, p in prompts.items():
@@ -43,11 +43,11 @@ def test_abort_mid_decode_frees_blocks_and_stops_output(make_engine, chat, hf_gr
     aborted_tokens = len(runs["drop"].tokens)
     run_to_completion(engine, runs)
     assert len(runs["drop"].tokens) == aborted_tokens and not runs["drop"].finished
-    assert runs["keep"].tokens[: len(hf_greedy(prompts["keep"], N))] == hf_greedy(prompts["keep"], N)
+    assert runs["keep"].tokens[: len(hf_reference(prompts["keep"], N))] == hf_reference(prompts["keep"], N)
     engine.check_no_leak()
 
 
-def test_request_that_can_never_fit_fails_alone_with_too_long(make_engine, chat, hf_greedy):
+def test_request_that_can_never_fit_fails_alone_with_too_long(make_engine, chat, hf_reference):
     engine = make_engine(num_kv_blocks=12)  # 192 tokens
     huge = chat(PASSAGE + PASSAGE)
     assert len(huge) > 192
@@ -55,7 +55,7 @@ def test_request_that_can_never_fit_fails_alone_with_too_long(make_engine, chat,
     engine.add_request(EngineRequest("small", chat(QUESTIONS[0]), greedy()))
     runs, _ = run_to_completion(engine)
     assert runs["huge"].finished and runs["huge"].error_reason == "too_long" and runs["huge"].tokens == []
-    assert runs["small"].tokens == hf_greedy(chat(QUESTIONS[0]), N) and runs["small"].error_reason is None
+    assert runs["small"].tokens == hf_reference(chat(QUESTIONS[0]), N) and runs["small"].error_reason is None
     engine.check_no_leak()
 
 
@@ -79,7 +79,7 @@ def test_invalid_requests_are_refused_at_add(make_engine, chat):
     engine.check_no_leak()
 
 
-def test_exception_for_one_request_fails_only_that_request(make_engine, chat, hf_greedy, monkeypatch):
+def test_exception_for_one_request_fails_only_that_request(make_engine, chat, hf_reference, monkeypatch):
     engine = make_engine()
     prompts = add_greedy(engine, chat, 3)
     real_prepare = engine.runner.prepare
@@ -93,11 +93,11 @@ def test_exception_for_one_request_fails_only_that_request(make_engine, chat, hf
     runs, _ = run_to_completion(engine)
     assert runs["r1"].error_reason == "worker_error" and len(runs["r1"].tokens) == 2
     for rid in ("r0", "r2"):
-        assert runs[rid].tokens == hf_greedy(prompts[rid], N) and runs[rid].error_reason is None
+        assert runs[rid].tokens == hf_reference(prompts[rid], N) and runs[rid].error_reason is None
     engine.check_no_leak()
 
 
-def test_out_of_memory_shrinks_the_batch_instead_of_failing(make_engine, chat, hf_greedy, monkeypatch):
+def test_out_of_memory_shrinks_the_batch_instead_of_failing(make_engine, chat, hf_reference, monkeypatch):
     engine = make_engine()
     prompts = add_greedy(engine, chat, 4)
     real_prepare, real_forward = engine.runner.prepare, engine.runner.forward
@@ -117,7 +117,7 @@ def test_out_of_memory_shrinks_the_batch_instead_of_failing(make_engine, chat, h
     monkeypatch.setattr(engine.runner, "forward", small_device_forward)
     runs, _ = run_to_completion(engine)
     for rid, p in prompts.items():
-        assert runs[rid].error_reason is None and runs[rid].tokens == hf_greedy(p, N), rid
+        assert runs[rid].error_reason is None and runs[rid].tokens == hf_reference(p, N), rid
     assert seen["ooms"] > 0
     engine.check_no_leak()
 

@@ -54,9 +54,9 @@ def test_a_negative_seed_gives_the_same_tokens_again_and_those_of_its_uint64_twi
     engine.check_no_leak()
 
 
-def test_max_tokens_and_stop_token_ids(make_engine, chat, hf_greedy):
+def test_max_tokens_and_stop_token_ids(make_engine, chat, hf_reference):
     prompt = chat(QUESTIONS[2])
-    expected = hf_greedy(prompt, 24)
+    expected = hf_reference(prompt, 24)
     stop = expected[5]
     first_stop = expected.index(stop)
     engine = make_engine()
@@ -71,9 +71,9 @@ def test_max_tokens_and_stop_token_ids(make_engine, chat, hf_greedy):
     engine.check_no_leak()
 
 
-def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_greedy, tokenizer):
+def test_ignore_eos_and_min_tokens_generate_past_eos(make_engine, chat, hf_reference, tokenizer):
     prompt = chat(QUESTIONS[0])
-    expected = hf_greedy(prompt, 24)
+    expected = hf_reference(prompt, 24)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert expected[-1] == eos and len(expected) < 20, "this prompt's greedy answer ends early with EOS"
     engine = make_engine()

@@ -24,7 +24,7 @@ def squeeze(engine, rid: str) -> None:
 
 @pytest.mark.parametrize("swap", [False, True], ids=["kept", "swapped"])
 def test_every_turn_through_a_session_matches_greedy_on_the_whole_conversation(
-    make_engine, chat, tokenizer, hf_greedy, tmp_path, swap
+    make_engine, chat, tokenizer, hf_reference, tmp_path, swap
 ):
     extra = {"num_kv_blocks": 64, "session_swap_dir": str(tmp_path / "tier")} if swap else {}
     engine = make_engine(**extra)
@@ -35,7 +35,7 @@ def test_every_turn_through_a_session_matches_greedy_on_the_whole_conversation(
         engine.add_request(EngineRequest(f"turn{k}", prompt, GREEDY, session_id="conversation"))
         runs, _ = run_to_completion(engine)
         run = runs[f"turn{k}"]
-        assert run.tokens == hf_greedy(prompt, N), k
+        assert run.tokens == hf_reference(prompt, N), k
         # the conversation so far came from the session's KV: only the new tokens were computed
         assert run.cached_tokens >= previous // 16 * 16, (k, run.cached_tokens, previous)
         previous = len(prompt)

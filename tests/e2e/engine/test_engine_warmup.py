@@ -11,7 +11,7 @@ from services.worker.engine.warmup import warm_up
 N = 16
 
 
-def test_greedy_outputs_after_the_warm_up_match_hf_greedy(make_engine, chat, hf_greedy):
+def test_greedy_outputs_after_the_warm_up_match_hf_greedy(make_engine, chat, hf_reference):
     engine = make_engine(max_num_batched_tokens=128, max_num_seqs=8)  # small buckets: a quick warm-up
     report = warm_up(engine, budget_s=120)
     assert report.skipped == [] and report.decode_batches == [8, 4, 2, 1]
@@ -21,5 +21,5 @@ def test_greedy_outputs_after_the_warm_up_match_hf_greedy(make_engine, chat, hf_
     runs, _ = run_to_completion(engine)
     assert set(runs) == set(prompts)  # no warm-up request's output among them
     for rid, prompt in prompts.items():
-        assert runs[rid].tokens == hf_greedy(prompt, N)
+        assert runs[rid].tokens == hf_reference(prompt, N)
     engine.check_no_leak()

@@ -57,7 +57,7 @@ def test_blocks_read_and_written_into_other_ids_hold_equal_tensors(make_engine, 
     engine.check_no_leak()
 
 
-def test_a_continuation_from_swapped_in_blocks_equals_recomputation(make_engine, chat, hf_greedy, tmp_path):
+def test_a_continuation_from_swapped_in_blocks_equals_recomputation(make_engine, chat, hf_reference, tmp_path):
     prompt = chat("How fast could the press print?", system=SYSTEM)
     first = make_engine()
     hashes, blocks = computed_prompt(first, prompt)
@@ -72,7 +72,7 @@ def test_a_continuation_from_swapped_in_blocks_equals_recomputation(make_engine,
         runs, _ = run_to_completion(engine)
         assert runs["next-turn"].cached_tokens == served
         if write:
-            assert runs["next-turn"].tokens == hf_greedy(prompt, N), "swapped-in KV continues as recomputed KV"
+            assert runs["next-turn"].tokens == hf_reference(prompt, N), "swapped-in KV continues as recomputed KV"
         else:  # the control: the same cache hits over blocks never written change the continuation
-            assert runs["next-turn"].tokens != hf_greedy(prompt, N), "the continuation must read the swapped KV"
+            assert runs["next-turn"].tokens != hf_reference(prompt, N), "the continuation must read the swapped KV"
         engine.check_no_leak()
