@@ -194,9 +194,11 @@ def test_request_without_timeout_gets_an_adaptive_deadline(single):
 
 def test_adaptive_deadline_counts_the_work_queued_ahead(single):
     hog = occupy(single)
-    first = Background(single, {"prompt": "Long one queued", "max_tokens": 2000, "ignore_eos": True})
+    # Both allowed 600 s: under the default 300 s the short one was refused at once (429) when the busy machine's
+    # simulated steps priced the 5,000 queued ahead of it past 300 s (62 ms a step, 2026-12-07), never QUEUED.
+    first = Background(single, {"prompt": "Long one queued", "max_tokens": 2000, "ignore_eos": True, "timeout": 600})
     first.wait_state("QUEUED")
-    second = Background(single, {"prompt": "Short one behind it", "max_tokens": 4})
+    second = Background(single, {"prompt": "Short one behind it", "max_tokens": 4, "timeout": 600})
     second.wait_state("QUEUED")
     a, b = snap(single, first.rid)["meta"], snap(single, second.rid)["meta"]
     # The short one's own work is 4 steps; behind 2000 steps on a single slot it is predicted to wait for them.
