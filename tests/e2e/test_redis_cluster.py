@@ -63,8 +63,14 @@ def _names(c: Cluster) -> Names:
     return Names(c.ns, CLUSTER_PARTITIONS, cluster=True)
 
 
+LONGEST = 64  # the module's longest greedy request (the master kill's)
+
+
 def _expected(hf_reference, body: dict, max_tokens: int) -> list[int]:
-    return hf_reference(hf_reference.prompt_ids(body.get("prompt"), body.get("messages")), max_tokens)
+    """transformers' greedy tokens, asked at the module's longest length whatever max_tokens is: each prompt's
+    continuation is computed once, the shorter asks being its first tokens (tests/support/references.py)."""
+    ids = hf_reference.prompt_ids(body.get("prompt"), body.get("messages"))
+    return hf_reference(ids, LONGEST)[:max_tokens]
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, first_token: threading.Event | None = None) -> dict:
@@ -210,7 +216,7 @@ def test_killing_a_master_mid_stream_loses_no_request_and_no_token(on_cluster, h
     plain = RedisCluster.from_url(rc.url)
     gateway = next(iter(read_live(plain, names, "gateway")))
     victim = rc.master_for_key(names.reply_stream(gateway))
-    bodies = [{**b, "max_tokens": 64, "temperature": 0} for b in PROMPTS]
+    bodies = [{**b, "max_tokens": LONGEST, "temperature": 0} for b in PROMPTS]
     started = [threading.Event() for _ in bodies]
     box: dict = {}
 
@@ -229,7 +235,7 @@ def test_killing_a_master_mid_stream_loses_no_request_and_no_token(on_cluster, h
     assert not t.is_alive(), "a stream never ended"
     for body, out in zip(bodies, box["out"]):
         assert not isinstance(out, BaseException), out
-        assert out["token_ids"] == _expected(hf_reference, body, 64), body
+        assert out["token_ids"] == _expected(hf_reference, body, LONGEST), body
         assert out["last"].get("finish_reason") in ("stop", "length"), out["last"]
         snap = httpx.get(f"{c.url}/v1/requests/{out['request_id']}", timeout=30).json()
         assert snap["state"] == "FINISHED", snap["history"]
