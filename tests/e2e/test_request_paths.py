@@ -194,14 +194,16 @@ def test_request_without_timeout_gets_an_adaptive_deadline(single):
 
 def test_adaptive_deadline_counts_the_work_queued_ahead(single):
     hog = occupy(single)
-    # Both allowed 600 s: under the default 300 s the short one was refused at once (429) when the busy machine's
-    # simulated steps priced the 5,000 queued ahead of it past 300 s (62 ms a step, 2026-12-07), never QUEUED.
-    first = Background(single, {"prompt": "Long one queued", "max_tokens": 2000, "ignore_eos": True, "timeout": 600})
+    # 200 tokens queued, not 2,000: both come without a timeout (an adaptive deadline is priced only then), so the
+    # short one is refused (429) if its wait to start (what is queued ahead plus the hog's ~3,000 steps left) is
+    # priced past the 300 s default; the simulated steps over the hog's long context cost ~62 ms, and 5,000 of them
+    # were (2026-12-07); 3,200 need 94 ms a step to be.
+    first = Background(single, {"prompt": "Long one queued", "max_tokens": 200, "ignore_eos": True})
     first.wait_state("QUEUED")
-    second = Background(single, {"prompt": "Short one behind it", "max_tokens": 4, "timeout": 600})
+    second = Background(single, {"prompt": "Short one behind it", "max_tokens": 4})
     second.wait_state("QUEUED")
     a, b = snap(single, first.rid)["meta"], snap(single, second.rid)["meta"]
-    # The short one's own work is 4 steps; behind 2000 steps on a single slot it is predicted to wait for them.
+    # The short one's own work is 4 steps; behind 200 steps on a single slot it is predicted to wait for them.
     assert b["predicted_s"] > 0.5 * a["predicted_s"] > 0
     for bg in (first, second):
         httpx.delete(f"{single.url}/v1/requests/{bg.rid}")
