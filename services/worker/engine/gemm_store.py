@@ -18,11 +18,12 @@ from services.worker.engine.gemm_kernels import KERNELS
 
 logger = logging.getLogger(__name__)
 
-# v14: 3 timed passes per bucket from 16 rows up, not 2 (gemm._REPS); v13: keys carry the kernels' variant and the
-# libraries' ISA limits; v12: the kernels' source digest (cpu_ops.sources_digest: no more names bumped by hand at a
-# kernel change); v11: avx512 panel tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7:
-# gemv to 64 rows, gemv256; v5: keys name kernels)
-PLAN_FILE = "gemm-plan-v14.json"
+# v15: a held copy's kernels compete at every bucket without the margin (gemm._held); v14: 3 timed passes per bucket
+# from 16 rows up, not 2 (gemm._REPS); v13: keys carry the kernels' variant and the libraries' ISA limits; v12: the
+# kernels' source digest (cpu_ops.sources_digest: no more names bumped by hand at a kernel change); v11: avx512 panel
+# tiles of 8 rows at 5-16 rows (v10: at all; v9: panel; v8: the *_near GEMVs; v7: gemv to 64 rows, gemv256; v5: keys
+# name kernels)
+PLAN_FILE = "gemm-plan-v15.json"
 LOADED_SHARE = 0.25  # other processes busy on >= this share of the cores while measuring: the plan is provisional
 MAX_TRIES = 3  # measurements of one plan at most (the first included) before a loaded one is kept anyway
 # Plans the file keeps, the newest written: every change of the kernels' sources (or of the CPU, the threads, the
