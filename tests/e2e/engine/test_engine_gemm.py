@@ -357,7 +357,7 @@ def test_a_weight_that_is_not_coded_keeps_f_linear_when_nothing_is_measured(make
 def test_a_kernel_whose_copy_the_plan_holds_is_taken_where_it_leads_linear_by_less_than_its_margin(monkeypatch):
     """The margin prices holding a copy: once the plan holds one (here for one row, where the panel GEMM leads by
     half), its kernel is taken at 512 rows too, 5 % ahead of linear there. Why: a bar measured fast by luck (one of
-    linear's passes in a quiet second) sent every 512-row prefill of three weights to F.linear, ~30 % slower in the
+    linear's passes in a quiet second) sent every 512-row prefill of three weights to F.linear, ~35 % slower in the
     layer stack than the panel GEMM whose copy the plan held anyway (docs/benchmarks.md, 2026-12-07)."""
     model = tiny_model()
     targets = [(m, f"k{i}", 10) for i, m in enumerate(plain_linears(model))]  # buckets 1 ... 512 rows
