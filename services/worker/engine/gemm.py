@@ -154,13 +154,7 @@ def _one_copy(buckets: list[dict[str, float]]) -> tuple[str, ...]:
     for big in (None, *(c for c in COPIES if c not in SMALL_COPIES)):
         for small in (None, *SMALL_COPIES):
             kinds = {c for c in (big, small) if c is not None}
-            plan = [
-                min(
-                    ((t, n) for n, t in b.items() if COPY_OF.get(n) in kinds | {None} and t < _margin(n)),
-                    default=(1.0, "linear"),
-                )
-                for b in buckets
-            ]
+            plan = [_fastest(b, lambda n, t: COPY_OF.get(n) in kinds | {None} and t < _margin(n)) for b in buckets]
             options.append((sum(t for t, _ in plan), len(kinds), tuple(n for _, n in plan)))
     return _held(buckets, min(options)[2])
 
@@ -169,9 +163,9 @@ def _margin(name: str) -> float:
     return _MARGIN.get(name, _DEFAULT_MARGIN)
 
 
-def _takes(name: str, t: float, held: set[str]) -> bool:
-    """Whether a plan holding copies `held` may run kernel `name`, timed at t of linear's time, at a bucket."""
-    return COPY_OF.get(name) in held or (name not in COPY_OF and t < _margin(name))
+def _fastest(bucket: dict[str, float], allowed) -> tuple[float, str]:
+    """(time relative to linear's, kernel): the fastest of linear and the bucket's kernels allowed(name, time)."""
+    return min([(1.0, "linear"), *((t, n) for n, t in bucket.items() if allowed(n, t))])
 
 
 def _held(buckets: list[dict[str, float]], plan: tuple[str, ...]) -> tuple[str, ...]:
@@ -183,7 +177,9 @@ def _held(buckets: list[dict[str, float]], plan: tuple[str, ...]) -> tuple[str, 
     of its bar there), and a 512-token prefill step with F.linear on all four took 852 ms against 622 on the panel
     GEMM whose copy every plan held (medians of 8)."""
     held = {COPY_OF[n] for n in plan if n in COPY_OF}
-    return tuple(min([(1.0, "linear"), *((t, n) for n, t in b.items() if _takes(n, t, held))])[1] for b in buckets)
+    return tuple(
+        _fastest(b, lambda n, t: COPY_OF.get(n) in held or (n not in COPY_OF and t < _margin(n)))[1] for b in buckets
+    )
 
 
 def _timed_pass(
