@@ -172,11 +172,11 @@ inline void rebuild(const uint8_t* rec, float* buf) {
 #endif
 }
 
-// acc [R, kCodeCols] (+)= a [steps, R] . steps k-steps of weight, each k-step's two vectors from step(k, b0, b1);
-// first: from zero. The panel GEMM's FMAs in its order.
+// acc [R, kCodeCols] (+)= a [R rows of stride as, steps] . steps k-steps of weight, each k-step's two vectors from
+// step(k, b0, b1); first: from zero. The panel GEMM's FMAs in its order.
 #if defined(CONVEYOR_VEC)
 template <int64_t R, typename Step>
-inline void tile_fmas(const float* a, float* acc, bool first, int64_t steps, Step step) {
+inline void tile_fmas(const float* a, int64_t as, float* acc, bool first, int64_t steps, Step step) {
   using namespace conveyor_vec;
   vf c[R][2];
 #pragma GCC unroll 8
@@ -187,7 +187,7 @@ inline void tile_fmas(const float* a, float* acc, bool first, int64_t steps, Ste
     step(k, b0, b1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vf xv = vset1(a[k * R + r]);
+      const vf xv = vset1(a[r * as + k]);
       c[r][0] = vfmadd(xv, b0, c[r][0]);
       c[r][1] = vfmadd(xv, b1, c[r][1]);
     }
@@ -198,19 +198,19 @@ inline void tile_fmas(const float* a, float* acc, bool first, int64_t steps, Ste
 }
 #endif
 
-// acc [R, kCodeCols] (+)= a [steps, R] . buf [steps, kCodeCols] (blocks rebuilt); first: from zero.
+// acc [R, kCodeCols] (+)= a [R rows of stride as, steps] . buf [steps, kCodeCols] (blocks rebuilt); first: from zero.
 template <int64_t R>
-inline void coded_tile(const float* a, const float* buf, float* acc, bool first, int64_t steps) {
+inline void coded_tile(const float* a, int64_t as, const float* buf, float* acc, bool first, int64_t steps) {
 #if defined(CONVEYOR_VEC)
   using namespace conveyor_vec;
-  tile_fmas<R>(a, acc, first, steps, [buf](int64_t k, vf& b0, vf& b1) {
+  tile_fmas<R>(a, as, acc, first, steps, [buf](int64_t k, vf& b0, vf& b1) {
     b0 = vload(buf + k * kCodeCols), b1 = vload(buf + k * kCodeCols + W);
   });
 #else
   for (int64_t i = 0; first && i < R * kCodeCols; ++i) acc[i] = 0.f;
   for (int64_t k = 0; k < steps; ++k)
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < kCodeCols; ++j) acc[r * kCodeCols + j] += a[k * R + r] * buf[k * kCodeCols + j];
+      for (int64_t j = 0; j < kCodeCols; ++j) acc[r * kCodeCols + j] += a[r * as + k] * buf[k * kCodeCols + j];
 #endif
 }
 
@@ -222,23 +222,23 @@ inline void coded_tile(const float* a, const float* buf, float* acc, bool first,
 // in one process (benchmarks.gemv --baseline, three runs): the model's 121 weights at 1 row in 7.6-9.5 ms against
 // 10.0-12.4, at 2 rows 8.8-12.1 against 10.9-16.5, at 4 rows 10.8-14.6 against 11.7-18.4.
 template <int kBits, int64_t R>
-inline void lone_tile(const uint8_t* rec, const float* a, float* acc, bool first, float* buf) {
+inline void lone_tile(const uint8_t* rec, const float* a, int64_t as, float* acc, bool first, float* buf) {
 #if defined(CONVEYOR_VEC)
   using namespace conveyor_vec;
   (void)buf;
   const uint8_t* rq = rec + (kBits == 4 ? 2 : 1) * kCodeCols * 4;
   vf d[2], m[2];
   record_scales<kBits>(rec, d, m);
-  tile_fmas<R>(a, acc, first, kCodeBlock, [&](int64_t k, vf& b0, vf& b1) { rebuild_step<kBits>(rq, k, d, m, b0, b1); });
+  tile_fmas<R>(a, as, acc, first, kCodeBlock, [&](int64_t k, vf& b0, vf& b1) { rebuild_step<kBits>(rq, k, d, m, b0, b1); });
 #else
   rebuild<kBits>(rec, buf);
-  coded_tile<R>(a, buf, acc, first, kCodeBlock);
+  coded_tile<R>(a, as, buf, acc, first, kCodeBlock);
 #endif
 }
 
-// Panels [p0, p1) against x tiles [t0, t1) of R rows (tiles [T, K, R], panel_gemm's pack_rows), into y (+ bias).
+// Panels [p0, p1) against x tiles [t0, t1) of R rows (panel_gemm's XRows), into y (+ bias).
 template <int kBits, int64_t R>
-void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
+void coded_run(const XRows& xr, const uint8_t* recs, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
                int64_t t0, int64_t t1, int64_t p0, int64_t p1, float* acc) {
   alignas(64) float buf[kBufRecords * kCodeBlock * kCodeCols];
   const int64_t KB = K / kCodeBlock, bytes = record_bytes<kBits>();
@@ -249,12 +249,13 @@ void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, in
       const uint8_t* rec = recs + (p * KB + kb) * bytes;
       for (int64_t b = 0; b < n * bytes; b += 64) __builtin_prefetch(rec + kCodeAheadRecords * bytes + b);
       if (lone) {
-        lone_tile<kBits, std::min(R, kCodeMaxRows)>(rec, tiles + t0 * K * R + kb * kCodeBlock * R, acc, kb == 0, buf);
+        lone_tile<kBits, std::min(R, kCodeMaxRows)>(rec, xr.rows(t0, R) + kb * kCodeBlock, xr.stride(t0), acc, kb == 0,
+                                                    buf);
         continue;
       }
       for (int64_t r = 0; r < n; ++r) rebuild<kBits>(rec + r * bytes, buf + r * kCodeBlock * kCodeCols);
       for (int64_t t = t0; t < t1; ++t)
-        coded_tile<R>(tiles + t * K * R + kb * kCodeBlock * R, buf, acc + (t - t0) * R * kCodeCols, kb == 0,
+        coded_tile<R>(xr.rows(t, R) + kb * kCodeBlock, xr.stride(t), buf, acc + (t - t0) * R * kCodeCols, kb == 0,
                       n * kCodeBlock);
     }
     const int64_t cols = std::min(kCodeCols, N - p * kCodeCols);
@@ -268,16 +269,15 @@ void coded_run(const float* tiles, const uint8_t* recs, int64_t K, int64_t M, in
 template <int kBits, int64_t R>
 void coded_rows(const at::Tensor& x, const at::Tensor& recs, const float* bias, int64_t n, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), P = recs.size(0), T = (M + R - 1) / R;
-  at::Tensor tiles = at::empty({T, K, R}, x.options());
-  pack_rows<R>(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
+  at::Tensor tail;
+  const XRows xr = x_rows<R>(x, tail);
   const int64_t block = std::max<int64_t>(1, x_block_bytes() / (K * R * 4));  // tiles per x block (panel_gemm's)
-  const float* tp = tiles.data_ptr<float>();
   const uint8_t* rp = recs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t per_acc = std::min(block, T) * R * kCodeCols;  // a thread's sums of one block's tiles
   std::vector<float> acc(std::min<int64_t>(at::get_num_threads(), P) * per_acc);
   conveyor_shares::share_out(P, (T + block - 1) / block, [&](int64_t j, int64_t b, int64_t p0, int64_t p1, int64_t) {
-    coded_run<kBits, R>(tp, rp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1,
+    coded_run<kBits, R>(xr, rp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1,
                         acc.data() + j * per_acc);
   });
 }

@@ -12,9 +12,10 @@
 // docs/benchmarks.md (huge pages, as the engine runs): 15-20 % faster than gemv.cpp at 8-64 rows, ~35 % faster than
 // MKL's sgemm at 128 rows; level with the GEMV at 1-4 rows; MKL ahead from ~512 rows (plans measure, not guess).
 //
-// x is repacked per call into tiles of kPanelRows rows (avx512: kWideRows at 5-16 rows), K-major (zero rows past
-// M); blocks of x rows are sized so a block's tiles stay in L2 while the thread's panels stream by. Each thread
-// starts on one contiguous run of panels and takes the others' last panels once done (shares.h).
+// x is read in place, in tiles of kPanelRows rows (avx512: kWideRows at 5-16 rows; only a last tile that x does
+// not fill is copied, zero rows past M: XRows); blocks of x rows are sized so a block's tiles stay in L2 while the
+// thread's panels stream by. Each thread starts on one contiguous run of panels and takes the others' last panels
+// once done (shares.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -90,7 +91,7 @@ constexpr int kVecs = kPanelCols / W;
 //   kStream true (the panel's only tile: it streams from memory as it is read): pf follows kStreamAhead floats ahead
 //   of the reads, up to `stop` (on into the next panel: they are contiguous), and is left where it got to.
 template <bool kStream, int64_t R>
-inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& pf, int64_t lines,
+inline void tile(const float* a, int64_t as, const float* panel, int64_t K, float* c, const float*& pf, int64_t lines,
                  const float* stop) {
   vf acc[R][kVecs];
 #pragma GCC unroll 8
@@ -110,7 +111,7 @@ inline void tile(const float* a, const float* panel, int64_t K, float* c, const 
     for (int v = 0; v < kVecs; ++v) b[v] = vload(panel + k * kPanelCols + v * W);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
-      const vf xv = vset1(a[k * R + m]);
+      const vf xv = vset1(a[m * as + k]);
 #pragma GCC unroll 3
       for (int v = 0; v < kVecs; ++v) acc[m][v] = vfmadd(xv, b[v], acc[m][v]);
     }
@@ -122,28 +123,14 @@ inline void tile(const float* a, const float* panel, int64_t K, float* c, const 
 }
 #else
 template <bool kStream, int64_t R>
-inline void tile(const float* a, const float* panel, int64_t K, float* c, const float*& /*pf*/, int64_t /*lines*/,
-                 const float* /*stop*/) {
+inline void tile(const float* a, int64_t as, const float* panel, int64_t K, float* c, const float*& /*pf*/,
+                 int64_t /*lines*/, const float* /*stop*/) {
   for (int64_t i = 0; i < R * kPanelCols; ++i) c[i] = 0.f;
   for (int64_t k = 0; k < K; ++k)
     for (int64_t m = 0; m < R; ++m)
-      for (int64_t j = 0; j < kPanelCols; ++j) c[m * kPanelCols + j] += a[k * R + m] * panel[k * kPanelCols + j];
+      for (int64_t j = 0; j < kPanelCols; ++j) c[m * kPanelCols + j] += a[m * as + k] * panel[k * kPanelCols + j];
 }
 #endif
-
-// x [M, K] -> tiles [T, K, R], rows past M zero.
-template <int64_t R>
-void pack_rows(const float* x, int64_t xs, int64_t M, int64_t K, float* tiles) {
-  const int64_t T = (M + R - 1) / R;
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < R; ++m) {
-        float* dst = tiles + t * K * R + m;
-        const int64_t r = t * R + m;
-        for (int64_t k = 0; k < K; ++k) dst[k * R] = r < M ? x[r * xs + k] : 0.f;
-      }
-  });
-}
 
 // out [cols] = c (+ bias)
 inline void store_row(float* out, const float* c, const float* bias, int64_t cols) {
@@ -156,10 +143,37 @@ inline void store_row(float* out, const float* c, const float* bias, int64_t col
   for (int64_t j = 0; j < cols; ++j) out[j] = c[j] + (bias ? bias[j] : 0.f);
 }
 
+// The x rows a tile multiplies: tile t's R rows in place in x (row stride xs), or for a last tile that x's rows do
+// not fill, its copy `tail` (R rows of K, rows past M zero). Why in place: packing x into K-major tiles was a
+// serial copy before each call's threads started (49 K floats for the down projection at 32 rows), while the other
+// thread waited; the tile's broadcasts read one value of each of its rows a k-step either way, each row's line
+// serving 16 k-steps.
+struct XRows {
+  const float* x;
+  int64_t xs, full, K;  // full: tiles wholly inside x
+  const float* tail;
+  const float* rows(int64_t t, int64_t R) const { return t < full ? x + t * R * xs : tail; }
+  int64_t stride(int64_t t) const { return t < full ? xs : K; }
+};
+
+// x's rows as tiles of R (both GEMMs'); `tail` holds the last tile's copy while the call runs.
+template <int64_t R>
+XRows x_rows(const at::Tensor& x, at::Tensor& tail) {
+  const int64_t M = x.size(0), K = x.size(1), full = M / R;
+  if (full * R < M) {  // rows past M zero; a plain loop: ATen's ops cost more to dispatch than this copy at 1-4 rows
+    tail = at::empty({R, K}, x.options());
+    float* tp = tail.data_ptr<float>();
+    const float* xp = x.data_ptr<float>();
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t k = 0; k < K; ++k) tp[m * K + k] = full * R + m < M ? xp[(full * R + m) * x.stride(0) + k] : 0.f;
+  }
+  return XRows{x.data_ptr<float>(), x.stride(0), full, K, tail.defined() ? tail.data_ptr<float>() : nullptr};
+}
+
 // Panels [p0, p1) against x tiles [t0, t1) of R rows: y rows and columns they cover (with bias), the next panel
 // prefetched, up to panel `limit` (the thread reads on in order up to there: shares.h).
 template <int64_t R>
-void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
+void panel_run(const XRows& xr, const float* w, int64_t K, int64_t M, int64_t N, const float* bias, float* y,
                int64_t t0, int64_t t1, int64_t p0, int64_t p1, int64_t limit) {
   alignas(64) float c[R * kPanelCols];
   const int64_t panel_floats = K * kPanelCols, lines = panel_floats / 16;
@@ -170,13 +184,13 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
     const int64_t cols = std::min(kPanelCols, N - p * kPanelCols);
     const int64_t per_tile = (lines + (t1 - t0) - 1) / (t1 - t0);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* a = tiles + t * K * R;
+      const float* a = xr.rows(t, R);
       if (t1 - t0 == 1) {
-        tile<true, R>(a, panel, K, c, stream, 0, last + 16);
+        tile<true, R>(a, xr.stride(t), panel, K, c, stream, 0, last + 16);
       } else {  // this tile's share of the next panel, if the thread's run has one
         const float* pf = panel + panel_floats + (t - t0) * per_tile * 16;
         const int64_t share = p + 1 < limit && pf <= last ? std::min(per_tile, (last - pf) / 16 + 1) : 0;
-        tile<false, R>(a, panel, K, c, pf, share, last);
+        tile<false, R>(a, xr.stride(t), panel, K, c, pf, share, last);
       }
       for (int64_t m = 0; m < R && t * R + m < M; ++m)
         store_row(y + (t * R + m) * N + p * kPanelCols, c + m * kPanelCols, bias ? bias + p * kPanelCols : nullptr, cols);
@@ -189,14 +203,13 @@ void panel_run(const float* tiles, const float* w, int64_t K, int64_t M, int64_t
 template <int64_t R>
 void gemm_rows(const at::Tensor& x, const at::Tensor& panels, const float* bias, int64_t n, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), T = (M + R - 1) / R;
-  at::Tensor tiles = at::empty({T, std::max<int64_t>(K, 1), R}, x.options());
-  pack_rows<R>(x.data_ptr<float>(), x.stride(0), M, K, tiles.data_ptr<float>());
+  at::Tensor tail;
+  const XRows xr = x_rows<R>(x, tail);
   const int64_t block = std::max<int64_t>(1, x_block_bytes() / (K * R * 4 + 1));  // tiles per x block
-  const float* tp = tiles.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   conveyor_shares::share_out(P, (T + block - 1) / block, [&](int64_t, int64_t b, int64_t p0, int64_t p1, int64_t limit) {
-    panel_run<R>(tp, wp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1, limit);
+    panel_run<R>(xr, wp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1, limit);
   });
 }
 
