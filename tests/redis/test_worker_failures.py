@@ -9,7 +9,7 @@ import pytest
 from shared.constants import EVENT_FIELD, GROUP_WORKER
 from shared.events import Constraint, Failed, Sampling, decode
 from shared.grammar import ANY_OBJECT, KIND_JSON_SCHEMA
-from tests.support.scheduling import deliver, heartbeat, preprocessed_request, scheduler, sim_worker, state
+from tests.support.scheduling import place, sim_worker, state
 
 JSON_OUT = Sampling(max_tokens=4, temperature=0.0, constraint=Constraint(kind=KIND_JSON_SCHEMA, spec=ANY_OBJECT))
 
@@ -17,17 +17,6 @@ JSON_OUT = Sampling(max_tokens=4, temperature=0.0, constraint=Constraint(kind=KI
 @pytest.fixture
 def worker(redis_server, names, model_dir):
     return sim_worker(redis_server, names)
-
-
-def place(redis_server, names, *samplings: Sampling) -> list[str]:
-    """Requests placed on the worker by the scheduler's own code, in one read of its stream."""
-    s = scheduler(redis_server, names)
-    s.on_heartbeat(heartbeat())
-    events = [preprocessed_request(redis_server, names, sampling=sp) for sp in samplings]
-    for ev in events:
-        deliver(s, names.preprocessed_stream(0), ev)
-    s.place()
-    return [ev.request_id for ev in events]
 
 
 def _told(redis_client, names, rid: str) -> list:

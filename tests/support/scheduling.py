@@ -100,6 +100,17 @@ def preprocessed_request(
     return ev
 
 
+def place(redis_server, names, *samplings: Sampling) -> list[str]:
+    """Requests placed on WORKER by the scheduler's own code, in one read of its stream."""
+    s = scheduler(redis_server, names)
+    s.on_heartbeat(heartbeat())
+    events = [preprocessed_request(redis_server, names, sampling=sp) for sp in samplings]
+    for ev in events:
+        deliver(s, names.preprocessed_stream(0), ev)
+    s.place()
+    return [ev.request_id for ev in events]
+
+
 def deliver(s: SchedulerService, stream: str, event) -> None:
     batch.intake(s, [Delivery(stream, "scheduler", "0-1", event)])  # the tick's own path
 
