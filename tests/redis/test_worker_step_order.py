@@ -80,10 +80,18 @@ def test_a_finished_request_is_forgotten_once_its_last_step_is_published(worker,
     assert _told(redis_client, names, rid)[-1].__name__ == "Completed"
 
 
-def test_a_timeout_waits_for_the_tokens_in_flight(worker, redis_server, redis_client, names, monkeypatch):
+def _generating(worker, redis_server, redis_client, names) -> str:
+    """A long request placed on the worker, ticked until its first tokens are published."""
     (rid,) = place(redis_server, names, LONG)
     while not redis_client.llen(names.tokens(rid)):
         worker.tick()
+    return rid
+
+
+def test_a_timed_out_request_gets_its_last_steps_tokens_before_its_timeout(
+    worker, redis_server, redis_client, names, monkeypatch
+):
+    rid = _generating(worker, redis_server, redis_client, names)
     _slowed(worker, monkeypatch, 0.3)
     worker.tick()
     worker.active[rid].deadline = time.time() - 1
@@ -95,9 +103,7 @@ def test_a_timeout_waits_for_the_tokens_in_flight(worker, redis_server, redis_cl
     assert rid not in worker.active and not worker.engine.has_unfinished()
 
 
-def test_a_request_placed_elsewhere_while_its_step_is_in_flight_gets_no_later_tokens(
-    worker, redis_server, redis_client, names
-):
+def test_a_request_placed_elsewhere_gets_no_tokens_after_its_move(worker, redis_server, redis_client, names):
     s = scheduler(redis_server, names)
     s.on_heartbeat(heartbeat())
     ev = preprocessed_request(redis_server, names, sampling=LONG)
@@ -127,9 +133,7 @@ def test_a_request_placed_elsewhere_while_its_step_is_in_flight_gets_no_later_to
 def test_a_draining_worker_hands_back_every_token_it_published(worker, redis_server, redis_client, names, monkeypatch):
     from shared.events import HandBack
 
-    (rid,) = place(redis_server, names, LONG)
-    while not redis_client.llen(names.tokens(rid)):
-        worker.tick()
+    rid = _generating(worker, redis_server, redis_client, names)
     _slowed(worker, monkeypatch, 0.2)
     worker.tick()
     monkeypatch.setattr(worker.s, "drain_timeout_s", 0.0)
