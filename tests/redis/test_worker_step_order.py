@@ -63,13 +63,6 @@ def _slowed(worker, monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(worker.publisher, "publish", slow)
 
 
-def _run_out(worker) -> None:
-    """Tick until the worker holds nothing (its stream read by the first tick)."""
-    worker.tick()
-    while worker.engine.has_unfinished() or worker.active:
-        worker.tick()
-
-
 def test_a_finished_request_is_forgotten_once_its_last_step_is_published(worker, redis_server, redis_client, names):
     (rid,) = place(redis_server, names, Sampling(max_tokens=3, temperature=0.0, ignore_eos=True))
     worker.tick()
