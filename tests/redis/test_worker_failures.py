@@ -9,7 +9,7 @@ import pytest
 from shared.constants import EVENT_FIELD, GROUP_WORKER
 from shared.events import Constraint, Failed, Sampling, decode
 from shared.grammar import ANY_OBJECT, KIND_JSON_SCHEMA
-from tests.support.scheduling import place, sim_worker, state
+from tests.support.scheduling import delivered_tokens, place, sim_worker, state
 
 JSON_OUT = Sampling(max_tokens=4, temperature=0.0, constraint=Constraint(kind=KIND_JSON_SCHEMA, spec=ANY_OBJECT))
 
@@ -80,17 +80,6 @@ def test_placements_left_unacknowledged_by_a_redis_error_are_read_again(
     assert not worker.active and not worker.engine.has_unfinished()
 
 
-def _delivered_tokens(redis_client, names, rid: str) -> list[int]:
-    from shared.events import TokenGenerated
-
-    out = []
-    for _, f in redis_client.xrange(names.reply_stream("gw1")):
-        ev = decode(f[EVENT_FIELD])
-        if isinstance(ev, TokenGenerated):
-            out += [t for item in ev.items if item.request_id == rid for t in item.token_ids]
-    return out
-
-
 @pytest.mark.parametrize("fault", ["oom", "readonly"])
 def test_a_step_whose_publish_redis_refuses_is_published_once_redis_accepts_again(
     worker, redis_server, redis_client, names, fault
@@ -123,5 +112,5 @@ def test_a_step_whose_publish_redis_refuses_is_published_once_redis_accepts_agai
     finally:
         heal.join()
     tokens = [int(t) for t in redis_client.lrange(names.tokens(rid), 0, -1)]
-    assert len(tokens) == 8 and tokens == _delivered_tokens(redis_client, names, rid)
+    assert len(tokens) == 8 and tokens == delivered_tokens(redis_client, names, rid)
     assert state(redis_client, names, rid) == "FINISHED"

@@ -12,6 +12,7 @@ import pytest
 from shared.constants import EVENT_FIELD
 from shared.events import Sampling, TimedOut, TokenGenerated, decode
 from tests.support.scheduling import (
+    delivered_tokens,
     heartbeat,
     place,
     preprocessed_request,
@@ -32,7 +33,7 @@ def worker(redis_server, names, model_dir):
 
 
 def _told(redis_client, names, rid: str) -> list:
-    """The events the request's gateway got for it, in order: token lists and anything else by type."""
+    """The events the request's gateway got for it, in order: each step's token list, anything else by type."""
     out = []
     for _, f in redis_client.xrange(names.reply_stream("gw1")):
         ev = decode(f[EVENT_FIELD])
@@ -41,10 +42,6 @@ def _told(redis_client, names, rid: str) -> list:
         elif getattr(ev, "request_id", None) == rid:
             out.append(type(ev))
     return out
-
-
-def _tokens(told: list) -> list[int]:
-    return [t for item in told if isinstance(item, list) for t in item]
 
 
 def _stored(redis_client, names, rid: str) -> list[int]:
@@ -92,7 +89,7 @@ def test_a_timed_out_request_gets_its_last_steps_tokens_before_its_timeout(
     told = _told(redis_client, names, rid)
     assert told[-1] is TimedOut
     assert state(redis_client, names, rid) == "TIMED_OUT"
-    assert _stored(redis_client, names, rid) == _tokens(told)
+    assert _stored(redis_client, names, rid) == delivered_tokens(redis_client, names, rid)
     assert rid not in worker.active and not worker.engine.has_unfinished()
 
 
@@ -117,7 +114,7 @@ def test_a_request_placed_elsewhere_gets_no_tokens_after_its_move(worker, redis_
     assert rid not in worker.active
     assert not worker.engine.has_unfinished()  # dropped from the engine too
     assert _stored(redis_client, names, rid) == before
-    assert _tokens(_told(redis_client, names, rid)) == before
+    assert delivered_tokens(redis_client, names, rid) == before
     for _ in range(3):
         worker.tick()
     assert _stored(redis_client, names, rid) == before
@@ -137,4 +134,6 @@ def test_a_draining_worker_hands_back_every_token_it_published(worker, redis_ser
         for _, f in redis_client.xrange(names.control_stream)
         if isinstance(e := decode(f[EVENT_FIELD]), HandBack) and e.request_id == rid
     ]
-    assert list(back.output_token_ids) == _stored(redis_client, names, rid) == _tokens(_told(redis_client, names, rid))
+    assert (
+        list(back.output_token_ids) == _stored(redis_client, names, rid) == delivered_tokens(redis_client, names, rid)
+    )

@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 from services.scheduler import batch
 from services.scheduler.service import SchedulerService
 from shared.bus import Delivery
-from shared.constants import GROUP_WORKER
+from shared.constants import EVENT_FIELD, GROUP_WORKER
 from shared.context_store import ContextStore
-from shared.events import Heartbeat, Preprocessed, Sampling, decode
+from shared.events import Heartbeat, Preprocessed, Sampling, TokenGenerated, decode
 from shared.lifecycle import Lifecycle, State
 from shared.settings import SchedulerSettings, WorkerSettings
 from tests.support.cache import CACHE_DIR
@@ -117,6 +117,15 @@ def deliver(s: SchedulerService, stream: str, event) -> None:
 
 def state(redis_client, names, rid: str) -> str:
     return redis_client.hget(names.layer(rid, "meta"), "state").decode()
+
+
+def delivered_tokens(redis_client, names, rid: str, gateway: str = "gw1") -> list[int]:
+    """The tokens the request's gateway was sent on its reply stream, in order."""
+    out = []
+    for _, f in redis_client.xrange(names.reply_stream(gateway)):
+        if isinstance(ev := decode(f[EVENT_FIELD]), TokenGenerated):
+            out += [t for item in ev.items if item.request_id == rid for t in item.token_ids]
+    return out
 
 
 def scheduled_on(redis_client, names, worker: str = WORKER) -> list:
