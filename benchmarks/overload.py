@@ -32,23 +32,27 @@ import redis
 
 from benchmarks.common import (
     DEFAULT_OUT,
-    PEERS_SCRIPT,
     ConveyorUp,
-    VllmServe,
     hogs_cpu_s,
-    httpx_burst,
     log_summary,
     model_dir,
     percentile,
     print_table,
     raise_fd_limit,
-    random_prompts,
-    run_vllm_bench,
     stamp,
     start_hogs,
     stop_hogs,
-    vllm_installed,
     write_json,
+)
+from benchmarks.burst_client import (
+    httpx_burst,
+    random_prompts,
+)
+from benchmarks.vllm_peer import (
+    PEERS_SCRIPT,
+    VllmServe,
+    run_vllm_bench,
+    vllm_installed,
 )
 from services.scheduler.deadlines import Costs, Work, work_of
 from shared.constants import EVENT_FIELD, Names

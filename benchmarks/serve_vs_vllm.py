@@ -27,20 +27,24 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 
 from benchmarks import isa_hold
 from benchmarks.common import (
+    cpu_s,
+    each_alive,
     DEFAULT_OUT,
-    PEERS_SCRIPT,
     ConveyorUp,
-    VllmServe,
     model_dir,
     print_table,
     raise_fd_limit,
     stamp,
-    vllm_installed,
     write_json,
+)
+from benchmarks.vllm_peer import (
+    bench_cmd,
+    PEERS_SCRIPT,
+    VllmServe,
+    vllm_installed,
 )
 
 ROLES = ("worker#0", "gateway", "tokenizer", "scheduler", "redis", "launcher")
@@ -56,33 +60,7 @@ def bench(
     port: int, model: Path, shape: tuple[int, int], concurrency: int, prompts: int, seed: int, out: Path, name: str
 ) -> dict:
     result_file = f"{name}.json"
-    cmd = [
-        "bash",
-        str(PEERS_SCRIPT),
-        "bench",
-        str(port),
-        str(model),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(shape[0]),
-        "--random-output-len",
-        str(shape[1]),
-        "--ignore-eos",
-        "--num-prompts",
-        str(prompts),
-        "--max-concurrency",
-        str(concurrency),
-        "--request-rate",
-        "inf",
-        "--seed",
-        str(seed),
-        "--save-result",
-        "--result-dir",
-        str(out),
-        "--result-filename",
-        result_file,
-    ]
+    cmd = bench_cmd(port, model, shape[0], shape[1], prompts, concurrency, seed, out / result_file)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     (out / f"{name}.log").write_text(p.stdout + "\n--- stderr\n" + p.stderr)
     path = out / result_file
@@ -96,14 +74,7 @@ def bench(
 
 
 def cpu_seconds(procs: dict) -> dict[str, float]:
-    out = {}
-    for role, p in procs.items():
-        try:
-            t = p.cpu_times()
-            out[role] = t.user + t.system
-        except psutil.Error:  # exited meanwhile
-            pass
-    return out
+    return each_alive(procs, cpu_s)
 
 
 def client_cpu_seconds() -> float:

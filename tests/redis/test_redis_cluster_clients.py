@@ -1,5 +1,6 @@
 """The Redis clients on a Redis Cluster (shared/redis_client.py): found from one node, scripts and transactions on
-one slot, what cannot span slots, riding out a master's failover, bounded connections; plain clients otherwise."""
+one slot, what cannot span slots, bounded connections; plain clients otherwise (a master's failover:
+test_redis_cluster_failover.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,14 @@ import time
 import pytest
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisClusterException, WatchError
+from redis.exceptions import RedisClusterException, WatchError
 
-import shared.redis_client as rc
-import shared.redis_cluster_client
 from shared.redis_client import async_client, is_cluster, key_slot, sync_client
 from shared.settings import CommonSettings
+from tests.support.redis_cluster import APPEND_LUA, cluster_settings
 
-# KEYS[1] gets ARGV[1] appended; returns its length
-APPEND_LUA = "redis.call('RPUSH', KEYS[1], ARGV[1]); return redis.call('LLEN', KEYS[1])"
 # KEYS[1] and KEYS[2] (one slot) both incremented; returns their sum
 INCR2_LUA = "return redis.call('INCR', KEYS[1]) + redis.call('INCR', KEYS[2])"
-
-
-def _settings(cluster, **kw) -> CommonSettings:
-    return CommonSettings(redis_url=cluster.url, redis_cluster=True, **kw)
 
 
 def _key_per_master(cluster) -> dict:
@@ -38,14 +32,14 @@ def _key_per_master(cluster) -> dict:
 
 def test_cluster_clients_built_from_one_nodes_url_reach_keys_on_every_master(redis_cluster):
     keys = list(_key_per_master(redis_cluster).values())
-    r = sync_client(_settings(redis_cluster))
+    r = sync_client(cluster_settings(redis_cluster))
     assert isinstance(r, redis.cluster.RedisCluster) and is_cluster(r)
     assert len(r.get_primaries()) == 3 and len(r.get_nodes()) == 6
     for k in keys:
         r.set(k, f"sync {k}")
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         assert isinstance(a, redis.asyncio.cluster.RedisCluster) and is_cluster(a)
         got = await asyncio.gather(*(a.get(k) for k in keys))
         await asyncio.gather(*(a.set(k, f"async {k}") for k in keys))
@@ -60,7 +54,7 @@ def test_cluster_clients_built_from_one_nodes_url_reach_keys_on_every_master(red
 def test_one_slot_lua_script_runs_on_both_cluster_clients_alone_and_in_pipelines(redis_cluster):
     """redis-py blocks EVALSHA in cluster pipelines; these clients' pipelines run registered scripts (loading them
     on the masters first), in a MULTI/EXEC as in a plain pipeline."""
-    r = sync_client(_settings(redis_cluster))
+    r = sync_client(cluster_settings(redis_cluster))
     append, incr2 = r.register_script(APPEND_LUA), r.register_script(INCR2_LUA)
     assert incr2(keys=["{s}a", "{s}b"]) == 2
     with r.pipeline(transaction=True) as pipe:
@@ -75,7 +69,7 @@ def test_one_slot_lua_script_runs_on_both_cluster_clients_alone_and_in_pipelines
     assert pipe.execute() == [1, None] * 6
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         aappend, aincr2 = a.register_script(APPEND_LUA), a.register_script(INCR2_LUA)
         assert await aincr2(keys=["{s}a", "{s}b"]) == 6
         async with a.pipeline(transaction=True) as pipe:
@@ -95,7 +89,7 @@ def test_one_slot_lua_script_runs_on_both_cluster_clients_alone_and_in_pipelines
 
 
 def test_one_slot_watch_multi_exec_commits_or_raises_watch_error_on_both_cluster_clients(redis_cluster):
-    r, other = sync_client(_settings(redis_cluster)), sync_client(_settings(redis_cluster))
+    r, other = sync_client(cluster_settings(redis_cluster)), sync_client(cluster_settings(redis_cluster))
     r.set("{t}n", 1)
 
     def bump(meddle: bool):
@@ -115,7 +109,7 @@ def test_one_slot_watch_multi_exec_commits_or_raises_watch_error_on_both_cluster
     assert r.get("{t}n") == b"100" and r.lrange("{t}log", 0, -1) == [b"1"]
 
     async def run():
-        a, aother = async_client(_settings(redis_cluster)), async_client(_settings(redis_cluster))
+        a, aother = async_client(cluster_settings(redis_cluster)), async_client(cluster_settings(redis_cluster))
 
         async def abump(meddle: bool):
             async with a.pipeline(transaction=True) as pipe:
@@ -143,7 +137,7 @@ def test_one_slot_watch_multi_exec_commits_or_raises_watch_error_on_both_cluster
 def test_watched_transaction_whose_connection_drops_raises_instead_of_committing_unwatched(redis_cluster):
     """redis-py's own retry would send the MULTI/EXEC again on a new connection, where the WATCH no longer holds,
     and commit over the concurrent change: these clients raise the connection error for the caller to start over."""
-    r, other = sync_client(_settings(redis_cluster)), sync_client(_settings(redis_cluster))
+    r, other = sync_client(cluster_settings(redis_cluster)), sync_client(cluster_settings(redis_cluster))
     master = redis_cluster.master_for_key("{w}x")
     r.set("{w}x", "original")
     with r.pipeline(transaction=True) as pipe:
@@ -158,7 +152,7 @@ def test_watched_transaction_whose_connection_drops_raises_instead_of_committing
     assert r.get("{w}x") == b"changed"
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         async with a.pipeline(transaction=True) as pipe:
             await pipe.watch("{w}x")
             await pipe.get("{w}x")
@@ -177,7 +171,7 @@ def test_watched_transaction_whose_connection_drops_raises_instead_of_committing
 
 
 def test_xreadgroup_of_streams_in_two_slots_is_refused_before_sending(redis_cluster):
-    r = sync_client(_settings(redis_cluster))
+    r = sync_client(cluster_settings(redis_cluster))
     assert key_slot("s1") != key_slot("s2") and key_slot("{g}s1") == key_slot("{g}s2") == r.keyslot("{g}s2")
     for s in ("s1", "s2", "{g}s1", "{g}s2"):
         r.xgroup_create(s, "g", id="0", mkstream=True)
@@ -186,7 +180,7 @@ def test_xreadgroup_of_streams_in_two_slots_is_refused_before_sending(redis_clus
     assert r.xreadgroup("g", "c", {"{g}s1": ">", "{g}s2": ">"}, block=10) == []
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         with pytest.raises(RedisClusterException, match="all keys must map to the same key slot"):
             await a.xreadgroup("g", "c", {"s1": ">", "s2": ">"}, block=10)
         await a.aclose()
@@ -210,7 +204,7 @@ def test_stream_reads_and_scripts_are_routed_without_asking_a_node_for_their_key
     """redis-py asks a node (COMMAND GETKEYS, a round trip) for the keys of XREAD and XREADGROUP before each one,
     and of a script in a plain pipeline; the cluster clients find them themselves: the bus's reads cost one round
     trip, not two, and a pipeline of scripts one per node, not one more per script."""
-    r, streams = sync_client(_settings(redis_cluster)), {"{x}a": ">", "{x}b": ">"}
+    r, streams = sync_client(cluster_settings(redis_cluster)), {"{x}a": ">", "{x}b": ">"}
     append = r.register_script(APPEND_LUA)
     for s in streams:
         r.xgroup_create(s, "g", id="0", mkstream=True)
@@ -226,7 +220,7 @@ def test_stream_reads_and_scripts_are_routed_without_asking_a_node_for_their_key
     assert _command_calls(redis_cluster) - before == 0
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         await a.initialize()  # asks COMMAND once, for the other commands' keys
         before_async = _command_calls(redis_cluster)
         assert await a.xreadgroup("g", "c", streams, count=5, block=5) == []
@@ -247,14 +241,14 @@ def test_stream_reads_and_scripts_are_routed_without_asking_a_node_for_their_key
 def test_plain_pipeline_spans_slots_on_every_master_on_both_cluster_clients(redis_cluster):
     keys = [f"p{i}" for i in range(30)]
     assert len({redis_cluster.master_for_key(k) for k in keys}) == 3
-    r = sync_client(_settings(redis_cluster))
+    r = sync_client(cluster_settings(redis_cluster))
     pipe = r.pipeline(transaction=False)
     for k in keys:
         pipe.incr(k)
     assert pipe.execute() == [1] * len(keys)
 
     async def run():
-        a = async_client(_settings(redis_cluster))
+        a = async_client(cluster_settings(redis_cluster))
         pipe = a.pipeline(transaction=False)
         for k in keys:
             pipe.incr(k)
@@ -266,160 +260,9 @@ def test_plain_pipeline_spans_slots_on_every_master_on_both_cluster_clients(redi
     r.close()
 
 
-def _write_then_wait_for_replica(pipe, node, key: str):
-    pipe.rpush(key, "before the kill")
-    pipe.execute_command("WAIT", 1, 1000, target_nodes=node)  # on the same connection as the write
-
-
-def _replicate_everything(r):
-    """Wait until each master's replica has every write made so far: replication is one ordered stream per master,
-    so a marker write acknowledged by WAIT carries all the writes before it (Redis acknowledges a write before its
-    replica has it; a test that kills a master right after writing would otherwise race the replication)."""
-    for node in r.get_primaries():
-        tag = next(t for t in (f"{{w{i}}}" for i in range(100_000)) if r.get_node_from_key(t).name == node.name)
-        pipe = r.pipeline(transaction=False)
-        _write_then_wait_for_replica(pipe, node, f"{tag}marker")
-        pipe.execute()
-
-
-def test_sync_write_after_sigkill_of_the_keys_master_succeeds_once_its_replica_is_promoted(redis_cluster):
-    r, key = sync_client(_settings(redis_cluster)), "{f}events"
-    pipe = r.pipeline(transaction=False)
-    _write_then_wait_for_replica(pipe, r.get_node_from_key(key), key)
-    assert pipe.execute() == [1, 1]  # one replica has the write
-    old = redis_cluster.master_for_key(key)
-    redis_cluster.kill(old)
-    t0 = time.monotonic()
-    assert r.rpush(key, "after the kill") == 2  # the same client object: retried until the promotion
-    assert time.monotonic() - t0 < rc.CLUSTER_RETRY_S
-    assert redis_cluster.master_for_key(key) in redis_cluster.replicas_of(old)
-    assert r.lrange(key, 0, -1) == [b"before the kill", b"after the kill"]
-    r.close()
-
-
-def test_async_write_after_sigkill_of_the_keys_master_succeeds_once_its_replica_is_promoted(redis_cluster):
-    key = "{f}events"
-    old = redis_cluster.master_for_key(key)
-
-    async def run():
-        a = async_client(_settings(redis_cluster))
-        pipe = a.pipeline(transaction=False)
-        await a.initialize()
-        _write_then_wait_for_replica(pipe, a.get_node_from_key(key), key)
-        assert await pipe.execute() == [1, 1]
-        redis_cluster.kill(old)
-        t0 = time.monotonic()
-        assert await a.rpush(key, "after the kill") == 2
-        assert time.monotonic() - t0 < rc.CLUSTER_RETRY_S
-        got = await a.lrange(key, 0, -1)
-        await a.aclose()
-        return got
-
-    assert asyncio.run(run()) == [b"before the kill", b"after the kill"]
-    assert redis_cluster.master_for_key(key) in redis_cluster.replicas_of(old)
-
-
-def test_pipelines_and_scripts_sent_during_a_failover_run_each_command_once(redis_cluster):
-    """A plain pipeline over every master and a MULTI/EXEC with a script on the dead master's slot, sent right
-    after the kill: each command runs once (the healthy masters' part is not sent again), the script is loaded on
-    the promoted replica (Redis 7 does not replicate SCRIPT LOAD)."""
-    keys = [f"f{i}" for i in range(30)]
-    r = sync_client(_settings(redis_cluster))
-    append = r.register_script(APPEND_LUA)
-    append(keys=["{a}list"], args=["loaded"])  # loaded on every master, before the kill
-    _replicate_everything(r)
-    old = redis_cluster.master_for_key("{a}list")
-    redis_cluster.kill(old)
-    pipe = r.pipeline(transaction=False)
-    for k in keys:
-        pipe.incr(k)
-    assert pipe.execute() == [1] * len(keys)
-    with r.pipeline(transaction=True) as pipe:
-        append(keys=["{a}list"], args=["sync"], client=pipe)
-        pipe.incr("{a}n")
-        assert pipe.execute() == [2, 1]
-    _replicate_everything(r)  # the second kill below must not lose these increments
-
-    async def run():
-        a = async_client(_settings(redis_cluster))
-        aappend = a.register_script(APPEND_LUA)
-        tag = next(
-            t
-            for t in (f"{{b{i}}}" for i in range(1000))  # a master that still has a replica
-            if redis_cluster.replicas_of(redis_cluster.master_for_key(t))
-        )
-        redis_cluster.kill(redis_cluster.master_for_key(tag))
-        pipe = a.pipeline(transaction=False)
-        for k in keys:
-            pipe.incr(k)
-        assert await pipe.execute() == [2] * len(keys)
-        async with a.pipeline(transaction=True) as pipe:
-            await aappend(keys=[f"{tag}list"], args=["async"], client=pipe)
-            pipe.incr(f"{tag}n")
-            assert await pipe.execute() == [1, 1]
-        await a.aclose()
-
-    asyncio.run(run())
-    r.close()
-
-
-def test_registered_script_in_a_pipeline_is_loaded_again_on_a_master_that_lost_it(redis_cluster):
-    """A master restarted without failing over has no scripts: a plain pipeline loads the script and sends that
-    command again; a MULTI/EXEC cannot (its other commands ran), so it raises, and the next one loads it first."""
-    r = sync_client(_settings(redis_cluster))
-    append = r.register_script(APPEND_LUA)
-    master = redis_cluster.master_for_key("{l}list")
-    pipe = r.pipeline(transaction=False)
-    append(keys=["{l}list"], args=["1"], client=pipe)
-    assert pipe.execute() == [1]
-    master.client.script_flush()
-    pipe = r.pipeline(transaction=False)
-    append(keys=["{l}list"], args=["2"], client=pipe)
-    pipe.incr("other")
-    assert pipe.execute() == [2, 1]
-    master.client.script_flush()
-    with r.pipeline(transaction=True) as pipe:
-        append(keys=["{l}list"], args=["3"], client=pipe)
-        with pytest.raises(NoScriptError):
-            pipe.execute()
-    with r.pipeline(transaction=True) as pipe:
-        append(keys=["{l}list"], args=["4"], client=pipe)
-        assert pipe.execute() == [3]
-
-    async def run():
-        a = async_client(_settings(redis_cluster))
-        aappend = a.register_script(APPEND_LUA)
-        master.client.script_flush()
-        pipe = a.pipeline(transaction=False)
-        await aappend(keys=["{l}list"], args=["5"], client=pipe)
-        assert await pipe.execute() == [4]
-        master.client.script_flush()
-        pipe = a.pipeline(transaction=False)
-        await aappend(keys=["{l}list"], args=["6"], client=pipe)
-        assert await pipe.execute() == [5]
-        await a.aclose()
-
-    asyncio.run(run())
-    r.close()
-
-
-def test_command_on_slots_with_no_master_left_raises_after_the_retry_deadline(redis_cluster, monkeypatch):
-    monkeypatch.setattr(shared.redis_cluster_client, "CLUSTER_RETRY_S", 1.5)  # where the retries read it
-    r = sync_client(_settings(redis_cluster))
-    r.set("{d}x", 1)
-    master = redis_cluster.master_for_key("{d}x")
-    for node in (master, *redis_cluster.replicas_of(master)):
-        redis_cluster.kill(node)
-    t0 = time.monotonic()
-    with pytest.raises((redis.ConnectionError, redis.exceptions.ClusterError)):
-        r.set("{d}x", 2)
-    assert 1.0 < time.monotonic() - t0 < 1.5 + 1.0  # the deadline, give or take a pause and a refresh
-    r.close()
-
-
 def test_async_cluster_client_under_a_burst_waits_its_turn_with_at_most_max_connections_per_node(redis_cluster):
     async def run():
-        a = async_client(_settings(redis_cluster), max_connections=2, pool_timeout_s=30)
+        a = async_client(cluster_settings(redis_cluster), max_connections=2, pool_timeout_s=30)
         # 12 blocking pops of empty lists (0.1 s each) at once, on one node: redis-py alone raises
         # MaxConnectionsError at the third
         got = await asyncio.gather(*(a.blpop([f"{{b}}empty{i}"], timeout=0.1) for i in range(12)))
@@ -433,7 +276,7 @@ def test_async_cluster_client_under_a_burst_waits_its_turn_with_at_most_max_conn
 
 def test_async_cluster_client_gives_up_waiting_for_a_turn_after_pool_timeout(redis_cluster):
     async def run():
-        a = async_client(_settings(redis_cluster), max_connections=1, pool_timeout_s=0.3)
+        a = async_client(cluster_settings(redis_cluster), max_connections=1, pool_timeout_s=0.3)
         holder = asyncio.create_task(a.blpop(["{h}wake"], timeout=5))  # holds the only turn until woken
         while not a._turns.locked():
             await asyncio.sleep(0.01)

@@ -22,8 +22,11 @@ from redis.crc import key_slot
 
 from shared.errors import FatalError
 from shared.redis_server import die_with_parent, find_redis_cli, find_redis_server
+from shared.settings import CommonSettings
 
 SLOTS = 16384
+# a one-key script for the clients' tests: KEYS[1] gets ARGV[1] appended; returns its length
+APPEND_LUA = "redis.call('RPUSH', KEYS[1], ARGV[1]); return redis.call('LLEN', KEYS[1])"
 BUS_PORT_OFFSET = 10_000  # Redis < 7 puts a node's cluster bus on port + 10000, which must be free too
 
 
@@ -343,3 +346,8 @@ class LocalRedisCluster:
         if old_master.port in self.killed_at:
             self.last_failover_s = time.monotonic() - self.killed_at[old_master.port]
         return promoted[0]
+
+
+def cluster_settings(cluster: LocalRedisCluster, **kw) -> CommonSettings:
+    """The settings a service is given for this cluster (the clients it builds are cluster clients)."""
+    return CommonSettings(redis_url=cluster.url, redis_cluster=True, **kw)

@@ -129,6 +129,12 @@ def test_kernel_build_name_differs_for_other_kernel_sources(tmp_path, monkeypatc
     assert cpu_ops.build_name("avx512", zen4) != before
 
 
+def test_every_file_of_the_kernels_sources_is_in_their_digest():
+    """A source left out of the digest would leave the builds and plans of its old code in use after an edit."""
+    on_disk = {p for p in cpu_ops.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk <= set(cpu_ops.SOURCES + cpu_ops.HEADERS)
+
+
 def test_kernel_build_name_differs_for_the_same_sources_in_another_checkout(tmp_path, monkeypatch):
     """Two checkouts (or venvs) on one machine share ~/.cache/conveyor: torch's build files name the sources' and
     torch's paths, so one folder for both made each rebuild the other's kernels at every start (60 s a worker

@@ -2,7 +2,8 @@
 
 import json
 
-from benchmarks.multiturn import kv_capacity_tokens, load_records, parse_counters, report, summarize
+from benchmarks.multiturn import kv_capacity_tokens, parse_counters
+from benchmarks.multiturn_report import load_records, report, summarize
 
 
 def record(conv: int, turn: int, ttft: float, prompt: int, cached: int, error: dict | None = None) -> dict:
