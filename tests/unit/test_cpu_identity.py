@@ -4,6 +4,7 @@ the flags (cpu_info.py, cpu_ops.py, gemm.py's plan key). No compiler runs here: 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -204,3 +205,19 @@ def test_the_gemm_plan_file_keeps_only_the_newest_plans(tmp_path, monkeypatch):
         "key5",
     ]
     assert again.get("key1") == gemm.PlanEntry(("panel",), tries=2)
+
+
+def test_kernel_builds_beyond_the_most_recently_used_are_removed_and_the_one_loaded_is_kept(tmp_path):
+    """Every edit of the kernels' sources adds a build of each variant (~2 MB): the cache keeps the builds last
+    loaded, not every build ever made."""
+    kernels = tmp_path / "kernels"
+    builds = [kernels / f"conveyor_avx2_x_{i:02d}" for i in range(cpu_ops.KEPT_BUILDS + 3)]
+    for age, build in enumerate(reversed(builds)):  # builds[0] the least recently used
+        build.mkdir(parents=True)
+        (build / "lib.so").write_bytes(b"x")
+        os.utime(build, (1_000_000 - age, 1_000_000 - age))
+    other = kernels / "not-a-build"
+    other.mkdir()
+    cpu_ops.prune_builds(kernels, builds[0].name)
+    kept = sorted(p.name for p in kernels.iterdir())
+    assert kept == sorted([builds[0].name, *(b.name for b in builds[-(cpu_ops.KEPT_BUILDS - 1) :]), other.name])

@@ -20,7 +20,8 @@ vectorisation of the plain loops) confined to it.
 The build (torch.utils.cpp_extension, ninja, the system C++ compiler; one translation unit, csrc/kernels.cpp)
 takes ~30 s a variant on the 2-core VM; its output is kept under the cache directory, in a folder named by the
 variant, a digest of the CPU's ISA flags and of the sources, the torch build and the CPU (cpu_info.py), so a
-restarted worker only loads it (< 1 s) and a cache copied from another CPU is never reused. Anything that stops the
+restarted worker only loads it (< 1 s) and a cache copied from another CPU is never reused; the KEPT_BUILDS
+builds loaded last are kept, older ones removed. Anything that stops the
 build (no compiler, no ninja, an error) is logged once and the engine keeps its torch path: same results, slower.
 """
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,10 @@ def build_name(isa: str, cpu: CpuInfo | None = None) -> str:
     return f"conveyor_{isa}_{cpu.flags_digest()}_{h.hexdigest()[:12]}"
 
 
+# Builds the cache keeps, the most recently loaded (every edit of the sources adds one of each variant, ~2 MB):
+# enough for the three variants of two checkouts or a source edit undone, and a bound on the folder.
+KEPT_BUILDS = 8
+
 _built: dict[str, Any] = {}  # isa -> its torch.ops namespace, or None if it failed (a library loads only once)
 _active: dict[str, str] = {}  # "isa": the variant load() picked for the engine
 _loaded_from: dict[str, str | None] = {}  # "cache_dir": where load() built it (narrow_ops builds beside it)
@@ -206,4 +213,29 @@ def _build_and_load(isa: str, cache_dir: str | None) -> Any:
         )
         return None
     logger.info("CPU kernels loaded: %s (ISA %s, CPU %s)", name, isa, this_cpu().identity())
+    try:
+        prune_builds(build_dir.parent, name)
+    except OSError as e:  # a cache folder this process may read but not change: the kernels still load
+        logger.warning("CPU kernel builds not pruned in %s: %s", build_dir.parent, e)
     return found
+
+
+def prune_builds(kernels: Path, loaded: str) -> None:
+    """Mark the build just loaded as used now and remove the builds beyond the KEPT_BUILDS most recently used.
+    A process running one removed keeps its mapped library; one starting on it builds it again."""
+    os.utime(kernels / loaded)  # a build's folder time: when a process last loaded it
+    aged = []
+    for p in kernels.iterdir():
+        if p.is_dir() and p.name.startswith("conveyor_"):
+            try:
+                aged.append((p.stat().st_mtime, p))
+            except FileNotFoundError:  # removed by another process's pruning meanwhile
+                continue
+    builds = [p for _, p in sorted(aged, reverse=True)]
+    for old in builds[KEPT_BUILDS:]:
+        try:
+            shutil.rmtree(old)
+            logger.info("CPU kernels %s removed: not loaded since %d newer builds were", old.name, KEPT_BUILDS)
+        except OSError as e:  # another process removing it too, or loading it meanwhile: it stays for a later start
+            logger.warning("CPU kernels %s not removed: %s", old.name, e)
+

@@ -4,6 +4,8 @@ one the CPU lacks is skipped, naming the flags)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -294,3 +296,17 @@ def test_prefill_attention_takes_the_kernel_only_where_a_vector_build_runs(kerne
     isa = request.node.callspec.params["kernels"]
     assert cpu_ops.load(kernels_dir, isa)
     assert cpu_ops.prefill_kernel_pays() == (isa != "portable")
+
+
+def test_kernels_load_where_their_builds_cannot_be_pruned(kernels_dir, monkeypatch, caplog):
+    """A cache the worker may read but not change (a read-only volume) must not stop the kernels it holds loading."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine (apt-get install g++): no kernels to load")
+
+    def refused(*_a):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(cpu_ops, "prune_builds", refused)
+    monkeypatch.setattr(cpu_ops, "_built", {})  # loaded afresh, as a new worker would
+    assert cpu_ops.build("portable", kernels_dir) is not None
+    assert "not pruned" in caplog.text
