@@ -238,4 +238,3 @@ def prune_builds(kernels: Path, loaded: str) -> None:
             logger.info("CPU kernels %s removed: not loaded since %d newer builds were", old.name, KEPT_BUILDS)
         except OSError as e:  # another process removing it too, or loading it meanwhile: it stays for a later start
             logger.warning("CPU kernels %s not removed: %s", old.name, e)
-
