@@ -8,6 +8,7 @@ rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also
 Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all] [--batch 32]
   The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
   A step's layers in one C++ call or op by op from Python: --variants all,no-stack --batch 1
+  A decode step in runs of sequences, one a thread, or whole: --variants all,no-split --batch 32
   The last layer past its attention on the logits rows only or on every row: --variants all,all-rows --rounds 6
   The panel GEMM's 8-row tiles past 16 rows (where the plans chose them) or not: --variants all,no-panel8
 """
@@ -35,6 +36,7 @@ VARIANTS = {
     "all": {},
     "no-gemv": dict(gemv_kernel=False),  # the GEMM plans without the engine's own GEMV kernel
     "no-stack": dict(layer_stack=False),  # the layers op by op from Python (no csrc/layer_stack.cpp)
+    "no-split": dict(decode_split_rows=0),  # a decode step's stack whole, each op split between the threads
     "all-rows": {},  # the default, with the last layer on every row of a step (_every_row)
     "no-panel8": {},  # the default, its GEMM plans without the panel GEMM's 8-row tiles past 16 rows (_no_panel8)
 }

@@ -28,6 +28,7 @@ def engine_config(s: WorkerSettings, swap_dir: str = "") -> EngineConfig:
         cpu_isa=s.cpu_isa,
         fused_model=s.fused_model,
         huge_pages=s.huge_pages,
+        decode_split_rows=s.decode_split_rows,
         tuning_cache_dir=str(s.cache_dir),
         session_max_blocks=s.session_max_blocks,
         session_swap_dir=swap_dir or None,

@@ -320,6 +320,12 @@ class WorkerSettings(CommonSettings):
         description="CPU: move the weights and the KV pool into transparent huge pages once allocated (decode "
         "attention 1.03-1.18x, engine/huge_pages.py); on a VM with free page reporting each 2 MB costs 5-13 ms",
     )
+    decode_split_rows: int = Field(
+        8,
+        ge=0,
+        description="CPU: a step of decode rows alone runs in runs of at least this many sequences, each on a thread "
+        "of its own through the whole layer stack, not every op split between the threads; 0 = never split",
+    )
     warmup_budget_s: float = Field(
         60.0,
         ge=0,

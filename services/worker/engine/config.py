@@ -31,6 +31,9 @@ class EngineConfig:
     cpu_isa: str = "auto"  # CPU: which build of those kernels: auto (the best the CPU has) or one of CPU_ISAS
     gemv_kernel: bool = True  # CPU: offer those kernels' GEMV (csrc/gemv.cpp) to the GEMM plans (they measure it)
     layer_stack: bool = True  # CPU: a step's layers in one C++ call (csrc/layer_stack.cpp), not op by op
+    # CPU, with layer_stack: a step of decode rows alone in runs of at least this many sequences, one a thread, each
+    # through the whole stack single-threaded (csrc/layer_stack.cpp says why); 0: every op split between the threads
+    decode_split_rows: int = 8
     huge_pages: bool = True  # CPU: the weights and the KV pool on transparent huge pages (huge_pages.py)
     fused_model: bool = True  # Llama-family models: the engine's own forward (fused_llama.py) over transformers'
     tuning_cache_dir: str | None = None  # where measured GEMM plans are kept across restarts (None: memory only)
@@ -68,6 +71,8 @@ class EngineConfig:
             problems.append(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0 < self.gpu_memory_fraction <= 1:
             problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.decode_split_rows < 0:
+            problems.append(f"decode_split_rows must be >= 0, got {self.decode_split_rows}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.first_token_preempt_min_tokens < 0:

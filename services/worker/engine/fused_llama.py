@@ -126,6 +126,7 @@ class FusedLlama:
         self.scaling = self.head_dim**-0.5
         self.native_ops = False  # set by the runner once the CPU kernels are loaded (use_native_ops)
         self.stacked = False  # steps through csrc/layer_stack.cpp (use_native_ops)
+        self.split_rows = 0  # a decode step in runs of at least this many sequences, one a thread (0: never)
         # its operands that do not change, and its kernel codes per bucket of rows: both taken at the first
         # step through it, when the GEMM plans are on the layers (gemm.tune_linears, at the engine's start)
         self._stack: tuple | None = None
@@ -155,13 +156,15 @@ class FusedLlama:
             return None
         return cls(model)
 
-    def use_native_ops(self, stacked: bool = True) -> bool:
+    def use_native_ops(self, stacked: bool = True, split_rows: int = 0) -> bool:
         """Run the small per-layer ops through csrc/layer_ops.cpp (loaded by the caller); float32 on CPU only
         (other dtypes keep the torch ops). Returns whether it is on. stacked: a step's layers in one call
-        (csrc/layer_stack.cpp), where every norm has one epsilon (the kernel takes one)."""
+        (csrc/layer_stack.cpp), where every norm has one epsilon (the kernel takes one); split_rows: there, a step
+        of decode rows alone in runs of at least this many sequences, each run on a thread of its own (0: never)."""
         self.native_ops = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
         eps = {n[1] for x in self.layers for n in (x.norm1, x.norm2)}
         self.stacked = self.native_ops and stacked and len(eps) == 1
+        self.split_rows = split_rows if self.stacked else 0
         return self.native_ops
 
     def linears(self) -> list[nn.Linear]:
@@ -305,7 +308,8 @@ class FusedLlama:
             self._stack = self._stack_arguments()
         linears, weights, biases, packed, panels, coded, windows, eps = self._stack
         t, cache, d = h.shape[0], meta.kv_cache, meta.decode
-        codes = self._codes(linears, t)
+        parts = self._parts(meta, t, keep)
+        codes = self._codes(linears, -(-t // parts))  # a run's rows
         tail = [] if keep is None else self._codes(linears, keep.numel())[-3:]  # the last o, gate_up, down
         groups = ([] if d is None else [(meta.num_decode_tokens, d.block_tables, d.context_lens)]) + [
             (p.num_rows, p.block_tables, p.spans) for p in meta.prefills
@@ -335,8 +339,16 @@ class FusedLlama:
             self.num_heads,
             keep,
             tail,
+            parts,
         )
         return h if keep is None else h.index_select(0, keep)
+
+    def _parts(self, meta: PagedAttentionMetadata, t: int, keep: torch.Tensor | None) -> int:
+        """The runs of sequences a step's stack computes at once (csrc/layer_stack.cpp's layer_stack says why):
+        one a thread, each of at least split_rows decode rows; 1 for a step with a prompt's or a draft's rows."""
+        if not self.split_rows or keep is not None or meta.prefills or meta.num_decode_tokens != t:
+            return 1
+        return max(1, min(torch.get_num_threads(), t // self.split_rows))
 
     def _stack_arguments(self) -> tuple:
         """The layer stack's per-layer lists, gathered once (the plans' copies are made before the first forward)."""

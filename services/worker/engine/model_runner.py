@@ -88,7 +88,7 @@ class ModelRunner:
             )
         elif gemv and layers:
             unmeasured_plans(layers)
-        native = bool(kernel and fused and fused.use_native_ops(config.layer_stack))
+        native = bool(kernel and fused and fused.use_native_ops(config.layer_stack, config.decode_split_rows))
         prefill = bool(kernel and cpu_ops.prefill_kernel_pays())
         num_blocks = kv_pool_blocks(config, model, device)
         with torch.inference_mode():

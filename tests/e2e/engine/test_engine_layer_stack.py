@@ -1,7 +1,7 @@
 """A step's layers in one C++ call (csrc/layer_stack.cpp) give the bits of the Python loop they replace
 (fused_llama.FusedLlama._native_layers): decode steps with whichever kernel the GEMM plans give the linears, prefill
-steps, chunks that continue a cached context beside decode rows, and drafted rows; a step whose attention is not
-all in the CPU kernels keeps the Python loop. (Biases and sliding windows: test_engine_architectures runs Qwen2
+steps, chunks that continue a cached context beside decode rows, and drafted rows; a decode step split into runs of
+sequences, one a thread; a step whose attention is not all in the CPU kernels keeps the Python loop. (Biases and sliding windows: test_engine_architectures runs Qwen2
 and Mistral through it.)"""
 
 from __future__ import annotations
@@ -140,3 +140,58 @@ def test_a_profile_of_a_step_names_each_stage_of_the_stack(make_engine):
             "down_proj",
         )
     }
+
+
+@pytest.fixture
+def two_threads():
+    """The engine tests run torch on one thread; a split decode step needs two (a run a thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def add_short_requests(engine, n: int) -> None:
+    """n greedy requests of 3 to 2n + 1 prompt tokens: no context reaches the 64 tokens past which the decode kernel
+    splits one sequence between threads, so the loop's attention and each run's take the same sums."""
+    for i in range(n):
+        prompt = [(53 * i + 7 * j) % 5000 + 100 for j in range(3 + 2 * i)]
+        engine.add_request(
+            EngineRequest(f"s{i}", prompt, SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True))
+        )
+
+
+def attention_calls_a_step(engine, steps: int) -> list[int]:
+    """Each of the next steps' calls of the stack's attention stage (a run of the stack calls it once a layer)."""
+    calls = []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        calls.append(sum(e.count for e in prof.key_averages() if e.key == "layer_stack.attention"))
+    return calls
+
+
+def test_a_decode_step_of_sixteen_sequences_split_in_two_runs_equals_the_python_loop_to_the_bit(
+    make_engine, two_threads
+):
+    engine, fused = stacked_engine(make_engine, decode_split_rows=8)
+    seen = spy_on_the_stack(fused)
+    add_short_requests(engine, 16)
+    run_to_completion(engine)
+    assert [rows for rows, _ in seen][:3] == [288, 16, 16]  # the prompts' step, then decode steps of 16 rows
+    assert all(equal for _, equal in seen)
+
+
+@pytest.mark.parametrize(
+    ("sequences", "split_rows", "runs"),
+    [(16, 8, 2), (15, 8, 1), (16, 0, 1), (32, 8, 2)],
+    ids=["16-rows-in-runs-of-8", "fewer-than-two-runs-whole", "split-off", "runs-one-a-thread"],
+)
+def test_a_decode_step_runs_the_stack_once_per_run_of_at_least_split_rows_sequences(
+    make_engine, two_threads, sequences, split_rows, runs
+):
+    engine, fused = stacked_engine(make_engine, decode_split_rows=split_rows, max_num_batched_tokens=2048)
+    add_short_requests(engine, sequences)  # every prompt in the first step
+    prompts, decode = attention_calls_a_step(engine, 2)
+    layers = len(fused.layers)
+    assert (prompts, decode) == (layers, runs * layers)  # a step with prompt rows is never split

@@ -276,7 +276,7 @@ void coded_rows(const at::Tensor& x, const at::Tensor& recs, const float* bias, 
   const int64_t per_acc = std::min(block, T) * R * kCodeCols;  // a thread's sums of one block's tiles
   // ATen's allocator aligns to 64 bytes and per_acc is a multiple of 16 floats (kCodeCols is): no cache line holds
   // two threads' sums (std::vector's 16-byte alignment let one line straddle them, written by both every record)
-  at::Tensor acc_t = at::empty({std::min<int64_t>(at::get_num_threads(), P) * per_acc}, x.options());
+  at::Tensor acc_t = at::empty({std::min<int64_t>(conveyor_shares::kernel_threads(), P) * per_acc}, x.options());
   float* const acc = acc_t.data_ptr<float>();
   conveyor_shares::share_out(P, (T + block - 1) / block, [&](int64_t j, int64_t b, int64_t p0, int64_t p1, int64_t) {
     coded_run<kBits, R>(xr, rp, K, M, n, bias, yp, b * block, std::min(T, (b + 1) * block), p0, p1,

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 
+#include "shares.h"
 #include "vec.h"
 
 namespace {
@@ -234,7 +235,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0), groups = (N + kGroup - 1) / kGroup;
   // one contiguous run of rows per thread: the even split a memory-bound pass wants
-  const int64_t per_thread = (groups + at::get_num_threads() - 1) / at::get_num_threads();
+  const int64_t per_thread = (groups + conveyor_shares::kernel_threads() - 1) / conveyor_shares::kernel_threads();
   at::parallel_for(0, groups, per_thread, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kGroup, n1 = std::min(N, end * kGroup);
 #if defined(CONVEYOR_VEC)

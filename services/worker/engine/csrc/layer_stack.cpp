@@ -25,6 +25,8 @@
 // showed it as one block of self time, the GEMMs of this build and the attention kernels inside it unnamed.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -35,8 +37,10 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -124,19 +128,32 @@ struct Groups {
   }
 };
 
-// h [T, hidden] float32, the residual stream, updated in place; cos/sin [T, D]; per layer six weights (qkv, o,
-// gate_up, down, input norm, post-attention norm), four biases, four oneDNN packed copies, four panel copies and four
-// coded copies (q4 or q8: qkv, o, gate_up, down; None where absent), four kernel codes; key/value the pool [layers, slots, KVH, D] (float32); slots [T]; the attention
-// groups (Groups); windows per layer (0: none). keep [N] (rows of h, or None: all): past its attention the last layer
-// runs on these rows only, each linear through its tail_kernels code (the plans' kernel for N rows); the kept rows
-// of h end as the stack's output and the others keep the residual from before the last layer's attention.
-void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                 const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
-                 const c10::List<c10::optional<at::Tensor>>& panels, const c10::List<c10::optional<at::Tensor>>& coded,
-                 at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
-                 at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
-                 int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads,
-                 const c10::optional<at::Tensor>& keep, at::IntArrayRef tail_kernels) {
+// What every run of a step's stack reads alike (layer_stack below): per layer six weights (qkv, o, gate_up, down,
+// input norm, post-attention norm), four biases, four oneDNN packed copies, four panel copies and four coded copies
+// (q4 or q8: qkv, o, gate_up, down; None where absent), four kernel codes and a window (0: none); key/value the pool
+// [layers, slots, KVH, D] (float32); the three tail kernels (below).
+struct Shared {
+  at::TensorList weights;
+  const c10::List<c10::optional<at::Tensor>>&biases, &packed, &panels, &coded;
+  at::IntArrayRef kernels;
+  const at::Tensor &key, &value;
+  int64_t block_size;
+  double scale;
+  at::IntArrayRef windows;
+  double eps;
+  int64_t num_heads;
+  at::IntArrayRef tail_kernels;
+};
+
+// A run of the stack over the rows h of a step: h [T, hidden] float32, the residual stream, updated in place;
+// cos/sin [T, D]; slots [T]; the attention groups (Groups). keep [N] (rows of h, or None: all): past its attention
+// the last layer runs on these rows only, each linear through its tail_kernels code (the plans' kernel for N rows);
+// the kept rows of h end as the stack's output and the others keep the residual from before the last layer's
+// attention.
+void stack_rows(const Shared& shared, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                const at::Tensor& slots, const Groups& groups, const c10::optional<at::Tensor>& keep) {
+  const auto& [weights, biases, packed, panels, coded, kernels, key, value, block_size, scale, windows, eps, num_heads,
+               tail_kernels] = shared;
   const int64_t L = key.size(0), KVH = key.size(2), D = key.size(3), T = h.size(0), H = num_heads;
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "layer_stack: float32 h [T, n]");
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.is_contiguous() &&
@@ -151,12 +168,12 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
   TORCH_CHECK(!keep.has_value() || (keep->scalar_type() == at::kLong && keep->dim() == 1 && tail_kernels.size() == 3),
               "layer_stack: keep [N] long with three tail kernels (o, gate_up, down)");
   for (const int64_t k : tail_kernels) TORCH_CHECK(k >= 0 && k < kNumKernels, "layer_stack: kernel code ", k);
-  TORCH_CHECK(block_tables.size() == rows.size() && lens.size() == rows.size() && !rows.empty(),
+  TORCH_CHECK(groups.block_tables.size() == groups.rows.size() && groups.lens.size() == groups.rows.size() &&
+                  !groups.rows.empty(),
               "layer_stack: block tables, lens and rows for each attention group");
   int64_t covered = 0;
-  for (const int64_t r : rows) covered += r;
+  for (const int64_t r : groups.rows) covered += r;
   TORCH_CHECK(covered == T, "layer_stack: the attention groups cover ", covered, " rows of ", T);
-  const Groups groups{block_tables, lens, rows, decode_first};
   auto slot_ids = slots.contiguous();
   TORCH_CHECK(slot_ids.scalar_type() == at::kLong && slot_ids.numel() == T, "layer_stack: slots [T] long");
   const int64_t* slot_p = slot_ids.data_ptr<int64_t>();
@@ -223,6 +240,46 @@ void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at:
   }
 }
 
+// The stack, in `parts` runs of a decode step's sequences at once, one a thread (parts 1: the whole step, each op
+// shared by the threads). Why: at 32 decode rows on two cores each of a step's ~300 ops split its work between the
+// threads, and each split costs its fork and join and the end of the call where one thread waits for the other's
+// last panel: in runs a decode step of 32 sequences took 53 ms against 57-59 whole, 16 and 64 sequences 1.02-1.03x
+// (the Xeon of docs/benchmarks.md, 2026-12-07); 8 sequences in runs of 4 were 11 % slower (each run's GEMMs read all
+// the weights for four rows: the split needs runs of 8 or more). Each run is the stack over its own rows, K/V slots,
+// block tables and context lengths; ATen's parallel_for inside a run is inline (one thread each, shares.h's
+// kernel_threads), so every kernel runs on one core.
+// A run's rows see the same weights, and each row's result depends on its own run's kernels alone. Only a step of
+// decode rows alone splits (a prompt's chunk attends over its own rows), with every row kept (no keep).
+void layer_stack(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                 const c10::List<c10::optional<at::Tensor>>& biases, const c10::List<c10::optional<at::Tensor>>& packed,
+                 const c10::List<c10::optional<at::Tensor>>& panels, const c10::List<c10::optional<at::Tensor>>& coded,
+                 at::IntArrayRef kernels, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                 at::TensorList block_tables, at::TensorList lens, at::IntArrayRef rows, bool decode_first,
+                 int64_t block_size, double scale, at::IntArrayRef windows, double eps, int64_t num_heads,
+                 const c10::optional<at::Tensor>& keep, at::IntArrayRef tail_kernels, int64_t parts) {
+  const int64_t T = h.size(0);
+  TORCH_CHECK(parts >= 1 && parts <= std::max<int64_t>(T, 1), "layer_stack: parts ", parts, " for ", T, " rows");
+  const Shared shared{weights, biases,     packed, panels,  coded, kernels,   key,
+                      value,   block_size, scale,  windows, eps,   num_heads, tail_kernels};
+  if (parts == 1) {
+    stack_rows(shared, h, cos, sin, slots, Groups{block_tables, lens, rows, decode_first}, keep);
+    return;
+  }
+  TORCH_CHECK(decode_first && rows.size() == 1 && !keep.has_value(),
+              "layer_stack: only a step of decode rows alone, every row kept, splits into parts");
+  const at::ThreadLocalState caller;  // inference mode and the profiler's state: a pool thread has the caller's
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t r0 = T * p / parts, n = T * (p + 1) / parts - r0;
+      const std::vector<at::Tensor> tables{block_tables[0].narrow(0, r0, n)}, part_lens{lens[0].narrow(0, r0, n)};
+      const std::vector<int64_t> part_rows{n};
+      stack_rows(shared, h.narrow(0, r0, n), cos.narrow(0, r0, n), sin.narrow(0, r0, n), slots.narrow(0, r0, n),
+                 Groups{tables, part_lens, part_rows, true}, c10::nullopt);
+    }
+  });
+}
+
 }  // namespace
 
 CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
@@ -230,7 +287,7 @@ CONVEYOR_LIBRARY_FRAGMENT(CONVEYOR_NS, m) {
       "layer_stack(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] packed, "
       "Tensor?[] panels, Tensor?[] coded, int[] kernels, Tensor(b!) key, Tensor(c!) value, Tensor slots, Tensor[] block_tables, Tensor[] lens, "
       "int[] rows, bool decode_first, int block_size, float scale, int[] windows, float eps, int num_heads, "
-      "Tensor? keep, int[] tail_kernels) -> ()");
+      "Tensor? keep, int[] tail_kernels, int parts=1) -> ()");
   m.impl("layer_stack", c10::DispatchKey::CPU, TORCH_FN(layer_stack));
   // oneDNN's packed weight copies (gemm.pack) are MkldnnCPU tensors: with one among the operands, that key dispatches
   m.impl("layer_stack", c10::DispatchKey::MkldnnCPU, TORCH_FN(layer_stack));

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "paged_decode_portable.h"
+#include "shares.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -278,7 +279,7 @@ inline void merge_parts(float* os, const float* po, const float* top, const floa
 template <typename T, int NC>
 void paged_decode_vec(const Operands<T>& a) {
   const auto [S, H, D, KVH, MB, block_size, window, sc, q_p, k_p, v_p, o_p, bt_p, len_p] = a;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(conveyor_shares::kernel_threads(), 64));
   int64_t slots = 0;
   const auto plan = plan_parts(len_p, S, window, threads, slots);
   std::vector<float> po(slots * H * D), top(slots * H), sum(slots * H);  // the split sequences' parts

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "shares.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -291,7 +292,7 @@ void run_all(const Prefill<T>& a, int64_t S) {
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  const int64_t threads = std::min<int64_t>(conveyor_shares::kernel_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     w.krows.resize(kKeyBlock);

@@ -22,6 +22,12 @@
 
 namespace conveyor_shares {
 
+// The threads a kernel's at::parallel_for runs on: 1 inside another parallel region (a run of the layer stack's
+// split decode step, csrc/layer_stack.cpp), where parallel_for calls its body inline on the calling thread: work
+// shared out for more threads would only be done one share after the other (a split sequence's parts merged for
+// nothing, a scratch per thread that no thread but one uses).
+inline int64_t kernel_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
 class Shares {
  public:
   // [0, n) (n < 2^32) in `threads` shares of equal size, handed out in chunks of about 1 / `parts` of a share (at
@@ -82,7 +88,7 @@ class Shares {
 // a thread going on to the next block once no work of this one is left.
 template <typename Run>
 void share_out(int64_t n, int64_t blocks, Run&& run) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(kernel_threads(), n));
   std::vector<Shares> shares;
   for (int64_t b = 0; b < blocks; ++b) shares.emplace_back(n, threads);
   at::parallel_for(0, threads, 1, [&](int64_t j0, int64_t j1) {
