@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, gemm
 from shared.model_files import resolve_model_dir
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, WorkerSettings
 
 # name -> EngineConfig switches; "all" is the default configuration
 VARIANTS = {
@@ -71,8 +71,10 @@ PATCHES = {"all-rows": _every_row, "no-panel8": _no_panel8}
 
 
 def build(name: str, cache_dir: str, dtype: str) -> LLMEngine:
-    s = CommonSettings()
-    cfg = EngineConfig(enable_prefix_caching=False, tuning_cache_dir=cache_dir, dtype=dtype, **VARIANTS[name])
+    s = WorkerSettings()  # CONVEYOR_CPU_ISA=avx2 (say) profiles that build of the kernels
+    cfg = EngineConfig(
+        enable_prefix_caching=False, tuning_cache_dir=cache_dir, dtype=dtype, cpu_isa=s.cpu_isa, **VARIANTS[name]
+    )
     engine = LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
     if name in PATCHES:
         PATCHES[name](engine)
