@@ -13,13 +13,14 @@ from services.gateway.session.core import GatewayCore, cancel_until_done
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.handle import RequestHandle
 from shared.constants import EVENT_FIELD, GROUP_GATEWAY
-from shared.events import Completed, TokenDelta, TokenGenerated, encode
+from shared.events import TokenDelta, TokenGenerated, encode
 from shared.liveness import read_live
 from shared.redis_client import async_client
 from shared.settings import GatewaySettings
 from services.gateway.session.tracing import start_trace
 from shared.events import Sampling
-from tests.support.inproc import calls, gateway_core, mark_live, small
+from tests.support.inproc import calls, gateway_core, mark_live, small, started
+from tests.support.factories import completed
 
 
 async def _wait(check, timeout: float = 10.0) -> None:
@@ -30,14 +31,10 @@ async def _wait(check, timeout: float = 10.0) -> None:
 
 def test_reply_reader_outlives_the_loss_of_its_group_and_makes_it_again(redis_server, redis_client, names):
     async def run():
-        core = gateway_core(redis_server.url, names)
-        await core.start()
-        try:
+        async with started(gateway_core(redis_server.url, names)) as core:
             await core.r.delete(core.reply_to)  # Redis lost the stream and its group
             await _wait(lambda: _has_group(core))
             assert not core.stalled_loops()
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
@@ -53,16 +50,12 @@ def test_ready_answers_503_while_the_reply_reader_is_not_running(redis_server, r
     mark_live(redis_client, names)
 
     async def run():
-        core = gateway_core(redis_server.url, names)
-        await core.start()
-        try:
+        async with started(gateway_core(redis_server.url, names)) as core:
             assert await core.ready() == {"tokenizer": 1, "scheduler": 1, "worker": 1}
             reader = next(t for t in core._tasks if t.get_name() == "replies")
             assert not await cancel_until_done([reader], 10)
             with pytest.raises(Unavailable, match="replies"):
                 await core.ready()
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
@@ -143,9 +136,7 @@ def test_reply_reader_reads_with_one_command_a_read_and_nothing_left_pending(red
 
 def test_reply_stream_is_trimmed_to_what_was_read_within_a_heartbeat(redis_server, redis_client, names):
     async def run():
-        core = gateway_core(redis_server.url, names, heartbeat_interval_s=0.1)
-        await core.start()
-        try:
+        async with started(gateway_core(redis_server.url, names, heartbeat_interval_s=0.1)) as core:
             ev = TokenGenerated(worker_id="w", step=1, items=(TokenDelta("gone", 0, (42,)),))
             pipe = redis_client.pipeline(transaction=False)
             for _ in range(250):
@@ -153,8 +144,6 @@ def test_reply_stream_is_trimmed_to_what_was_read_within_a_heartbeat(redis_serve
             last = pipe.execute()[-1]
             await _wait(lambda: _read_up_to(core, last))
             await _wait(lambda: _shorter(redis_client, core.reply_to, 150))  # whole nodes of 100 entries go
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
@@ -266,17 +255,7 @@ def test_a_finished_generation_is_answered_when_redis_fails_after_its_end(redis_
         )
         h.trace = start_trace("r1", small(), Sampling(max_tokens=2), "test-model", "/generate", "", h.t0)
         h.deliver(TokenDelta("r1", 0, (42, 43)))
-        h.deliver(
-            Completed(
-                request_id="r1",
-                worker_id="w1",
-                finish_reason="length",
-                prompt_tokens=3,
-                output_tokens=2,
-                cached_tokens=0,
-                num_preemptions=0,
-            )
-        )
+        h.deliver(completed("r1", "length", prompt_tokens=3, output_tokens=2, worker_id="w1"))
         while h.ended is None:
             await h.next_chunk(5)
         redis_server.stop()  # Redis goes away right after the ending

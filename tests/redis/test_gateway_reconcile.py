@@ -14,8 +14,8 @@ from services.gateway.session import reconcile
 from shared.context_store import ContextStore
 from shared.events import Completed, TokenDelta, TokenGenerated, encode
 from shared.lifecycle import Lifecycle, Owner, State
-from tests.support.factories import request_received
-from tests.support.inproc import gateway_core
+from tests.support.factories import completed, request_received
+from tests.support.inproc import gateway_core, started
 
 
 def _finished(redis_client, names) -> str:
@@ -51,19 +51,7 @@ def test_an_ending_still_unread_in_the_reply_stream_is_not_rebuilt_from_the_cont
         h = _silent_handle(core, rid)
         redis_client.xadd(
             core.reply_to,
-            {
-                EVENT_FIELD: encode(
-                    Completed(
-                        request_id=rid,
-                        worker_id="w1",
-                        finish_reason="length",
-                        prompt_tokens=1,
-                        output_tokens=0,
-                        cached_tokens=0,
-                        num_preemptions=0,
-                    )
-                )
-            },
+            {EVENT_FIELD: encode(completed(rid, "length", prompt_tokens=1, output_tokens=0, worker_id="w1"))},
         )
         await reconcile.repair_silent(core)
         assert h.queue.empty() and not h.filling
@@ -78,26 +66,22 @@ def test_a_request_still_being_created_is_not_failed_as_state_lost(redis_server,
     that is not a lost state (the benchmark's 1,000 streams on a cluster got four such 503s)."""
 
     async def run():
-        core = gateway_core(redis_server.url, names)
-        await core.start()
-        try:
+        async with started(gateway_core(redis_server.url, names)) as core:
             h = _silent_handle(core, "r-being-created", created=False)
             async with asyncio.timeout(10):
                 while core.replies_read_to - h.last_event_at <= reconcile.SILENT_S + 1:
                     await asyncio.sleep(0.05)  # the reader has read past the point where it counts as silent
             await reconcile.repair_silent(core)
             assert h.queue.empty()
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
 
 def test_a_silent_request_settled_without_its_ending_gets_it_built_from_the_context(redis_server, redis_client, names):
     async def run():
-        core = gateway_core(redis_server.url, names)
-        await core.start()  # its reader reads the (empty) reply stream: it is not behind
-        try:
+        async with started(
+            gateway_core(redis_server.url, names)
+        ) as core:  # its reader reads the (empty) reply stream: it is not behind
             h = _silent_handle(core, _finished(redis_client, names))
             async with asyncio.timeout(10):
                 while h.queue.empty():
@@ -105,8 +89,6 @@ def test_a_silent_request_settled_without_its_ending_gets_it_built_from_the_cont
                     await asyncio.sleep(0.1)
             end = h.queue.get_nowait()
             assert isinstance(end, Completed) and end.finish_reason == "length"
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 

@@ -20,11 +20,12 @@ import pytest
 from services.gateway.text import logprobs as gateway_logprobs
 from services.gateway.app import create_app
 from shared import grammar
-from shared.events import Completed, TokenDelta
+from shared.events import TokenDelta
 from shared.logprobs import TokenLogprob, pack
 from shared.settings import GatewaySettings
 from tests.support.cache import CACHE_DIR
 from tests.support.inproc import mark_live
+from tests.support.factories import completed
 
 TOKENS = 600  # per choice: more than one slice of the encoder, and heavy enough to leave the loop
 TOP = 20
@@ -93,17 +94,7 @@ async def _fake_worker(core, ids: list[int], logprobs: bool) -> None:
                 continue
             done.add(rid)
             handle.deliver(TokenDelta(rid, 0, tuple(ids), packed))
-            handle.deliver(
-                Completed(
-                    request_id=rid,
-                    worker_id="w1",
-                    finish_reason="length",
-                    prompt_tokens=5,
-                    output_tokens=len(ids),
-                    cached_tokens=0,
-                    num_preemptions=0,
-                )
-            )
+            handle.deliver(completed(rid, "length", prompt_tokens=5, output_tokens=len(ids), worker_id="w1"))
         await asyncio.sleep(0.005)
 
 

@@ -3,6 +3,8 @@ listing and readiness that need the real gateway code and a real Redis but nothi
 
 from __future__ import annotations
 
+import contextlib
+
 import redis.asyncio as aioredis
 
 from services.gateway.session.core import GatewayCore
@@ -24,6 +26,16 @@ def gateway_core(redis_url: str, names: Names, **settings) -> GatewayCore:
     """Call inside the event loop that will use it (the asyncio client binds to it)."""
     s = GatewaySettings(redis_url=redis_url, namespace=names.ns, **settings)
     return GatewayCore(s, aioredis.Redis.from_url(redis_url), None, "test-model")
+
+
+@contextlib.asynccontextmanager
+async def started(core: GatewayCore):
+    """The core's loops running for the block, stopped after it whatever it raised."""
+    await core.start()
+    try:
+        yield core
+    finally:
+        await core.stop()
 
 
 def small(prompt: str = "Hello") -> GenerateRequest:

@@ -11,7 +11,8 @@ import time
 from services.gateway.session.handle import RequestHandle
 from services.gateway.session.drive import drive
 from services.gateway.text.stop_strings import TextStream
-from shared.events import Cancelled, Completed
+from shared.events import Cancelled
+from tests.support.factories import completed
 
 TIMEOUT_S = 60.0
 
@@ -55,17 +56,7 @@ def test_a_waiting_request_sleeps_until_its_deadline_backstop_instead_of_polling
             return await next_chunk(timeout)
 
         handle.next_chunk = recording
-        handle.deliver(
-            Completed(
-                request_id="r",
-                worker_id="w",
-                finish_reason="length",
-                prompt_tokens=1,
-                output_tokens=0,
-                cached_tokens=0,
-                num_preemptions=0,
-            )
-        )
+        handle.deliver(completed("r", "length", prompt_tokens=1, output_tokens=0, worker_id="w"))
         chunks = [c async for c in drive(Core(), handle, Client())]
         assert chunks[-1].end is not None
         return waits

@@ -9,7 +9,8 @@ import pytest
 
 from services.gateway.session.handle import RequestHandle
 from services.gateway.text.stop_strings import TextStream
-from shared.events import Completed, TokenDelta
+from shared.events import TokenDelta
+from tests.support.factories import completed
 
 
 def test_cancel_landing_as_output_arrives_still_cancels_and_keeps_the_output_queued(tokenizer):
@@ -47,17 +48,7 @@ def test_deltas_queued_together_come_out_as_one_chunk_then_the_end(tokenizer):
         handle = RequestHandle("r", "reply", TextStream(tokenizer), time.time() + 60, time.perf_counter())
         for i, token in enumerate((42, 43, 44)):
             handle.deliver(TokenDelta("r", i, (token,)))
-        handle.deliver(
-            Completed(
-                request_id="r",
-                worker_id="w",
-                finish_reason="length",
-                prompt_tokens=1,
-                output_tokens=3,
-                cached_tokens=0,
-                num_preemptions=0,
-            )
-        )
+        handle.deliver(completed("r", "length", prompt_tokens=1, output_tokens=3, worker_id="w"))
         chunk = await handle.next_chunk(0.05)
         assert (chunk.token_ids, chunk.index, chunk.end) == ([42, 43, 44], 0, None)
         assert chunk.text == tokenizer.decode([42, 43, 44])

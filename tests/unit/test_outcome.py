@@ -10,20 +10,9 @@ from services.gateway.edge.errors import GatewayError
 from services.gateway.session.metrics import GatewayMetrics
 from services.gateway.session.outcome import FAILED_ROWS, OUTCOMES, ending, ending_from_context
 from shared.context_store import Snapshot
-from shared.events import Cancelled, Completed, Failed, TimedOut
+from shared.events import Cancelled, Failed, TimedOut
 from shared.lifecycle import TERMINAL, State
-
-
-def completed(reason: str = "stop") -> Completed:
-    return Completed(
-        request_id="r",
-        worker_id="w",
-        finish_reason=reason,
-        prompt_tokens=3,
-        output_tokens=2,
-        cached_tokens=0,
-        num_preemptions=0,
-    )
+from tests.support.factories import completed
 
 
 def failed(reason: str, **kw) -> Failed:
@@ -31,7 +20,7 @@ def failed(reason: str, **kw) -> Failed:
 
 
 ENDINGS = [  # (ending, state in Redis, HTTP status, native stream finish_reason, counter, label)
-    (completed("length"), State.FINISHED, 200, "length", "success", "length"),
+    (completed("r", "length", prompt_tokens=3, output_tokens=2), State.FINISHED, 200, "length", "success", "length"),
     (failed("invalid", param="max_tokens"), State.FAILED, 400, "error", "failure", "invalid"),
     (failed("too_long"), State.FAILED, 400, "error", "failure", "too_long"),
     (failed("worker_lost"), State.FAILED, 503, "error", "failure", "worker_lost"),
