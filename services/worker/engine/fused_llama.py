@@ -345,10 +345,11 @@ class FusedLlama:
 
     def _parts(self, meta: PagedAttentionMetadata, t: int, keep: torch.Tensor | None) -> int:
         """The runs of sequences a step's stack computes at once (csrc/layer_stack.cpp's layer_stack says why):
-        one a thread, each of at least split_rows decode rows; 1 for a step with a prompt's or a draft's rows."""
-        if not self.split_rows or keep is not None or meta.prefills or meta.num_decode_tokens != t:
-            return 1
-        return max(1, min(torch.get_num_threads(), t // self.split_rows))
+        one a thread, each of at least split_rows decode rows, else 1 (never fewer runs than threads: a thread
+        without a run would idle through the step); 1 for a step with a prompt's or a draft's rows."""
+        threads = torch.get_num_threads()
+        split = self.split_rows and threads > 1 and t >= threads * self.split_rows
+        return threads if split and keep is None and not meta.prefills and meta.num_decode_tokens == t else 1
 
     def _stack_arguments(self) -> tuple:
         """The layer stack's per-layer lists, gathered once (the plans' copies are made before the first forward)."""

@@ -143,11 +143,10 @@ def test_a_profile_of_a_step_names_each_stage_of_the_stack(make_engine):
 
 
 @pytest.fixture
-def two_threads():
-    """The engine tests run torch on one thread; a split decode step needs two (a run a thread)."""
+def threads():
+    """The engine tests run torch on one thread; a split decode step needs more (a run a thread)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
+    yield torch.set_num_threads
     torch.set_num_threads(before)
 
 
@@ -171,9 +170,8 @@ def attention_calls_a_step(engine, steps: int) -> list[int]:
     return calls
 
 
-def test_a_decode_step_of_sixteen_sequences_split_in_two_runs_equals_the_python_loop_to_the_bit(
-    make_engine, two_threads
-):
+def test_a_decode_step_of_sixteen_sequences_split_in_two_runs_equals_the_python_loop_to_the_bit(make_engine, threads):
+    threads(2)
     engine, fused = stacked_engine(make_engine, decode_split_rows=8)
     seen = spy_on_the_stack(fused)
     add_short_requests(engine, 16)
@@ -183,13 +181,21 @@ def test_a_decode_step_of_sixteen_sequences_split_in_two_runs_equals_the_python_
 
 
 @pytest.mark.parametrize(
-    ("sequences", "split_rows", "runs"),
-    [(16, 8, 2), (15, 8, 1), (16, 0, 1), (32, 8, 2)],
-    ids=["16-rows-in-runs-of-8", "fewer-than-two-runs-whole", "split-off", "runs-one-a-thread"],
+    ("sequences", "split_rows", "n_threads", "runs"),
+    [(16, 8, 2, 2), (15, 8, 2, 1), (16, 0, 2, 1), (32, 8, 2, 2), (32, 8, 4, 4), (24, 8, 4, 1)],
+    ids=[
+        "16-rows-in-runs-of-8",
+        "fewer-than-two-runs-whole",
+        "split-off",
+        "runs-one-a-thread",
+        "four-threads-four-runs",
+        "fewer-runs-than-threads-whole",
+    ],
 )
 def test_a_decode_step_runs_the_stack_once_per_run_of_at_least_split_rows_sequences(
-    make_engine, two_threads, sequences, split_rows, runs
+    make_engine, threads, sequences, split_rows, n_threads, runs
 ):
+    threads(n_threads)
     engine, fused = stacked_engine(make_engine, decode_split_rows=split_rows, max_num_batched_tokens=2048)
     add_short_requests(engine, sequences)  # every prompt in the first step
     prompts, decode = attention_calls_a_step(engine, 2)
