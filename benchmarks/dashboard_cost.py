@@ -32,8 +32,7 @@ def transitions(n: int, batch: int) -> dict:
     import shared
     from shared import constants
     from shared.context_store import ContextStore
-    from shared.events import RequestReceived, Sampling
-    from shared.lifecycle import Lifecycle, Owner, State
+    from shared.lifecycle import Lifecycle
     from shared.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,29 +42,9 @@ def transitions(n: int, batch: int) -> dict:
             names = constants.Names(f"b{uuid.uuid4().hex[:6]}")
             store, lc = ContextStore(r, names, 600), Lifecycle(r, names, "bench", 600)
             ids = [uuid.uuid4().hex for _ in range(n)]
-            for i in range(0, n, batch):  # create (not timed: the same with and without the feed but its XADD)
-                pipe = r.pipeline(transaction=False)
-                for rid in ids[i : i + batch]:
-                    ev = RequestReceived(
-                        request_id=rid,
-                        reply_to="x",
-                        prompt="p",
-                        sampling=Sampling(max_tokens=1),
-                        deadline=0,
-                        received_at=0,
-                    )
-                    keys, argv = store.create_args(rid, {"owner": "k"}, {"prompt": "p"}, ev)
-                    store._create(keys=keys, args=argv, client=pipe)
-                pipe.execute()
+            create_contexts(r, store, ids, batch)
             r.config_resetstat()
-            t0 = time.perf_counter()
-            for to in PATH:
-                for i in range(0, n, batch):
-                    pipe = r.pipeline(transaction=False)
-                    for rid in ids[i : i + batch]:
-                        lc.queue(pipe, rid, State(to), owner=Owner("w", 1) if to == "SCHEDULED" else None)
-                    pipe.execute()
-            wall = time.perf_counter() - t0
+            wall = move_along(r, lc, ids, batch)
             stats = r.info("commandstats")
             evalsha = stats.get("cmdstat_evalsha", {})
             feed = getattr(names, "lifecycle_feed", None)
@@ -82,6 +61,41 @@ def transitions(n: int, batch: int) -> dict:
             }
         finally:
             server.stop()
+
+
+def create_contexts(r, store, ids: list[str], batch: int) -> None:
+    """The requests' contexts created, batch to a pipeline (not timed: the same with and without the feed but its
+    XADD)."""
+    from shared.events import RequestReceived, Sampling
+
+    for i in range(0, len(ids), batch):
+        pipe = r.pipeline(transaction=False)
+        for rid in ids[i : i + batch]:
+            ev = RequestReceived(
+                request_id=rid,
+                reply_to="x",
+                prompt="p",
+                sampling=Sampling(max_tokens=1),
+                deadline=0,
+                received_at=0,
+            )
+            keys, argv = store.create_args(rid, {"owner": "k"}, {"prompt": "p"}, ev)
+            store._create(keys=keys, args=argv, client=pipe)
+        pipe.execute()
+
+
+def move_along(r, lc, ids: list[str], batch: int) -> float:
+    """Every request moved through PATH, one state at a time, batch to a pipeline: the seconds it took."""
+    from shared.lifecycle import Owner, State
+
+    t0 = time.perf_counter()
+    for to in PATH:
+        for i in range(0, len(ids), batch):
+            pipe = r.pipeline(transaction=False)
+            for rid in ids[i : i + batch]:
+                lc.queue(pipe, rid, State(to), owner=Owner("w", 1) if to == "SCHEDULED" else None)
+            pipe.execute()
+    return time.perf_counter() - t0
 
 
 def main() -> None:

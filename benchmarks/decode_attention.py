@@ -40,6 +40,7 @@ from shared.settings import CommonSettings
 logger = logging.getLogger(__name__)
 
 ORDERS = ("ascending", "descending", "random")
+BLOCK, KV_HEADS, HEAD_DIM = 16, 3, 64  # SmolLM2-135M: 3 KV heads of 64, 16-token blocks (the worker's default)
 
 
 def tables_for(order: str, seqs: int, per_seq: int, blocks: int, gen: torch.Generator) -> torch.Tensor:
@@ -102,7 +103,7 @@ def build_baseline(rev: str, isa: str):
     return torch.ops.conveyor_baseline
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
@@ -114,25 +115,31 @@ def main() -> None:
     )
     ap.add_argument("--baseline", help="a git revision whose kernels to measure beside this tree's")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    return ap.parse_args()
+
+
+def kernels_to_measure(baseline: str | None) -> tuple[str, dict]:
+    """-> (the ISA, the kernels by name: this tree's, and with a baseline revision its own)."""
     isa = cpu_ops.choose("auto")
     ops = cpu_ops.build(isa, str(CommonSettings().cache_dir))
     if ops is None:
         raise SystemExit("the CPU kernels did not build on this machine")
     kernels = {"this tree": ops}
-    if args.baseline:
-        kernels[f"at {args.baseline}"] = build_baseline(args.baseline, isa)
-    cases = {c: batch_lens(c) for c in args.cases.split(",")}
-    bs, kvh, dim = 16, 3, 64  # SmolLM2-135M: 3 KV heads of 64, 16-token blocks (the worker's default)
-    blocks = max(len(lens) * -(-int(lens.max()) // bs) for lens in cases.values()) + 64
-    key = torch.randn(args.layers, blocks * bs, kvh, dim)
-    value = torch.randn(args.layers, blocks * bs, kvh, dim)
+    if baseline:
+        kernels[f"at {baseline}"] = build_baseline(baseline, isa)
+    return isa, kernels
+
+
+def run_rounds(cases: dict, kernels: dict, args) -> dict[str, list[float]]:
+    """GB/s of each case, order and kernel, and of the yardstick, per round."""
+    blocks = max(len(lens) * -(-int(lens.max()) // BLOCK) for lens in cases.values()) + 64
+    key = torch.randn(args.layers, blocks * BLOCK, KV_HEADS, HEAD_DIM)
+    value = torch.randn(args.layers, blocks * BLOCK, KV_HEADS, HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
     found: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for case, lens in cases.items():
-            per_seq = -(-int(lens.max()) // bs)
+            per_seq = -(-int(lens.max()) // BLOCK)
             for order in ORDERS:
                 tables = tables_for(order, len(lens), per_seq, blocks, gen)
                 for name, k in kernels.items():
@@ -145,17 +152,30 @@ def main() -> None:
             found.setdefault(f"{case} contiguous read", []).append(
                 2 * key.numel() * 4 / (time.perf_counter() - t) / 1e9
             )
-    print(f"CPU {this_cpu().identity()}, kernels {isa}")
+    return found
+
+
+def print_found(cases: dict, kernels: dict, found: dict, baseline: str | None) -> None:
     for case, lens in cases.items():
         base = statistics.median(found[f"{case} contiguous read"])
-        print(f"{case} (sequences x tokens; {2 * int(lens.sum()) * kvh * dim * 4 / 1e6:.1f} MB a layer):")
+        print(f"{case} (sequences x tokens; {2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 4 / 1e6:.1f} MB a layer):")
         for order in ORDERS:
             gb = {name: statistics.median(found[f"{case} {order} {name}"]) for name in kernels}
             line = "  ".join(f"{name} {v:5.1f} GB/s ({v / base:.2f} of a read)" for name, v in gb.items())
-            if args.baseline:
-                line += f"  ratio {gb['this tree'] / gb[f'at {args.baseline}']:.2f}"
+            if baseline:
+                line += f"  ratio {gb['this tree'] / gb[f'at {baseline}']:.2f}"
             print(f"  {order:10s} {line}")
         print(f"  (a contiguous read of the pool: {base:.1f} GB/s)")
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    isa, kernels = kernels_to_measure(args.baseline)
+    cases = {c: batch_lens(c) for c in args.cases.split(",")}
+    found = run_rounds(cases, kernels, args)
+    print(f"CPU {this_cpu().identity()}, kernels {isa}")
+    print_found(cases, kernels, found, args.baseline)
     result = {"cpu": this_cpu(), "threads": torch.get_num_threads(), "baseline": args.baseline, "gb_s": found}
     path = write_json(Path(args.out), "decode_attention", result, stamp())
     print(json.dumps({"written": str(path)}))

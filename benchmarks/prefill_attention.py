@@ -88,24 +88,20 @@ def prefill_steps(engine: LLMEngine, prompt_len: int, seed: int) -> list[float]:
     return steps[: -(-prompt_len // engine.config.max_num_batched_tokens)]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    s = CommonSettings()
-    engine = LLMEngine.from_model_dir(
-        resolve_model_dir(s.model, s.cache_dir), EngineConfig(tuning_cache_dir=str(s.cache_dir))
-    )
+    return ap.parse_args()
+
+
+def run_rounds(engine: LLMEngine, heads: int, starts: list[int], args) -> tuple[dict, dict]:
+    """-> (the kernel cases of each start, the engine's chunk steps of each side), rounds interleaved; each round
+    runs the engine's sides in the other order than the last."""
     runner = engine.runner
-    if not runner.prefill_kernel:
-        raise SystemExit(f"the prefill kernel is off on this machine (CPU kernels: {cpu_ops.active_isa()})")
-    heads = runner.model.config.num_attention_heads
-    starts = [0, 512, 1024, 1536]
     cases: dict[int, list[dict]] = {st: [] for st in starts}
     engine_runs: dict[str, list[list[float]]] = {"kernel": [], "torch": []}
     for r in range(args.rounds):
@@ -115,24 +111,51 @@ def main() -> None:
             runner.prefill_kernel = side == "kernel"
             engine_runs[side].append(prefill_steps(engine, args.prompt, 1000 * r + (side == "kernel")))
     runner.prefill_kernel = True
-    print(f"CPU {this_cpu().identity()}, kernels {cpu_ops.active_isa()}, {torch.get_num_threads()} threads")
-    print("one layer's attention, chunk of", args.chunk, "tokens (best of reps, median over rounds):")
+    return cases, engine_runs
+
+
+def kernel_report(cases: dict, chunk: int, head_dim: int, heads: int) -> list[dict]:
+    """Prints each start's medians over the rounds; -> the rows of the result."""
+    print("one layer's attention, chunk of", chunk, "tokens (best of reps, median over rounds):")
     kernel_rows = []
-    for st in starts:
+    for st in cases:
         k_ms = statistics.median(c["kernel_ms"] for c in cases[st])
         t_ms = statistics.median(c["torch_ms"] for c in cases[st])
         kernel_rows.append({"start": st, "kernel_ms": k_ms, "torch_ms": t_ms, "rounds": cases[st]})
-        flops = 4 * args.chunk * (st + (args.chunk + 1) / 2) * runner.kv_cache.head_dim * heads
+        flops = 4 * chunk * (st + (chunk + 1) / 2) * head_dim * heads
         print(
             f"  after {st:5d} cached: kernel {k_ms:6.2f} ms ({flops / k_ms / 1e6:4.0f} GFLOPS), "
             f"torch {t_ms:6.2f} ms ({flops / t_ms / 1e6:4.0f}), torch / kernel {t_ms / k_ms:.2f}"
         )
+    return kernel_rows
+
+
+def engine_report(engine_runs: dict, prompt: int) -> dict[str, float]:
+    """Prints each chunk step's medians over the rounds and the whole prompt's; -> each side's whole prompt."""
     med = {side: [statistics.median(col) for col in zip(*runs)] for side, runs in engine_runs.items()}
-    print(f"engine, a {args.prompt}-token prompt, seconds per chunk step (median over rounds):")
+    print(f"engine, a {prompt}-token prompt, seconds per chunk step (median over rounds):")
     for i, (k, t) in enumerate(zip(med["kernel"], med["torch"])):
         print(f"  chunk {i + 1}: kernel {k:.3f} s, torch {t:.3f} s, torch / kernel {t / k:.2f}")
     total_k, total_t = sum(med["kernel"]), sum(med["torch"])
     print(f"  whole prompt: kernel {total_k:.3f} s, torch {total_t:.3f} s, torch / kernel {total_t / total_k:.2f}")
+    return {"kernel": total_k, "torch": total_t}
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    s = CommonSettings()
+    engine = LLMEngine.from_model_dir(
+        resolve_model_dir(s.model, s.cache_dir), EngineConfig(tuning_cache_dir=str(s.cache_dir))
+    )
+    runner = engine.runner
+    if not runner.prefill_kernel:
+        raise SystemExit(f"the prefill kernel is off on this machine (CPU kernels: {cpu_ops.active_isa()})")
+    heads = runner.model.config.num_attention_heads
+    cases, engine_runs = run_rounds(engine, heads, [0, 512, 1024, 1536], args)
+    print(f"CPU {this_cpu().identity()}, kernels {cpu_ops.active_isa()}, {torch.get_num_threads()} threads")
+    kernel_rows = kernel_report(cases, args.chunk, runner.kv_cache.head_dim, heads)
+    totals = engine_report(engine_runs, args.prompt)
     result = {
         "cpu": this_cpu(),
         "isa": cpu_ops.active_isa(),
@@ -141,7 +164,7 @@ def main() -> None:
         "prompt": args.prompt,
         "kernel": kernel_rows,
         "engine_steps_s": engine_runs,
-        "engine_total_s": {"kernel": total_k, "torch": total_t},
+        "engine_total_s": totals,
     }
     path = write_json(Path(args.out), "prefill_attention", result, stamp())
     print(json.dumps({"written": str(path)}))

@@ -140,6 +140,22 @@ def idle_window(cluster: ConveyorUp, target: m.RedisTarget, seconds: float) -> d
     }
 
 
+def redis_target(cluster: ConveyorUp, rc: LocalRedisCluster | None, env: dict) -> m.RedisTarget:
+    """The Redis a run measures: every node of the cluster, or the single one `conveyor up` started."""
+    if rc is None:
+        return m.RedisTarget.single(cluster.find_redis_url())
+    partitions = int(env.get("CONVEYOR_REDIS_PARTITIONS", 0)) or CLUSTER_PARTITIONS
+    return cluster_target(rc, Names(CommonSettings().namespace, partitions, cluster=True))
+
+
+def print_idle(idle: dict) -> None:
+    print(
+        f"idle: {idle['redis_commands_per_s']:.0f} Redis commands/s "
+        f"(top {[(k, round(v)) for k, v in idle['redis_top_commands_per_s'][:4]]})",
+        flush=True,
+    )
+
+
 def one_run(kind: str, i: int, args, env: dict, texts: list[str], expected: list[str], run_id: str) -> dict:
     tag = f"{run_id}-{i}-{kind}"
     run_args = copy.copy(args)
@@ -156,21 +172,13 @@ def one_run(kind: str, i: int, args, env: dict, texts: list[str], expected: list
             print(f"Redis Cluster up in {rc.created_in_s:.1f} s: {rc.node_urls}", flush=True)
             up_args.append("--redis-cluster")
         with ConveyorUp(log, workers=args.workers, redis_url=rc.url if rc else None, env=env, args=up_args) as cluster:
-            if rc:
-                partitions = int(env.get("CONVEYOR_REDIS_PARTITIONS", 0)) or CLUSTER_PARTITIONS
-                target = cluster_target(rc, Names(CommonSettings().namespace, partitions, cluster=True))
-                roles_before = dict(target.roles)
-            else:
-                target = m.RedisTarget.single(cluster.find_redis_url())
+            target = redis_target(cluster, rc, env)
+            roles_before = dict(target.roles) if rc else None
             time.sleep(args.warm)  # every service past its start-up writes
             if rc:
                 layout = cluster_layout(rc, target)
             idle = idle_window(cluster, target, args.idle_window)
-            print(
-                f"idle: {idle['redis_commands_per_s']:.0f} Redis commands/s "
-                f"(top {[(k, round(v)) for k, v in idle['redis_top_commands_per_s'][:4]]})",
-                flush=True,
-            )
+            print_idle(idle)
             results = cp.run_levels(cluster, run_args, texts, expected, args.out, tag, target)
             roles_after = target.current_roles()
     finally:
@@ -201,7 +209,7 @@ def one_run(kind: str, i: int, args, env: dict, texts: list[str], expected: list
 # --- main ------------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--duration", type=float, default=15, help="seconds each client loop keeps sending")
@@ -235,11 +243,20 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="extra CONVEYOR_* settings")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="results folder")
     ap.add_argument("--markdown", type=Path, metavar="RESULT.json", help="print the tables of a result and exit")
-    args = ap.parse_args()
-    if args.markdown:  # the summary recomputed from the runs: a result of an older version gets today's tables
-        data = json.loads(args.markdown.read_text())
-        data["summary"] = summarize(data["runs"], data["args"]["levels"], data["args"].get("capacity_cores", 0.8))
-        print_summary(data)
+    return ap.parse_args()
+
+
+def print_tables(result: Path) -> None:
+    """The tables of a result, its summary recomputed from the runs: a result of an older version gets today's."""
+    data = json.loads(result.read_text())
+    data["summary"] = summarize(data["runs"], data["args"]["levels"], data["args"].get("capacity_cores", 0.8))
+    print_summary(data)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.markdown:
+        print_tables(args.markdown)
         return
     fds, run_id = raise_fd_limit(), stamp()
     args.out.mkdir(parents=True, exist_ok=True)

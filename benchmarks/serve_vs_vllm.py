@@ -133,6 +133,12 @@ def ratio(row: dict, key: str) -> float | None:
 
 
 def report(rows: list[dict]) -> None:
+    throughput_table(rows)
+    cpu_tables(rows)
+
+
+def throughput_table(rows: list[dict]) -> None:
+    """Each round's output tok/s of both servers and their ratio, mean TTFT and TPOT, requests failed."""
     table = []
     for r in rows:
         c, v = r.get("conveyor", {}), r.get("vllm", {})
@@ -167,6 +173,10 @@ def report(rows: list[dict]) -> None:
         ],
         table,
     )
+
+
+def cpu_tables(rows: list[dict]) -> None:
+    """The CPU seconds of each round: Conveyor's per process, the client's and the idle server's, vLLM's in all."""
     cpu = [
         [r["shape"], r["concurrency"], r["round"], *[r["conveyor"].get("cpu_s", {}).get(role) for role in ROLES]]
         for r in rows

@@ -90,13 +90,38 @@ def run_one(engine: LLMEngine, req: EngineRequest, tag: str) -> tuple[list[int],
     return tokens, steps, time.perf_counter() - t
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4, help="drafts per step (spec_ngram_tokens)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def run_rounds(engines: dict[int, LLMEngine], loads: dict, rounds: int, drafts: int) -> tuple[dict, list[str]]:
+    """-> (tokens, steps and seconds per workload and engine, the requests whose outputs differed between the
+    engines without drafts and with `drafts`): every request on each engine in turn, each round."""
+    tally = {(w, k): {"tokens": 0, "steps": 0, "seconds": 0.0} for w in loads for k in engines}
+    mismatches = []
+    for r in range(rounds):
+        for w, reqs in loads.items():
+            for req in reqs:
+                outs = {}
+                for k, e in engines.items():
+                    tokens, steps, sec = run_one(e, req, f"{r}-{k}")
+                    outs[k] = tokens
+                    t = tally[(w, k)]
+                    t["tokens"] += len(tokens)
+                    t["steps"] += steps
+                    t["seconds"] += sec
+                if outs[0] != outs[drafts]:
+                    mismatches.append(req.request_id)
+    return tally, mismatches
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     s = CommonSettings()
     model_dir = resolve_model_dir(s.model, s.cache_dir)
@@ -110,21 +135,7 @@ def main() -> None:
     for e in engines.values():  # warm: one request of each workload, not measured
         for reqs in loads.values():
             run_one(e, reqs[0], "warm")
-    tally = {(w, k): {"tokens": 0, "steps": 0, "seconds": 0.0} for w in loads for k in engines}
-    mismatches = []
-    for r in range(args.rounds):
-        for w, reqs in loads.items():
-            for req in reqs:
-                outs = {}
-                for k, e in engines.items():
-                    tokens, steps, sec = run_one(e, req, f"{r}-{k}")
-                    outs[k] = tokens
-                    t = tally[(w, k)]
-                    t["tokens"] += len(tokens)
-                    t["steps"] += steps
-                    t["seconds"] += sec
-                if outs[0] != outs[args.tokens]:
-                    mismatches.append(req.request_id)
+    tally, mismatches = run_rounds(engines, loads, args.rounds, args.tokens)
     rows, result = [], {"cpu": this_cpu(), "tokens": args.tokens, "rounds": args.rounds, "workloads": {}}
     for w in loads:
         off, on = tally[(w, 0)], tally[(w, args.tokens)]

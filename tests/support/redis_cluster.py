@@ -110,67 +110,78 @@ class LocalRedisCluster:
         t0 = time.monotonic()
         server, cli = self.binaries()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        taken: set[int] = set()
         try:
-            for _ in range(self.masters * (1 + self.replicas)):
-                port = _free_port_pair(taken)
-                taken |= {port, port + BUS_PORT_OFFSET}
-                self.nodes.append(self._spawn(server, port))
             deadline = t0 + timeout_s
-            for i, node in enumerate(self.nodes):
-                self.nodes[i] = self._answering(server, node, taken, deadline)
-            create = subprocess.run(
-                [
-                    cli,
-                    "--cluster",
-                    "create",
-                    *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                    "--cluster-replicas",
-                    str(self.replicas),
-                    "--cluster-yes",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=max(1.0, deadline - time.monotonic()),
-            )
-            if create.returncode != 0:
-                raise FatalError(
-                    f"redis-cli --cluster create failed ({create.returncode}): "
-                    f"{create.stdout[-2000:]}{create.stderr[-2000:]}"
-                )
-            self._wait(
-                lambda: all(self._healthy(n) for n in self.nodes),
-                deadline,
-                f"every node cluster_state:ok with all {SLOTS} slots and {len(self.nodes)} nodes known",
-            )
-            for node in self.nodes:
-                node.node_id = node.client.execute_command("CLUSTER MYID").decode()
-            for node in self.nodes:
-                if not node.is_master():
-                    master_port = node.info("replication")["master_port"]
-                    self.replica_of[node.node_id] = self._node_by_port(master_port).node_id
-            self._wait(
-                lambda: all(
-                    n.info("replication").get("master_link_status") == "up"
-                    for n in self.nodes
-                    if n.node_id in self.replica_of
-                ),
-                deadline,
-                "every replica in sync with its master",
-            )
-            # Redis 7 leaves a replica out of CLUSTER SLOTS (where clients find the nodes) until it looks healthy
-            self._wait(
-                lambda: all(
-                    len(entry) - 3 >= self.replicas for n in self.nodes for entry in self._raw_cluster_slots(n)
-                ),
-                deadline,
-                "every replica listed in CLUSTER SLOTS by every node",
-            )
+            self._start_nodes(server, deadline)
+            self._create_cluster(cli, deadline)
+            self._wait_formed(deadline)
         except BaseException:
             self.stop()
             raise
         self.created_in_s = time.monotonic() - t0
         return self
+
+    def _start_nodes(self, server: str, deadline: float) -> None:
+        """Every node's redis-server started, each on a free port pair, and answering."""
+        taken: set[int] = set()
+        for _ in range(self.masters * (1 + self.replicas)):
+            port = _free_port_pair(taken)
+            taken |= {port, port + BUS_PORT_OFFSET}
+            self.nodes.append(self._spawn(server, port))
+        for i, node in enumerate(self.nodes):
+            self.nodes[i] = self._answering(server, node, taken, deadline)
+
+    def _create_cluster(self, cli: str, deadline: float) -> None:
+        """`redis-cli --cluster create` over the nodes: the slots spread over the masters, each given its replicas."""
+        create = subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
+        if create.returncode != 0:
+            raise FatalError(
+                f"redis-cli --cluster create failed ({create.returncode}): "
+                f"{create.stdout[-2000:]}{create.stderr[-2000:]}"
+            )
+
+    def _wait_formed(self, deadline: float) -> None:
+        """Wait until every node is ok and knows the others, and every replica is in sync and listed; records each
+        node's id and each replica's master."""
+        self._wait(
+            lambda: all(self._healthy(n) for n in self.nodes),
+            deadline,
+            f"every node cluster_state:ok with all {SLOTS} slots and {len(self.nodes)} nodes known",
+        )
+        for node in self.nodes:
+            node.node_id = node.client.execute_command("CLUSTER MYID").decode()
+        for node in self.nodes:
+            if not node.is_master():
+                master_port = node.info("replication")["master_port"]
+                self.replica_of[node.node_id] = self._node_by_port(master_port).node_id
+        self._wait(
+            lambda: all(
+                n.info("replication").get("master_link_status") == "up"
+                for n in self.nodes
+                if n.node_id in self.replica_of
+            ),
+            deadline,
+            "every replica in sync with its master",
+        )
+        # Redis 7 leaves a replica out of CLUSTER SLOTS (where clients find the nodes) until it looks healthy
+        self._wait(
+            lambda: all(len(entry) - 3 >= self.replicas for n in self.nodes for entry in self._raw_cluster_slots(n)),
+            deadline,
+            "every replica listed in CLUSTER SLOTS by every node",
+        )
 
     def stop(self) -> None:
         for node in self.nodes:

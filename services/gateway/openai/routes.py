@@ -170,9 +170,16 @@ async def _serve(
     headers = {"X-Request-Id": primary.request_id, "traceparent": primary.trace.traceparent}
     if native.stream:
         return await start_stream(request, core, choices, shapes, headers)
+    return await _json_answer(core, request, body, choices, shapes, headers)
+
+
+async def _json_answer(
+    core: GatewayCore, request: Request, body: OpenAIRequest, choices: Choices, shapes: list[Shape], headers: dict
+):
+    """The non-stream answer, once every choice has ended."""
     # The log probabilities are shaped from the handles (Shape.body), not from the native bodies.
     bodies = await collect_choices(core, choices, request, with_logprobs=False)
-    headers.update(queue_time_headers((primary.metrics or {}).get("queue_wait")))
+    headers.update(queue_time_headers((choices.primary.metrics or {}).get("queue_wait")))
     prompts_ids = await prompt_ids(core, choices) if body.return_token_ids else None
     return await json_response(
         lambda: choices_body(shapes, choices, bodies, prompts_ids),

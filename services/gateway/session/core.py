@@ -198,10 +198,7 @@ class GatewayCore(ReplyReader):
         n > 1 request comes with its id and its group's (intake.accept_choices); constraint and tools: what
         openai.structured_output.plan_chat decided (already checked); session: the key of the conversation session
         whose turn it is (its turn started: conversation.turns.begin), session_worker: where its KV is."""
-        if self.draining:
-            raise Unavailable(
-                "the gateway is shutting down; retry on another", None, "shutting_down", headers={"Retry-After": "1"}
-            )
+        self._refuse_while_draining()
         rid = request_id or uuid.uuid4().hex  # 128 random bits
         t0, now = time.perf_counter(), time.time()
         deadline = now + (req.timeout or self.s.request_timeout_s)
@@ -222,16 +219,26 @@ class GatewayCore(ReplyReader):
         stops = stop_strings(req)
         handle = self._open_handle(rid, rt, stops, deadline, t0, session, req.logprobs is not None)
         meta = self._meta_layer(req, deadline, rt.traceparent, owner, extra_meta)
-        input_ = input_layer(req, sampling, stops)
+        await self._create_context(rid, rt, meta, input_layer(req, sampling, stops), ev)
+        handle.created()
+        published(rt, rid, self.names.received_stream(self.names.partition(rid)))
+        return handle
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(
+                "the gateway is shutting down; retry on another", None, "shutting_down", headers={"Retry-After": "1"}
+            )
+
+    async def _create_context(self, rid: str, trace, meta: dict, input_: dict, ev) -> None:
+        """The request's context created through admission; refused, its handle is forgotten and its trace says
+        why."""
         try:
             await self.admission.create(rid, meta, input_, ev)
         except BaseException as e:
             self.handles.pop(rid, None)
-            refused(rt, e)
+            refused(trace, e)
             raise
-        handle.created()
-        published(rt, rid, self.names.received_stream(self.names.partition(rid)))
-        return handle
 
     def _open_handle(self, rid, trace, stops, deadline, t0, session, logprobs: bool) -> RequestHandle:
         handle = RequestHandle(rid, self.reply_to, TextStream(self.tokenizer, stops), deadline, t0)

@@ -123,6 +123,12 @@ class _Snapshot:
         self.f = f
 
     def collect(self):
+        yield from self._requests()
+        yield from self._worker_counters()
+        yield from self._sessions()
+
+    def _requests(self):
+        """Where the live requests are: running, waiting (and why), per state; the workers' KV caches."""
         f = self.f
         yield GaugeMetricFamily("conveyor:num_requests_running", "sequences running on workers", f["running"])
         yield GaugeMetricFamily("conveyor:num_requests_waiting", "requests not yet on a worker", f["waiting"])
@@ -144,6 +150,9 @@ class _Snapshot:
         for state, n in f["states"].items():
             states.add_metric([state], n)
         yield states
+
+    def _worker_counters(self):
+        f = self.f
         # Workers count these since their start (summed over live workers).
         yield CounterMetricFamily("conveyor:num_preemptions", "preemptions on live workers", f["preemptions"])
         yield CounterMetricFamily("conveyor:prefix_cache_queries", "prompt tokens looked up", f["prefix_queries"])
@@ -155,6 +164,10 @@ class _Snapshot:
         yield CounterMetricFamily(
             "conveyor:spec_decode_num_accepted_tokens", "draft tokens the model agreed with", f["draft_accepted"]
         )
+
+    def _sessions(self):
+        """Paused sessions and their KV, in memory and on disk, and the runs copied between the two."""
+        f = self.f
         yield GaugeMetricFamily(
             "conveyor:num_sessions_paused", "sessions whose KV a live worker keeps between turns", f["sessions_paused"]
         )
