@@ -21,9 +21,11 @@ SERVICE_NAMES = tuple(SERVICES)
 def run_service(name: str) -> int:
     from shared import telemetry
     from shared.runtime import setup_logging
+    from shared.settings import set_library_environment
 
     spec = SERVICES[name]
     cfg = spec.settings()
+    set_library_environment(cfg.library_environment())  # before the service's module loads torch (the worker's)
     if spec.http:
         from services.gateway.app import create_app
         from services.gateway.edge.server import serve

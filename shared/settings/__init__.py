@@ -18,6 +18,8 @@ from shared.settings.environment import (  # noqa: F401 - re-exported: shared.se
     LIBRARY_ISA_VARIABLES,
     child_environment,
     library_isa_limits,
+    omp_environment,
+    set_library_environment,
     this_pythons_bin_on_path,
 )
 
@@ -131,6 +133,11 @@ class CommonSettings(BaseSettings):
         from shared.constants import CLUSTER_PARTITIONS
 
         return self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
+
+    def library_environment(self) -> dict[str, str]:
+        """Variables the libraries this service loads read once, at their load: set before its module imports them
+        (services/cli.py run_service). None for most services."""
+        return {}
 
 
 class GatewaySettings(CommonSettings):

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+# libgomp (torch's OpenMP, MKL's threads too) reads these once, when torch loads: how its threads wait at a barrier.
+OMP_WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
 # By these ATen, oneDNN and MKL hold their kernels to a narrower ISA than the CPU's (each reads it at its start).
 LIBRARY_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
@@ -33,3 +36,19 @@ def child_environment(**overrides: str) -> dict[str, str]:
 def library_isa_limits() -> tuple[str, ...]:
     """This process's values of LIBRARY_ISA_VARIABLES, "" where unset: part of what code it runs (gemm.key)."""
     return tuple(os.environ.get(v, "") for v in LIBRARY_ISA_VARIABLES)
+
+
+def omp_environment(spin_count: int) -> dict[str, str]:
+    """GOMP_SPINCOUNT=spin_count for a process whose torch threads meet at barriers, unless this environment says
+    how they wait (either OMP_WAIT_VARIABLES set) or spin_count is 0. Why: libgomp's default, 300,000 spins
+    (~14 ms on an Intel core, whose PAUSE takes ~140 cycles), keeps a thread spinning on its core long after its
+    partner was preempted; beside one busy process on two cores a worker's requests then took 6-25x their quiet
+    time, 5-7x with 30,000 spins, which cost nothing on a quiet machine (docs/benchmarks.md, 2026-12-07)."""
+    if spin_count <= 0 or any(v in os.environ for v in OMP_WAIT_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": str(spin_count)}
+
+
+def set_library_environment(values: dict[str, str]) -> None:
+    """Sets these variables in this process's environment (before the libraries that read them load)."""
+    os.environ.update(values)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.settings import CommonSettings, CpuIsa
+from shared.settings import CommonSettings, CpuIsa, omp_environment
 
 
 class WorkerSettings(CommonSettings):
@@ -48,6 +48,12 @@ class WorkerSettings(CommonSettings):
         8,
         ge=0,
         description="CPU: decode-only steps run the layer stack in runs of >= this many sequences a thread; 0 = off",
+    )
+    omp_spin_count: int = Field(
+        30_000,
+        ge=0,
+        description="CPU: GOMP_SPINCOUNT for the torch threads (how long one spins at a barrier before sleeping), "
+        "set before torch loads unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set; 0 = libgomp's default (300,000)",
     )
     warmup_budget_s: float = Field(
         60.0,
@@ -123,3 +129,6 @@ class WorkerSettings(CommonSettings):
     prefill_overshoot_tokens: int = Field(
         32, ge=0, description="a prompt this many (and 1/16 of the room) over a step's room ends in it; 0 = strict"
     )
+
+    def library_environment(self) -> dict[str, str]:
+        return omp_environment(self.omp_spin_count)
