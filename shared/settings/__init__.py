@@ -136,7 +136,7 @@ class CommonSettings(BaseSettings):
 
     def library_environment(self) -> dict[str, str]:
         """Variables the libraries this service loads read once, at their load: set before its module imports them
-        (services/cli.py run_service). None for most services."""
+        (services/cli.py run_service). Empty for most services."""
         return {}
 
 

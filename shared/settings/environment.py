@@ -41,7 +41,7 @@ def library_isa_limits() -> tuple[str, ...]:
 def omp_environment(spin_count: int) -> dict[str, str]:
     """GOMP_SPINCOUNT=spin_count for a process whose torch threads meet at barriers, unless this environment says
     how they wait (either OMP_WAIT_VARIABLES set) or spin_count is 0. Why: libgomp's default, 300,000 spins
-    (~14 ms on an Intel core, whose PAUSE takes ~140 cycles), keeps a thread spinning on its core long after its
+    (milliseconds: on recent Intel cores a PAUSE takes ~140 cycles; not measured here), keeps a thread spinning on its core long after its
     partner was preempted; beside one busy process on two cores a worker's requests then took 6-25x their quiet
     time, 5-7x with 30,000 spins, which cost nothing on a quiet machine (docs/benchmarks.md, 2026-12-07)."""
     if spin_count <= 0 or any(v in os.environ for v in OMP_WAIT_VARIABLES):
