@@ -3,7 +3,7 @@
 Engine variants (EngineConfig switches) are built on their own model instances, each holding 32 running
 sequences (random 128-token prompts, greedy, ignore_eos); their batch-32 decode steps are timed in interleaved
 rounds (so drift hits all alike), at a context of ~200 tokens. Each variant also times a 512-token prefill
-(one prompt, one step). With --profile, torch.profiler's table of the chosen variant's decode step and prefill.
+(one prompt, one step; --prefill N tokens instead). With --profile, torch.profiler's table of the chosen variant's decode step and prefill.
 
 Run: .venv/bin/python -m benchmarks.engine_profile [--variants base,fused,kernel,all] [--profile all] [--batch 32]
   The GEMV kernel at a few sequences: --variants all,no-gemv --batch 4
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="print torch.profiler tables for this variant")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=32, help="sequences decoding in the timed steps")
+    ap.add_argument("--prefill", type=int, default=512, help="tokens of the timed (and profiled) prefill")
     ap.add_argument(
         "--threads",
         type=int,
@@ -152,7 +153,7 @@ def main() -> None:
     prefill = {n: [] for n in names}
     for r in range(args.rounds + 1):  # prefills on idle engines (one step each); round 0 warms up
         for n, e in engines.items():
-            t = time_prefill(e, 512, 1000 + r)
+            t = time_prefill(e, args.prefill, 1000 + r)
             if r:
                 prefill[n].append(t)
     for i, e in enumerate(engines.values()):
@@ -161,7 +162,10 @@ def main() -> None:
         for n, e in engines.items():
             decode[n] += time_steps(e, args.steps)
     base = statistics.median(decode[names[0]])
-    print(f"threads {torch.get_num_threads()}; batch-{args.batch} decode step (ctx ~200) and 512-token prefill, ms")
+    print(
+        f"threads {torch.get_num_threads()}; batch-{args.batch} decode step (ctx ~200) and {args.prefill}-token "
+        "prefill, ms"
+    )
     print(f"{'variant':8} {'decode min':>10} {'median':>8} {'x ' + names[0]:>9} {'prefill min':>11} {'median':>8}")
     for n in names:
         d, p = decode[n], prefill[n]
@@ -175,7 +179,10 @@ def main() -> None:
         for seq in list(e.scheduler.running):
             e.abort_request(seq.request_id)
         e.step()
-        print(f"\n[{args.profile}] one 512-token prefill\n" + profile_table(lambda: time_prefill(e, 512, 7)))
+        print(
+            f"\n[{args.profile}] one {args.prefill}-token prefill\n"
+            + profile_table(lambda: time_prefill(e, args.prefill, 7))
+        )
 
 
 if __name__ == "__main__":

@@ -18,13 +18,17 @@ logger = logging.getLogger(__name__)
 SERVICE_NAMES = tuple(SERVICES)
 
 
-def run_service(name: str) -> int:
+def run_service(name: str, restart: bool = False) -> int:
+    """Run one service in this process; restart: first start the process again with the variables read at a start
+    that its environment lacks (settings.start_environment), as a command line does (not a caller in a test)."""
     from shared import telemetry
     from shared.runtime import setup_logging
-    from shared.settings import set_library_environment
+    from shared.settings import restart_with, set_library_environment
 
     spec = SERVICES[name]
     cfg = spec.settings()
+    if restart and (missing := cfg.start_environment()):
+        restart_with(missing)
     set_library_environment(cfg.library_environment())  # before the service's module loads torch (the worker's)
     if spec.http:
         from services.gateway.app import create_app
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = check(args.service, args.dir)
         sys.stdout.write(why + "\n")  # what `docker inspect` shows as the probe's output
         return 0 if ok else 1
-    return run_service(args.command)
+    return run_service(args.command, restart=argv is None)
 
 
 if __name__ == "__main__":

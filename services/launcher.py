@@ -63,7 +63,8 @@ class Launcher:
         stop = StopFlag()
         url = self.args.redis_url or self._start_redis()
         resolve_model_dir(self.settings.model, self.settings.cache_dir)  # convert once, before the children start
-        base = child_environment(CONVEYOR_REDIS_URL=url)
+        # With the variables read at a start: each child would otherwise start itself again to get them.
+        base = child_environment(CONVEYOR_REDIS_URL=url, **self.settings.start_environment())
         if getattr(self.args, "redis_cluster", False):
             base["CONVEYOR_REDIS_CLUSTER"] = "true"
         elif self.redis is not None:  # the Redis started here is a single one, whatever the environment says

@@ -19,7 +19,9 @@ from shared.settings.environment import (  # noqa: F401 - re-exported: shared.se
     child_environment,
     library_isa_limits,
     omp_environment,
+    restart_with,
     set_library_environment,
+    start_environment,
     this_pythons_bin_on_path,
 )
 
@@ -65,6 +67,12 @@ class CommonSettings(BaseSettings):
     model_name: str = Field("", description="name reported to clients; empty = derived from the model path")
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="where converted models are cached")
     log_level: str = Field("INFO", description="logging level of the process")
+    malloc_huge_pages: bool = Field(
+        True,
+        description="glibc's malloc advises its memory for transparent huge pages (GLIBC_TUNABLES="
+        "glibc.malloc.hugetlb=1; a service started without it starts itself again with it, unless GLIBC_TUNABLES "
+        "names glibc.malloc.hugetlb): fewer TLB misses in a process woken after idling",
+    )
     instance_id: str = Field(
         "",
         description="consumer/instance name: letters, digits, '.', '_', '-' (a "
@@ -133,6 +141,11 @@ class CommonSettings(BaseSettings):
         from shared.constants import CLUSTER_PARTITIONS
 
         return self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
+
+    def start_environment(self) -> dict[str, str]:
+        """Variables read as the process starts, that it lacks (services/cli.py starts the service again with them;
+        the launcher gives them to its children)."""
+        return start_environment(self.malloc_huge_pages)
 
     def library_environment(self) -> dict[str, str]:
         """Variables the libraries this service loads read once, at their load: set before its module imports them
