@@ -25,7 +25,7 @@ from shared.lifecycle import Publish, State, TransitionResult
 from shared.model_files import resolve_model_dir
 from shared.runtime import Liveness, StopFlag, run_loop
 from shared.settings import TokenizerSettings
-from shared.tokenization import load_tokenizer, model_info
+from shared.tokenization import encoder, load_tokenizer, model_info
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class Preprocessor:
 
     def __init__(self, tokenizer, max_len: int):
         self.tok = tokenizer
+        self.encode = encoder(tokenizer)
         self.max_len = max_len
 
     def _template(self, chat: list[dict], ev: RequestReceived) -> str:
@@ -73,10 +74,10 @@ class Preprocessor:
         elif ev.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in ev.messages]
             text = self._template(chat, ev)
-            ids = self.tok.encode(text, add_special_tokens=False)
+            ids = self.encode(text, False)
             field = "messages"
         else:
-            ids = self.tok.encode(ev.prompt or "")
+            ids = self.encode(ev.prompt or "", True)
             field = "prompt"
         if not ids:
             raise PromptError(Reason.INVALID, field, f"{field} tokenizes to no tokens")
