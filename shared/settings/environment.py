@@ -61,8 +61,8 @@ def start_environment(malloc_huge_pages: bool) -> dict[str, str]:
     names glibc.malloc.hugetlb already. Read only as a process starts: a service that lacks it starts itself again
     (restart_with). Why: on a VM a process woken after idling runs its first milliseconds with cold TLBs, and each
     miss on 4 KB pages walks the host's page tables too; the tokenizer's BPE tables on huge pages cut a cold 128-token
-    prompt's tokenization from ~25 ms to ~5, and a single stream's first token came ~12 % sooner at no cost in RSS
-    worth naming (docs/benchmarks.md, 2026-12-07). A kernel whose THP is "never" leaves the advice unused."""
+    prompt's tokenization from ~25 ms to ~5, and in the VM's slow minutes a single stream's first token came ~12 %
+    sooner, at no cost in RSS worth naming (docs/benchmarks.md, 2026-12-07). A kernel whose THP is "never" leaves the advice unused."""
     current = os.environ.get(GLIBC_TUNABLES, "")
     if not malloc_huge_pages or MALLOC_HUGE_PAGES in current or RESTARTED in os.environ:
         return {}
