@@ -80,7 +80,7 @@ def encoder(tokenizer) -> Encode:
     def own(text: str, special: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=special)
 
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a transformers "fast" tokenizer's Rust tokenizer
     if backend is None or not all(hasattr(backend, a) for a in ("encode", "no_truncation", "no_padding")):
         return own
     backend.no_truncation()  # transformers' encode turns them off on each call; its other callers set their own

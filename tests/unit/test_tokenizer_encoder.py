@@ -47,5 +47,5 @@ def test_a_bos_template_applies_and_the_files_truncation_does_not():
 
 
 def test_a_tokenizer_whose_encode_differs_from_its_rust_tokenizer_keeps_its_own():
-    tok = Prefixing(tokenizer_object=_word_level(truncate_at=64)._tokenizer, bos_token="<s>", unk_token="[UNK]")
+    tok = Prefixing(tokenizer_object=_word_level(truncate_at=64).backend_tokenizer, bos_token="<s>", unk_token="[UNK]")
     assert encoder(tok)("hello world", True) == tok.encode("hello world") == [4, 1, 2, 3]
