@@ -12,7 +12,7 @@ FROM ${BASE_IMAGE}
 ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
-# g++: a worker compiles the engine's C++ kernels (services/worker/engine/csrc), the variant for the CPU it runs on
+# g++: a worker compiles the engine's C++ kernels (services/worker/engine/cpu/csrc), the variant for the CPU it runs on
 # (avx512, avx2 or portable: cpu_ops.py), once per cache volume and CPU (the cache is keyed by the CPU's model and
 # ISA flags); without them it runs the slower torch path.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and by exact version: here that takes the CPU wheel on disk, never a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# The engine's CPU kernels (services/worker/engine/csrc) build with the system C++ compiler; without
+	# The engine's CPU kernels (services/worker/engine/cpu/csrc) build with the system C++ compiler; without
 	# one the engine logs it and uses its torch path.
 	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++ >/dev/null) || \
 		echo "no g++ could be installed: the engine will use its torch attention path"

@@ -59,7 +59,7 @@ def prompts(n: int) -> list[str]:
 def expected_texts(api: str, texts: list[str], max_tokens: int) -> list[str]:
     """What the simulator answers each prompt, greedy: its token ids are a function of the prompt's ids alone."""
     from services.tokenizer.service import Preprocessor
-    from services.worker.engine.sim_model import load_vocab, sequence_key
+    from services.worker.engine.sim.sim_model import load_vocab, sequence_key
     from shared.events import ChatMessage, RequestReceived, Sampling
     from shared.tokenization import load_tokenizer, model_info
 

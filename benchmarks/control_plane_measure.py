@@ -16,7 +16,7 @@ import psutil
 import redis
 
 from benchmarks.common import ConveyorUp, cpu_s, each_alive, rss_by_role, tree_cpu_s
-from services.worker.engine.sim_runner import STEP_LOG_COLUMNS
+from services.worker.engine.sim.sim_runner import STEP_LOG_COLUMNS
 from shared.constants import Names
 from shared.lifecycle import TERMINAL, State
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from services.worker.engine import cpu_ops
-from services.worker.engine.cpu_info import others_busy, sample_cpu, this_cpu
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.cpu.cpu_info import others_busy, sample_cpu, this_cpu
 from shared.settings import CPU_ISAS, CommonSettings
 
 HEADS, KV_HEADS, DIM, HIDDEN, MLP, VOCAB, BLOCK = 9, 3, 64, 576, 1536, 49152, 16

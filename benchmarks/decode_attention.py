@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_OUT, ROOT, stamp, write_json
-from services.worker.engine import cpu_ops
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.cpu.cpu_info import this_cpu
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

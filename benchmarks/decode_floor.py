@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_OUT, stamp, write_json
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, gemm
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.cpu import gemm
+from services.worker.engine.cpu.cpu_info import this_cpu
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 

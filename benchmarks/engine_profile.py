@@ -23,7 +23,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, gemm
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.cpu import gemm
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings, WorkerSettings
 

@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 from benchmarks.decode_attention import build_baseline
 from benchmarks.decode_floor import read_bandwidth
-from services.worker.engine import EngineConfig, LLMEngine, cpu_ops, gemm, huge_pages
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine import EngineConfig, LLMEngine
+from services.worker.engine.cpu import cpu_ops, gemm
+from services.worker.engine.model import huge_pages
+from services.worker.engine.cpu.cpu_info import this_cpu
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_OUT, stamp, write_json
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, cpu_ops, huge_pages
-from services.worker.engine.cpu_info import this_cpu
-from services.worker.engine.kv_cache import kv_geometry
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.model import huge_pages
+from services.worker.engine.cpu.cpu_info import this_cpu
+from services.worker.engine.kv.kv_cache import kv_geometry
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_throughput import chat_prompts, load
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, cpu_ops
-from services.worker.engine.sampler import sample
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.sampling.sampler import sample
 from shared.model_files import resolve_model_dir
 
 BATCH = 32

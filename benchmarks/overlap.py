@@ -26,8 +26,8 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from benchmarks.common import median_s
-from services.worker.engine import cpu_ops
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.cpu.cpu_info import this_cpu
 
 SOURCE = r"""
 #include <torch/extension.h>

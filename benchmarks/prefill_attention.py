@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import DEFAULT_OUT, stamp, write_json
-from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions, attention, cpu_ops
-from services.worker.engine.attention import AttnGroup
-from services.worker.engine.cpu_info import this_cpu
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
+from services.worker.engine.model import attention
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.model.attention import AttnGroup
+from services.worker.engine.cpu.cpu_info import this_cpu
+from services.worker.engine.kv.kv_cache import PagedKVCache
 from shared.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 

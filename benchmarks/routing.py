@@ -45,7 +45,7 @@ def word_texts(tok, words: list[int], rng: random.Random, n: int) -> str:
 
 class Workloads:
     def __init__(self, args):
-        from services.worker.engine.sim_model import load_vocab
+        from services.worker.engine.sim.sim_model import load_vocab
         from shared.tokenization import load_tokenizer
 
         mdir = model_dir()

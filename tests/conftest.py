@@ -137,7 +137,7 @@ def token_strings(tokenizer):
 @pytest.fixture(scope="session")
 def vocab(model_dir):
     """The simulated engine's vocabulary, from the served tokenizer."""
-    from services.worker.engine.sim_model import load_vocab
+    from services.worker.engine.sim.sim_model import load_vocab
 
     return load_vocab(model_dir)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from services.worker.engine import Engine, EngineConfig, LLMEngine, SamplingOptions
 from services.worker.engine.request import GrammarSpec
-from services.worker.engine.sim_model import SimTiming
-from services.worker.engine.sim_runner import build_sim_engine
+from services.worker.engine.sim.sim_model import SimTiming
+from services.worker.engine.sim.sim_runner import build_sim_engine
 from shared.events import Sampling
 from shared.model_files import resolve_model_dir
 from shared.settings import WorkerSettings

@@ -85,7 +85,7 @@ class WorkerService(BusService):
             return ""
         if s.session_swap_dir:
             return s.session_swap_dir
-        from services.worker.engine.kv_tier import remove_abandoned  # numpy only; not for a worker without a tier
+        from services.worker.engine.kv.kv_tier import remove_abandoned  # numpy only; not for a worker without a tier
 
         parent = s.cache_dir / "kv-swap"
         remove_abandoned(parent)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from services.worker.engine.session_kv import SessionEvent
+from services.worker.engine.kv.session_kv import SessionEvent
 from shared.redis_client import TRANSIENT_ERRORS
 from shared.sessions import SessionStore, pause, released, swapped
 

@@ -31,7 +31,7 @@ from shared.settings.environment import (  # noqa: F401 - re-exported: shared.se
 INSTANCE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
-# The engine's C++ CPU kernel variants, best first (services/worker/engine/cpu_ops.py builds and picks one).
+# The engine's C++ CPU kernel variants, best first (services/worker/engine/cpu/cpu_ops.py builds and picks one).
 CPU_ISAS = ("avx512", "avx2", "portable")
 CpuIsa = Literal["auto", "avx512", "avx2", "portable"]
 

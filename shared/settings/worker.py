@@ -83,7 +83,7 @@ class WorkerSettings(CommonSettings):
         "(same scheduler and KV cache, modelled step time, no weights loaded)",
     )
     # The simulated step time (docs/simulated_engine.md): defaults from the real engine's costs, SmolLM2-135M, float32,
-    # on the 2-core CPU machine of docs/benchmarks.md (python -m services.worker.engine.sim_calibrate re-measures them).
+    # on the 2-core CPU machine of docs/benchmarks.md (python -m services.worker.engine.sim.sim_calibrate re-measures them).
     sim_step_overhead_s: float = Field(0.042, ge=0, description="sim: fixed time of every step")
     sim_prefill_s_per_token: float = Field(0.0013, ge=0, description="sim: per uncached prompt token computed")
     sim_decode_s_per_seq: float = Field(0.0015, ge=0, description="sim: per sequence decoding in the step")

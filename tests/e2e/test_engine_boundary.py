@@ -13,7 +13,7 @@ MODULES = [
     "services.worker.engine.request",
     "services.worker.engine.outputs",
     "services.worker.engine.protocol",
-    "services.worker.engine.kv_tier",
+    "services.worker.engine.kv.kv_tier",
     "services.worker.engine",
 ]
 

@@ -27,7 +27,7 @@ def wheel_names(tmp_path_factory) -> set[str]:
 
 
 def test_the_wheel_carries_every_cpu_kernel_source(wheel_names):
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "services/worker/engine/csrc").iterdir()}
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "services/worker/engine/cpu/csrc").iterdir()}
     assert sources and sources <= wheel_names, sorted(sources - wheel_names)
 
 

@@ -11,8 +11,8 @@ import sys
 def test_building_the_sim_engine_loads_no_weights_and_imports_no_torch(model_dir):
     code = (
         "import sys; from services.worker.engine import EngineConfig; "
-        "from services.worker.engine.sim_model import SimTiming; "
-        "from services.worker.engine.sim_runner import build_sim_engine; "
+        "from services.worker.engine.sim.sim_model import SimTiming; "
+        "from services.worker.engine.sim.sim_runner import build_sim_engine; "
         f"e = build_sim_engine({str(model_dir)!r}, EngineConfig(), SimTiming(0.01, 0.001, 0.001, 0.0)); "
         "assert e.stats().total_blocks > 0; assert 'torch' not in sys.modules, 'torch was imported'"
     )
@@ -24,8 +24,8 @@ def test_a_constrained_sim_worker_imports_no_torch(model_dir):
     code = (
         "import sys, json; from services.worker.engine import EngineConfig, EngineRequest, SamplingOptions; "
         "from services.worker.engine.request import GrammarSpec; "
-        "from services.worker.engine.sim_model import SimTiming; "
-        "from services.worker.engine.sim_runner import build_sim_engine; "
+        "from services.worker.engine.sim.sim_model import SimTiming; "
+        "from services.worker.engine.sim.sim_runner import build_sim_engine; "
         f"e = build_sim_engine({str(model_dir)!r}, EngineConfig(), SimTiming(0.0, 0.0, 0.0, 0.0)); "
         "e.add_request(EngineRequest('r', [5, 6, 7], SamplingOptions(max_tokens=4, grammar=GrammarSpec("
         "'json_schema', json.dumps({'type': 'object'}))))); "

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from services.scheduler.routing import decision_fields
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.sim_model import SimTiming
-from services.worker.engine.sim_runner import SimRunner
+from services.worker.engine.kv.block_manager import BlockManager
+from services.worker.engine.sim.sim_model import SimTiming
+from services.worker.engine.sim.sim_runner import SimRunner
 from services.worker.kv_events import KvEventPublisher
 from shared.block_hash import block_hashes
 from shared.bus import Bus

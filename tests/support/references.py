@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from filelock import FileLock
 
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine.cpu.cpu_info import this_cpu
 
 
 def _stamp() -> str:

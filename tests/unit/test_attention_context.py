@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker.engine.attention import AttnGroup, _attend, _attend_chunks_with_context, _flash
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.model.attention import AttnGroup, _attend, _attend_chunks_with_context, _flash
+from services.worker.engine.kv.kv_cache import PagedKVCache
 
 BS, KVH, G, D = 16, 3, 3, 64
 CONFIG = SimpleNamespace(num_hidden_layers=1, num_attention_heads=KVH * G, num_key_value_heads=KVH, head_dim=D)

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from services.worker.engine import cpu_ops, gemm, gemm_store
-from services.worker.engine.cpu_info import CpuInfo, CpuSample, others_busy, parse_cpuinfo
+from services.worker.engine.cpu import cpu_ops, gemm, gemm_store
+from services.worker.engine.cpu.cpu_info import CpuInfo, CpuSample, others_busy, parse_cpuinfo
 
 ZEN3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 fma f16c avx avx2 bmi1 bmi2 hypervisor"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512dq avx512cd"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv.block_manager import BlockManager
 from shared.block_hash import chain_hash, extend_block_hashes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from services.worker.engine import EngineConfig, EngineRequest, SamplingOptions
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine.sampler import _argmax
+from services.worker.engine.sampling.sampler import _argmax
 
 
 def test_greedy_takes_the_first_of_equal_maxima():

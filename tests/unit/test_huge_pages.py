@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import huge_pages
+from services.worker.engine.model import huge_pages
 
 MAPS = """\
 55d0c0000000-55d0c1000000 rw-p 00000000 00:00 0                          [heap]

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from services.worker.engine import kv_tier
-from services.worker.engine.kv_tier import SUFFIX, DiskTier, TierBusyError
+from services.worker.engine.kv import kv_tier
+from services.worker.engine.kv.kv_tier import SUFFIX, DiskTier, TierBusyError
 
 HASHES = [bytes([i]) * 16 for i in range(4)]
 MB = 1 << 20

@@ -8,7 +8,7 @@ import torch
 
 from services.gateway.session.groups import choice_body
 from services.gateway.session.request import INT64_MAX, INT64_MIN, GenerateRequest
-from services.worker.engine.sampler import generator_seed
+from services.worker.engine.sampling.sampler import generator_seed
 
 SEEDS = [INT64_MIN, -123456789, -1, 0, 1, INT64_MAX]
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from services.worker.engine.sim_model import SimTiming, kv_pool_blocks
-from services.worker.engine.sim_runner import STEP_LOG_COLUMNS, SimRunner, open_step_log
+from services.worker.engine.sim.sim_model import SimTiming, kv_pool_blocks
+from services.worker.engine.sim.sim_runner import STEP_LOG_COLUMNS, SimRunner, open_step_log
 
 TIMING = SimTiming(
     step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002, decode_s_per_kv_token=0.0001
@@ -188,7 +188,7 @@ def test_the_sim_pool_has_as_many_kv_blocks_as_the_torch_engine_on_cpu(model_dir
     import torch
     from transformers import AutoConfig
 
-    from services.worker.engine.kv_cache import num_blocks_for_budget
+    from services.worker.engine.kv.kv_cache import num_blocks_for_budget
 
     cfg = EngineConfig(kv_cache_bytes=256 << 20, block_size=16)
     expected = num_blocks_for_budget(AutoConfig.from_pretrained(str(model_dir)), 16, torch.float32, 256 << 20)
@@ -234,7 +234,7 @@ def test_simulated_logprobs_are_synthetic_but_consistent_with_the_emitted_tokens
 
 def test_a_constrained_request_on_the_sim_emits_only_tokens_its_grammar_allows(vocab, model_dir):
     from services.worker.engine.request import GrammarSpec
-    from services.worker.engine.structured import StructuredOutputs
+    from services.worker.engine.sampling.structured import StructuredOutputs
 
     schema = {
         "type": "object",

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine.kv_cache import PagedKVCache, bytes_per_block
-from services.worker.engine.sim_model import SimTiming
-from services.worker.engine.sim_runner import SIM_BLOCK_BYTES, SimRunner
+from services.worker.engine.kv.kv_cache import PagedKVCache, bytes_per_block
+from services.worker.engine.sim.sim_model import SimTiming
+from services.worker.engine.sim.sim_runner import SIM_BLOCK_BYTES, SimRunner
 
 GEOMETRY = SimpleNamespace(
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32, num_hidden_layers=3

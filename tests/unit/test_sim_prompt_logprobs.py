@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from services.worker.engine.sim_model import SimTiming
-from services.worker.engine.sim_runner import SimRunner
+from services.worker.engine.sim.sim_model import SimTiming
+from services.worker.engine.sim.sim_runner import SimRunner
 from shared.events import TokenDelta, TokenGenerated
 from shared.logprobs import pack_prompt, unpack_prompt
 

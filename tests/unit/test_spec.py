@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.request import Sequence, SequenceStatus
-from services.worker.engine.spec import NgramIndex, accept, draft
+from services.worker.engine.sampling.spec import NgramIndex, accept, draft
 
 
 def test_the_tokens_after_the_latest_earlier_occurrence_of_the_suffix_are_proposed():
@@ -75,8 +75,8 @@ def test_no_draft_where_the_next_token_is_not_a_plain_argmax_of_its_row():
 
 
 def test_the_simulated_runner_gets_no_drafts_it_cannot_check(vocab):
-    from services.worker.engine.sim_model import SimTiming
-    from services.worker.engine.sim_runner import SimRunner
+    from services.worker.engine.sim.sim_model import SimTiming
+    from services.worker.engine.sim.sim_runner import SimRunner
 
     runner = SimRunner(SimTiming(0, 0, 0, 0), vocab, 64, 0.0, sleep=lambda s: None)
     engine = LLMEngine(runner, CFG, vocab.eos_token_ids, vocab.vocab_size, vocab.context_len)

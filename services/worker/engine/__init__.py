@@ -1,8 +1,11 @@
 """Conveyor's inference engine: paged KV cache, prefix caching, chunked prefill, preemption.
 
-What computes a step is an injected model runner (protocol.py): transformers' own model definitions
-(any Llama-family causal LM; only the attention product is replaced, see attention.py), or the
-simulator (sim_runner.py). Importing this package does not import torch.
+Here: the step loop (engine), its scheduling (scheduler), the request and output data (request, outputs), the
+boundaries (protocol), config, errors, the step costs it keeps and its warm-up. What computes a step is an injected
+model runner (protocol.py): transformers' own model definitions (any Llama-family causal LM; only the attention
+product is replaced), model/; or the simulator, sim/. Beside them: kv/ (the paged pool, its prefix cache, paused
+sessions' KV), sampling/ (logits to tokens: sampling, grammars, speculative drafts), cpu/ (the C++ kernels and the
+GEMM plans). Importing this package does not import torch.
 """
 
 from services.worker.engine.config import EngineConfig

@@ -17,17 +17,17 @@ import logging
 import time
 from pathlib import Path
 
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import OOM, TOO_LONG, WORKER_ERROR, InvalidRequestError
 from services.worker.engine.outputs import EngineStats, RequestOutput, StepResult, TokenLogprobs
 from services.worker.engine.protocol import ModelRunner, OnScheduled
 from services.worker.engine.request import EngineRequest, Sequence, SequenceStatus
 from services.worker.engine.scheduler import Scheduler
-from services.worker.engine.session_kv import SessionEvent, SessionKV
-from services.worker.engine.spec import check_drafts
+from services.worker.engine.kv.session_kv import SessionEvent, SessionKV
+from services.worker.engine.sampling.spec import check_drafts
 from services.worker.engine.step_costs import StepCosts
-from services.worker.engine.structured import MaskJob, StructuredOutputs
+from services.worker.engine.sampling.structured import MaskJob, StructuredOutputs
 from shared.events import SessionReason, State
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class LLMEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str, config: EngineConfig) -> LLMEngine:
-        from services.worker.engine.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
+        from services.worker.engine.model.loader import eos_token_ids, load_model, resolve_device, resolve_dtype
 
         device = resolve_device(config.device)
         model = load_model(model_dir, device, resolve_dtype(config.dtype, device))
@@ -92,8 +92,8 @@ class LLMEngine:
     def from_model(cls, model, config: EngineConfig, eos_ids: frozenset[int] | None = None) -> LLMEngine:
         """Wrap an already loaded transformers model in the torch runner (its attention is switched to paged)."""
         # Imported here: torch and transformers load only when a torch engine is built.
-        from services.worker.engine.loader import eos_token_ids, model_context_len, model_vocab_size
-        from services.worker.engine.model_runner import ModelRunner as TorchRunner
+        from services.worker.engine.model.loader import eos_token_ids, model_context_len, model_vocab_size
+        from services.worker.engine.model.model_runner import ModelRunner as TorchRunner
 
         runner = TorchRunner.for_model(model, config)
         eos = eos_ids if eos_ids is not None else eos_token_ids(None, model)

@@ -22,12 +22,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.worker.engine import spec
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.sampling import spec
+from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.prompt_logprobs import max_cached_tokens
+from services.worker.engine.sampling.prompt_logprobs import max_cached_tokens
 from services.worker.engine.request import Sequence, SequenceStatus
-from services.worker.engine.session_kv import PARKED, SessionKV
+from services.worker.engine.kv.session_kv import PARKED, SessionKV
 from shared.block_hash import extend_block_hashes
 from shared.events import State
 

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from services.worker.engine import cpu_ops
-from services.worker.engine.cpu_info import this_cpu
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.cpu.cpu_info import this_cpu
 from shared.settings import CPU_ISAS
 
 

@@ -82,7 +82,7 @@ def test_engine_matches_hf_on_other_architectures(config, path):
 def test_unsupported_architecture_runs_on_transformers_modules():
     from transformers import Qwen3Config
 
-    from services.worker.engine.fused_llama import unsupported_reason
+    from services.worker.engine.model.fused_llama import unsupported_reason
 
     model, _ = tiny(Qwen3Config(**COMMON))  # q/k norms: not in the fused forward
     assert "qwen3" in unsupported_reason(model)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import coded
+from services.worker.engine.cpu import coded
 
 
 def coded_weight(bits: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

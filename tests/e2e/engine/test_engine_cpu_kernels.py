@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import cpu_ops
+from services.worker.engine.cpu import cpu_ops
 
 
 def reference(q, key, value, tables, lens, block_size, window):
@@ -158,7 +158,7 @@ def test_prefill_attention_kernel_refuses_spans_that_do_not_cover_q(kernels):
 
 
 def test_add_rms_norm_equals_residual_add_then_transformers_rmsnorm(kernels):
-    from services.worker.engine.fused_llama import rms_norm
+    from services.worker.engine.model.fused_llama import rms_norm
 
     torch.manual_seed(0)
     h, x, w = torch.randn(33, 576), torch.randn(33, 576), torch.randn(576)
@@ -216,7 +216,7 @@ def test_gemv_refuses_a_prefetch_distance_out_of_its_range(kernels, far_lines):
 
 
 def test_gemv_refuses_more_rows_than_it_takes(kernels):
-    from services.worker.engine.gemm import GEMV_MAX_ROWS
+    from services.worker.engine.cpu.gemm import GEMV_MAX_ROWS
 
     with pytest.raises(RuntimeError, match=f"at most {GEMV_MAX_ROWS} rows"):
         kernels.gemv(torch.randn(GEMV_MAX_ROWS + 1, 8), torch.randn(4, 8), None)
@@ -278,7 +278,7 @@ def test_load_makes_the_requested_variant_the_engines(kernels, request, kernels_
 def test_the_avx2_gemv_is_offered_beside_avx512_only(kernels, request, kernels_dir):
     """The GEMM plans also measure the avx2 build's GEMV where avx512 is the engine's (gemm.offered): with any other
     variant loaded there is no second one."""
-    from services.worker.engine import gemm
+    from services.worker.engine.cpu import gemm
 
     isa = request.node.callspec.params["kernels"]
     assert cpu_ops.load(kernels_dir, isa)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.engine import coded, cpu_ops, gemm, gemm_store
-from services.worker.engine.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
+from services.worker.engine.cpu import coded, cpu_ops, gemm, gemm_store
+from services.worker.engine.cpu.gemm import KERNELS, PLAN_FILE, Plan, plain_linears, tune_linears
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tests.support.engine import run_to_completion
 
-from services.worker.engine import EngineRequest, SamplingOptions, cpu_ops, gemm
+from services.worker.engine import EngineRequest, SamplingOptions
+from services.worker.engine.cpu import cpu_ops, gemm
 
 REPEAT = "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon."
 

@@ -83,7 +83,7 @@ def test_logprobs_equal_transformers_log_softmax_greedy_and_sampled_in_one_batch
 
 
 def test_without_logprobs_the_sampler_computes_nothing_extra(monkeypatch, make_engine, chat):
-    from services.worker.engine import sampler
+    from services.worker.engine.sampling import sampler
 
     def refuse(*_a, **_k):
         raise AssertionError("log probabilities computed though no request asked")

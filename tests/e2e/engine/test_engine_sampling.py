@@ -96,8 +96,8 @@ def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, ke
     """The sampler's draw (inverse CDF over the batch) against known probabilities: 20,000 draws per row,
     two rows with different distributions in one batch; p = 0 entries (masked by top-k) never come out.
     Both the torch draw and the C++ one (csrc/sampling.cpp)."""
-    from services.worker.engine import cpu_ops
-    from services.worker.engine.sampler import _draw
+    from services.worker.engine.cpu import cpu_ops
+    from services.worker.engine.sampling.sampler import _draw
 
     if native and not cpu_ops.load(kernels_dir, WorkerSettings().cpu_isa):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")
@@ -122,8 +122,8 @@ def test_draw_follows_the_distribution_and_never_picks_a_masked_token(native, ke
 def test_native_draw_at_a_temperature_follows_softmax_across_chunks(kernels_dir):
     """The C++ draw without filters: temperature applied inside, a vocabulary spanning several 16-token
     chunks with a ragged tail, -inf logits never drawn."""
-    from services.worker.engine import cpu_ops
-    from services.worker.engine.sampler import _draw
+    from services.worker.engine.cpu import cpu_ops
+    from services.worker.engine.sampling.sampler import _draw
 
     if not cpu_ops.load(kernels_dir, WorkerSettings().cpu_isa):
         pytest.skip("the CPU kernels did not build here (no C++ compiler?): the engine uses the torch draw")

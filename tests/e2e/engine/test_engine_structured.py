@@ -11,7 +11,7 @@ from tests.support.engine import Run, collect
 
 from services.worker.engine import EngineRequest, InvalidRequestError, SamplingOptions
 from services.worker.engine.request import GrammarSpec
-from services.worker.engine.structured import StructuredOutputs
+from services.worker.engine.sampling.structured import StructuredOutputs
 
 PERSON = {
     "type": "object",

@@ -8,7 +8,7 @@ import torch
 from tests.support.engine import PASSAGE, run_to_completion
 
 from services.worker.engine import EngineRequest, LLMEngine, SamplingOptions
-from services.worker.engine.kv_tier import DiskTier, SwappedKV
+from services.worker.engine.kv.kv_tier import DiskTier, SwappedKV
 from shared.block_hash import block_hashes
 
 N = 16

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from services.worker.engine.gemm_kernels import KERNELS
+from services.worker.engine.cpu.gemm_kernels import KERNELS
 
 logger = logging.getLogger(__name__)
 

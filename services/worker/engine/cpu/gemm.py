@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine import cpu_ops
-from services.worker.engine.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
-from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' names, re-exported for callers
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.cpu.cpu_info import others_busy, others_busy_now, sample_cpu, this_cpu
+from services.worker.engine.cpu.gemm_kernels import (  # noqa: F401 - the kernels' names, re-exported for callers
     COPIES,
     COPY_OF,
     FAR_LINES,
@@ -46,7 +46,7 @@ from services.worker.engine.gemm_kernels import (  # noqa: F401 - the kernels' n
     copy_for,
     offered,
 )
-from services.worker.engine.gemm_store import (  # noqa: F401 - the store's names, re-exported for callers
+from services.worker.engine.cpu.gemm_store import (  # noqa: F401 - the store's names, re-exported for callers
     LOADED_SHARE,
     MAX_TRIES,
     PLAN_FILE,

@@ -1,6 +1,6 @@
 """Measures the real engine's step costs and fits the simulator's timing model to them.
 
-    python -m services.worker.engine.sim_calibrate [--rounds 2]
+    python -m services.worker.engine.sim.sim_calibrate [--rounds 2]
 
 Steps of known shape run on the torch engine (the configured model and device): single prefills of
 P prompt tokens, and pure decode steps of B sequences over contexts of L tokens. Each shape's fastest

@@ -28,10 +28,10 @@ import numpy as np
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.outputs import TokenLogprobs
-from services.worker.engine.prompt_logprobs import PromptJob, prompt_jobs
+from services.worker.engine.sampling.prompt_logprobs import PromptJob, prompt_jobs
 from services.worker.engine.request import Sequence, SequenceStatus
-from services.worker.engine.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
-from services.worker.engine.structured import StructuredOutputs
+from services.worker.engine.sim.sim_model import SimTiming, SimVocab, kv_pool_blocks, load_vocab, sequence_key
+from services.worker.engine.sampling.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

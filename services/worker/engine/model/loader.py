@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from services.worker.engine.attention import ATTN_IMPLEMENTATION, register_paged_attention
+from services.worker.engine.model.attention import ATTN_IMPLEMENTATION, register_paged_attention
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import EngineLoadError
-from services.worker.engine.kv_cache import bytes_per_block, num_blocks_for_budget
+from services.worker.engine.kv.kv_cache import bytes_per_block, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine import cpu_ops
+from services.worker.engine.cpu import cpu_ops
 from services.worker.engine.outputs import TokenLogprobs
-from services.worker.engine.prompt_logprobs import ROWS_PER_HEAD_CALL, PromptJob
+from services.worker.engine.sampling.prompt_logprobs import ROWS_PER_HEAD_CALL, PromptJob
 from services.worker.engine.request import Sequence
 
 

@@ -16,17 +16,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.worker.engine.attention import AttnGroup, PagedAttentionMetadata
+from services.worker.engine.model.attention import AttnGroup, PagedAttentionMetadata
 from services.worker.engine.config import EngineConfig
-from services.worker.engine import cpu_ops, huge_pages
-from services.worker.engine.fused_llama import FusedLlama
-from services.worker.engine.gemm import plain_linears, tune_linears, unmeasured_plans
-from services.worker.engine.kv_cache import PagedKVCache
-from services.worker.engine.loader import install_paged_attention, kv_pool_blocks
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.model import huge_pages
+from services.worker.engine.model.fused_llama import FusedLlama
+from services.worker.engine.cpu.gemm import plain_linears, tune_linears, unmeasured_plans
+from services.worker.engine.kv.kv_cache import PagedKVCache
+from services.worker.engine.model.loader import install_paged_attention, kv_pool_blocks
 from services.worker.engine.outputs import TokenLogprobs
-from services.worker.engine.prompt_logprobs import PromptJob, prompt_jobs
+from services.worker.engine.sampling.prompt_logprobs import PromptJob, prompt_jobs
 from services.worker.engine.request import Sequence
-from services.worker.engine.sampler import generator_seed, prompt_logprobs, sample
+from services.worker.engine.sampling.sampler import generator_seed, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 

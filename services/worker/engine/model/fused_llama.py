@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine import cpu_ops
-from services.worker.engine.attention import PagedAttentionMetadata, paged_attention
-from services.worker.engine.gemm import KERNEL_CODES
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.model.attention import PagedAttentionMetadata, paged_attention
+from services.worker.engine.cpu.gemm import KERNEL_CODES
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from pathlib import Path
 from dataclasses import dataclass
 
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.request import Sequence, SequenceStatus
 from shared.block_hash import extend_block_hashes
 from shared.events import SessionReason
@@ -83,7 +83,7 @@ class SessionKV:
         """An engine's, from its EngineConfig: with the disk tier when a folder is configured."""
         tier = None
         if config.session_swap_dir:
-            from services.worker.engine.kv_tier import DiskTier  # numpy; only where a tier is configured
+            from services.worker.engine.kv.kv_tier import DiskTier  # numpy; only where a tier is configured
 
             tier = DiskTier(Path(config.session_swap_dir), config.session_swap_max_bytes)
         return cls(blocks, runner, tier, config.session_max_blocks, config.session_swap_min_tokens)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine import cpu_ops
+from services.worker.engine.cpu import cpu_ops
 
 _PACK_ROWS = 32  # the M oneDNN lays a packed weight out for (any M runs on it; vLLM's CPU build uses 32 too)
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.worker.engine import cpu_ops
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.cpu import cpu_ops
+from services.worker.engine.kv.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
 

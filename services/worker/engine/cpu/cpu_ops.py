@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from services.worker.engine.cpu_info import CpuInfo, this_cpu
+from services.worker.engine.cpu.cpu_info import CpuInfo, this_cpu
 from shared.settings import CPU_ISAS, this_pythons_bin_on_path
 
 logger = logging.getLogger(__name__)
