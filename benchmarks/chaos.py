@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import DEFAULT_OUT, ConveyorUp, percentile, print_table, write_json
-from shared.ready import wait_ok
+from shared.process.ready import wait_ok
 
 PHASES = ("baseline", "fault", "recovery")
 OUTCOMES = ("ok", "http_504", "http_other", "refused", "conn_lost", "broken", "hung")

@@ -16,7 +16,7 @@ import random
 import time
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 

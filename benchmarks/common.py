@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import redis
 
-from shared.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
-from shared.ready import wait_ok
-from shared.redis_server import die_with_parent, free_port
+from shared.text.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
+from shared.process.ready import wait_ok
+from shared.redis_io.redis_server import die_with_parent, free_port
 from shared.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -60,8 +60,8 @@ def expected_texts(api: str, texts: list[str], max_tokens: int) -> list[str]:
     """What the simulator answers each prompt, greedy: its token ids are a function of the prompt's ids alone."""
     from services.tokenizer.service import Preprocessor
     from services.worker.engine.sim.sim_model import load_vocab, sequence_key
-    from shared.events import ChatMessage, RequestReceived, Sampling
-    from shared.tokenization import load_tokenizer, model_info
+    from shared.wire.events import ChatMessage, RequestReceived, Sampling
+    from shared.text.tokenization import load_tokenizer, model_info
 
     info = model_info(model_dir())
     pre, vocab = Preprocessor(load_tokenizer(info.model_dir), info.max_len), load_vocab(info.model_dir)

@@ -17,8 +17,8 @@ import redis
 
 from benchmarks.common import ConveyorUp, cpu_s, each_alive, rss_by_role, tree_cpu_s
 from services.worker.engine.sim.sim_runner import STEP_LOG_COLUMNS
-from shared.constants import Names
-from shared.lifecycle import TERMINAL, State
+from shared.wire.constants import Names
+from shared.state.lifecycle import TERMINAL, State
 
 LIVE_STATES = [s.value for s in State if s not in TERMINAL]
 

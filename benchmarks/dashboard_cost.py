@@ -30,10 +30,10 @@ def transitions(n: int, batch: int) -> dict:
     import redis
 
     import shared
-    from shared import constants
-    from shared.context_store import ContextStore
-    from shared.lifecycle import Lifecycle
-    from shared.redis_server import RedisServer
+    from shared.wire import constants
+    from shared.state.context_store import ContextStore
+    from shared.state.lifecycle import Lifecycle
+    from shared.redis_io.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(f"{tmp}/redis").start()
@@ -66,7 +66,7 @@ def transitions(n: int, batch: int) -> dict:
 def create_contexts(r, store, ids: list[str], batch: int) -> None:
     """The requests' contexts created, batch to a pipeline (not timed: the same with and without the feed but its
     XADD)."""
-    from shared.events import RequestReceived, Sampling
+    from shared.wire.events import RequestReceived, Sampling
 
     for i in range(0, len(ids), batch):
         pipe = r.pipeline(transaction=False)
@@ -86,7 +86,7 @@ def create_contexts(r, store, ids: list[str], batch: int) -> None:
 
 def move_along(r, lc, ids: list[str], batch: int) -> float:
     """Every request moved through PATH, one state at a time, batch to a pipeline: the seconds it took."""
-    from shared.lifecycle import Owner, State
+    from shared.state.lifecycle import Owner, State
 
     t0 = time.perf_counter()
     for to in PATH:

@@ -19,7 +19,7 @@ import redis
 from benchmarks.common import ROOT, ConveyorUp, raise_fd_limit, stamp, write_json
 from benchmarks.control_plane import client_loop, prompts
 from services.gateway.session.metrics import LIVE_STATES
-from shared.constants import Names
+from shared.wire.constants import Names
 
 CLUSTER_ENV = {
     "CONVEYOR_ENGINE": "sim",

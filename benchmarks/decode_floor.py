@@ -39,7 +39,7 @@ from benchmarks.common import DEFAULT_OUT, stamp, write_json
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.cpu import gemm
 from services.worker.engine.cpu.cpu_info import this_cpu
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

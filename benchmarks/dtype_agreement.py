@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.engine_throughput import QUESTIONS, chat_prompts
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 

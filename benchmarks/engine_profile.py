@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.cpu import gemm
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings, WorkerSettings
 
 # name -> EngineConfig switches; "all" is the default configuration

@@ -17,7 +17,7 @@ import torch
 from benchmarks.common import start_hogs, stop_hogs
 from benchmarks.engine_throughput import load, run_engine
 from services.worker.engine import EngineConfig
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

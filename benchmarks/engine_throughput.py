@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 
 QUESTIONS = [
     "What is the capital of France?",

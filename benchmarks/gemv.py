@@ -35,7 +35,7 @@ from services.worker.engine import EngineConfig, LLMEngine
 from services.worker.engine.cpu import cpu_ops, gemm
 from services.worker.engine.model import huge_pages
 from services.worker.engine.cpu.cpu_info import this_cpu
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 

@@ -24,9 +24,9 @@ import llguidance.torch as llg_torch
 import torch
 import xgrammar as xgr
 
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
-from shared.tokenization import load_tokenizer, model_info
+from shared.text.tokenization import load_tokenizer, model_info
 
 BATCH = 32
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object

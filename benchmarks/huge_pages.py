@@ -28,7 +28,7 @@ from services.worker.engine.cpu import cpu_ops
 from services.worker.engine.model import huge_pages
 from services.worker.engine.cpu.cpu_info import this_cpu
 from services.worker.engine.kv.kv_cache import kv_geometry
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 CASES = ((1500, 10), (2700, 8), (512, 32))

@@ -42,10 +42,10 @@ from benchmarks.common import (
 )
 from benchmarks.control_plane import expected_texts, prompts
 from benchmarks.sse_client import Connection, StreamRecord, check, request_body
-from shared.constants import Names
-from shared.context_store import ContextStore
-from shared.events import RequestReceived, Sampling
-from shared.lifecycle import TERMINAL, Lifecycle, State
+from shared.wire.constants import Names
+from shared.state.context_store import ContextStore
+from shared.wire.events import RequestReceived, Sampling
+from shared.state.lifecycle import TERMINAL, Lifecycle, State
 
 CLUSTER_ENV = {
     "CONVEYOR_SIM_SPEEDUP": "100",  # steps of a few ms: the control plane, not the modelled device, is measured

@@ -28,7 +28,7 @@ from benchmarks.engine_throughput import chat_prompts, load
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.cpu import cpu_ops
 from services.worker.engine.sampling.sampler import sample
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 
 BATCH = 32
 LOGPROBS = (None, 0, 5, 20)

@@ -2,7 +2,7 @@
 
 A `conveyor up` cluster on simulated workers (CONVEYOR_ENGINE=sim, CONVEYOR_SIM_SPEEDUP high so 4096-token
 outputs come in seconds). Each payload is sent --reps times, one at a time, while a probe process GETs /health
-every 50 ms and reads the age of the gateway's liveness entry (shared/liveness.py, the `gateway` hash). Payloads:
+every 50 ms and reads the age of the gateway's liveness entry (shared/process/liveness.py, the `gateway` hash). Payloads:
   logprobs_json     chat, n=16, logprobs + top_logprobs=20, max_tokens=4096 (ignore_eos): ~120 MB of JSON
   logprobs_stream   the same, streamed
   tools_128         chat with 128 tools, ~1 MB (fresh schemas each time, so none is cached); 400 too_long from the
@@ -32,8 +32,8 @@ import httpx
 import redis
 
 from benchmarks.common import DEFAULT_OUT, MODEL_NAME, ROOT, ConveyorUp, percentile, print_table, stamp, write_json
-from shared.constants import Names
-from shared.liveness import entry_at
+from shared.wire.constants import Names
+from shared.process.liveness import entry_at
 
 NAMESPACE = "loopstall"
 PROBE_EVERY_S = 0.05

@@ -55,8 +55,8 @@ from benchmarks.vllm_peer import (
     vllm_installed,
 )
 from services.scheduler.deadlines import Costs, Work, work_of
-from shared.constants import EVENT_FIELD, Names
-from shared.events import decode
+from shared.wire.constants import EVENT_FIELD, Names
+from shared.wire.events import decode
 
 PRICED_PROMPT, PRICED_OUTPUT = 33, 16  # a burst request as the scheduler prices it (prompt tokens re-encoded)
 OUTCOMES = ("answered", "refused", "timed_out", "other")

@@ -33,7 +33,7 @@ from services.worker.engine.cpu import cpu_ops
 from services.worker.engine.model.attention import AttnGroup
 from services.worker.engine.cpu.cpu_info import this_cpu
 from services.worker.engine.kv.kv_cache import PagedKVCache
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

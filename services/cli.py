@@ -1,7 +1,7 @@
 """The `conveyor` command: `conveyor up` runs a local cluster; `conveyor <service>` runs one service.
 
 Each command imports what it needs when it runs: `conveyor health`, a container's healthcheck every 10 s, imports
-the standard library and two small modules (shared.health_file), not redis-py nor the settings (0.4-0.6 s of CPU).
+the standard library and two small modules (shared.process.health_file), not redis-py nor the settings (0.4-0.6 s of CPU).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from shared.service_table import SERVICES
+from shared.process.service_table import SERVICES
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +21,8 @@ SERVICE_NAMES = tuple(SERVICES)
 def run_service(name: str, restart: bool = False) -> int:
     """Run one service in this process; restart: first start the process again with the variables read at a start
     that its environment lacks (settings.start_environment), as a command line does (not a caller in a test)."""
-    from shared import telemetry
-    from shared.runtime import setup_logging
+    from shared.process import telemetry
+    from shared.process.runtime import setup_logging
     from shared.settings import restart_with, set_library_environment
 
     spec = SERVICES[name]
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return Launcher(args).run()
     if args.command == "health":
-        from shared.health_file import check
+        from shared.process.health_file import check
 
         ok, why = check(args.service, args.dir)
         sys.stdout.write(why + "\n")  # what `docker inspect` shows as the probe's output

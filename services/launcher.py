@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.backoff import backoff_s
-from shared.model_files import resolve_model_dir
-from shared.ready import wait_ok
-from shared.redis_server import RedisServer, die_with_parent
-from shared.runtime import StopFlag, setup_logging
-from shared.service_table import SERVICES
+from shared.process.backoff import backoff_s
+from shared.text.model_files import resolve_model_dir
+from shared.process.ready import wait_ok
+from shared.redis_io.redis_server import RedisServer, die_with_parent
+from shared.process.runtime import StopFlag, setup_logging
+from shared.process.service_table import SERVICES
 from shared.settings import CommonSettings, child_environment
 
 logger = logging.getLogger(__name__)

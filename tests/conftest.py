@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.model_files import resolve_model_dir
+from shared.text.model_files import resolve_model_dir
 from tests.support.cache import CACHE_DIR
 from tests.support.xdist import sharing_the_cores
 
@@ -121,7 +121,7 @@ def kernels_dir() -> str:
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     """The served model's tokenizer (transformers' AutoTokenizer, as the services load it)."""
-    from shared.tokenization import load_tokenizer
+    from shared.text.tokenization import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -145,7 +145,7 @@ def vocab(model_dir):
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server of this test's own, on a free port."""
-    from shared.redis_server import RedisServer
+    from shared.redis_io.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     yield server
@@ -156,7 +156,7 @@ def redis_server(tmp_path):
 def redis_cluster(tmp_path):
     """A Redis Cluster of this test's own: 3 masters with a replica each (tests/support/redis_cluster.py; ~2 s to
     create). Skipped, saying why, where no redis-server or redis-cli can be found."""
-    from shared.errors import FatalError
+    from shared.wire.errors import FatalError
     from tests.support.redis_cluster import LocalRedisCluster
 
     try:
@@ -182,7 +182,7 @@ def names():
     """Fresh stream and key names for this test."""
     import uuid
 
-    from shared.constants import Names
+    from shared.wire.constants import Names
 
     return Names(f"t{uuid.uuid4().hex[:8]}")
 

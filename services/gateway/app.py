@@ -31,10 +31,10 @@ from services.gateway.ops.dashboard import router as dashboard_router
 from services.gateway.ops.health import router as health_router
 from services.gateway.ops.introspection import router as introspection_router
 from services.gateway.session.core import GatewayCore
-from shared.model_files import model_display_name, resolve_model_dir
-from shared.redis_client import async_client
+from shared.text.model_files import model_display_name, resolve_model_dir
+from shared.redis_io.redis_client import async_client
 from shared.settings import GatewaySettings
-from shared.tokenization import load_tokenizer, model_info
+from shared.text.tokenization import load_tokenizer, model_info
 
 logger = logging.getLogger(__name__)
 

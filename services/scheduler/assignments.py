@@ -16,10 +16,10 @@ import logging
 import msgspec
 
 from services.scheduler.recovery import CHANGES_MAXLEN, Assignment
-from shared.bus import entry_key
-from shared.constants import Names
-from shared.events import Scheduled
-from shared.lifecycle import TERMINAL, State, lua_in
+from shared.wire.bus import entry_key
+from shared.wire.constants import Names
+from shared.wire.events import Scheduled
+from shared.state.lifecycle import TERMINAL, State, lua_in
 
 logger = logging.getLogger(__name__)
 

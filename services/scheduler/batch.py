@@ -22,9 +22,9 @@ from services.scheduler.recovery import Assignment
 from services.scheduler.repair import retake_behind
 from services.scheduler.routing import decision_fields
 from services.scheduler.tracing import queue_span, start_schedule_span
-from shared import telemetry
-from shared.events import Preprocessed
-from shared.lifecycle import TERMINAL, Owner, Publish, State, TransitionResult
+from shared.process import telemetry
+from shared.wire.events import Preprocessed
+from shared.state.lifecycle import TERMINAL, Owner, Publish, State, TransitionResult
 
 logger = logging.getLogger(__name__)
 

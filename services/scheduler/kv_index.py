@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from shared.events import KvEvents, ResyncReason
+from shared.wire.events import KvEvents, ResyncReason
 
 logger = logging.getLogger(__name__)
 

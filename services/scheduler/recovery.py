@@ -20,10 +20,10 @@ import time
 
 import msgspec
 
-from shared.constants import Names
-from shared.events import CancelRequested, Cancelled, Preprocessed, Reason, Scheduled
-from shared.lifecycle import Publish, State
-from shared.runtime import Liveness
+from shared.wire.constants import Names
+from shared.wire.events import CancelRequested, Cancelled, Preprocessed, Reason, Scheduled
+from shared.state.lifecycle import Publish, State
+from shared.process.runtime import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class QueueRecords:
 
 
 def gateway_of(reply_to: str) -> str:
-    """The gateway id of a reply stream (shared.constants.Names.reply_stream: its last part, in a hash tag)."""
+    """The gateway id of a reply stream (shared.wire.constants.Names.reply_stream: its last part, in a hash tag)."""
     return reply_to.rsplit(":", 1)[-1].strip("{}")
 
 

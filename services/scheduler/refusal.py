@@ -9,8 +9,8 @@ import math
 import time
 
 from services.scheduler.deadlines import Costs, Work
-from shared.events import Failed, Reason
-from shared.lifecycle import Publish, State
+from shared.wire.events import Failed, Reason
+from shared.state.lifecycle import Publish, State
 
 logger = logging.getLogger(__name__)
 

@@ -37,12 +37,12 @@ from services.scheduler.recovery import (
     encode_record,
 )
 from services.scheduler.sync import ON_A_WORKER
-from shared.bus import plain_events
-from shared.constants import Names
-from shared.events import Failed, Heartbeat, Reason, Scheduled
-from shared.lifecycle import Lifecycle, Publish, State
+from shared.wire.bus import plain_events
+from shared.wire.constants import Names
+from shared.wire.events import Failed, Heartbeat, Reason, Scheduled
+from shared.state.lifecycle import Lifecycle, Publish, State
 from shared.settings import SchedulerSettings
-from shared.replies import as_text
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from services.scheduler.affinity import GroupAffinity
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import Candidate, Decision, Placement
 from services.scheduler.state import WorkerView
-from shared.bus import plain_events
-from shared.events import KvEvents, KvResyncRequested
+from shared.wire.bus import plain_events
+from shared.wire.events import KvEvents, KvResyncRequested
 from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)

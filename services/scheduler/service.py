@@ -29,19 +29,19 @@ from services.scheduler import batch, refusal
 from services.scheduler.routing import READ_COUNT, Router
 from services.scheduler.state import RequestQueue, WorkerView, blocks_needed
 from services.scheduler.sync import ReplicaSync
-from shared.liveness import GatewayWatch
-from shared.service import BusService
-from shared import telemetry
-from shared.block_hash import block_hashes
-from shared.bus import Delivery, event_field, plain_events
-from shared.constants import GROUP_SCHEDULER
-from shared.dispatch import TypeDispatcher
-from shared.epoch import DatasetEpoch
-from shared.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled, TimedOut
-from shared.janitor import scheduler_janitor
-from shared.lifecycle import Publish, State, TransitionResult
-from shared.redis_client import sync_client
-from shared.runtime import Liveness, StopFlag, run_loop
+from shared.process.liveness import GatewayWatch
+from shared.process.service import BusService
+from shared.process import telemetry
+from shared.wire.block_hash import block_hashes
+from shared.wire.bus import Delivery, event_field, plain_events
+from shared.wire.constants import GROUP_SCHEDULER
+from shared.wire.dispatch import TypeDispatcher
+from shared.state.epoch import DatasetEpoch
+from shared.wire.events import CancelRequested, Failed, HandBack, Heartbeat, Preprocessed, Reason, Scheduled, TimedOut
+from shared.state.janitor import scheduler_janitor
+from shared.state.lifecycle import Publish, State, TransitionResult
+from shared.redis_io.redis_client import sync_client
+from shared.process.runtime import Liveness, StopFlag, run_loop
 from shared.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from services.scheduler.deadlines import Work
-from shared.bus import entry_key
-from shared.events import Heartbeat, Preprocessed
+from shared.wire.bus import entry_key
+from shared.wire.events import Heartbeat, Preprocessed
 
 
 @dataclass(order=True)

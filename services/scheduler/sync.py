@@ -22,8 +22,8 @@ import time
 
 from services.scheduler.recovery import CHANGES_MAXLEN, decode_assignment, decode_queued
 from services.scheduler.state import WorkerView
-from shared.lifecycle import State
-from shared.replies import as_text
+from shared.state.lifecycle import State
+from shared.redis_io.replies import as_text
 
 ON_A_WORKER = frozenset(s.value for s in (State.SCHEDULED, State.PREFILLING, State.DECODING, State.PREEMPTED))
 

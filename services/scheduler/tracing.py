@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from shared import telemetry
+from shared.process import telemetry
 
 
 def start_schedule_span(q, best, candidates, need_blocks: int, decision) -> Span:

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span
 
-from shared.service import BusService
-from shared import telemetry
-from shared.block_hash import block_hashes
-from shared.bus import Delivery, event_field
-from shared.chat_template import TemplateRefused, render
-from shared.constants import GROUP_TOKENIZER
-from shared.events import Failed, Preprocessed, Reason, RequestReceived
-from shared.lifecycle import Publish, State, TransitionResult
-from shared.model_files import resolve_model_dir
-from shared.runtime import Liveness, StopFlag, run_loop
+from shared.process.service import BusService
+from shared.process import telemetry
+from shared.wire.block_hash import block_hashes
+from shared.wire.bus import Delivery, event_field
+from shared.text.chat_template import TemplateRefused, render
+from shared.wire.constants import GROUP_TOKENIZER
+from shared.wire.events import Failed, Preprocessed, Reason, RequestReceived
+from shared.state.lifecycle import Publish, State, TransitionResult
+from shared.text.model_files import resolve_model_dir
+from shared.process.runtime import Liveness, StopFlag, run_loop
 from shared.settings import TokenizerSettings
-from shared.tokenization import encoder, load_tokenizer, model_info
+from shared.text.tokenization import encoder, load_tokenizer, model_info
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from services.worker.engine import Engine, EngineConfig, LLMEngine, SamplingOpti
 from services.worker.engine.request import GrammarSpec
 from services.worker.engine.sim.sim_model import SimTiming
 from services.worker.engine.sim.sim_runner import build_sim_engine
-from shared.events import Sampling
-from shared.model_files import resolve_model_dir
+from shared.wire.events import Sampling
+from shared.text.model_files import resolve_model_dir
 from shared.settings import WorkerSettings
 
 

@@ -15,12 +15,12 @@ import time
 import msgspec
 import redis
 
-from shared.bus import write_event
-from shared.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S
-from shared.events import Heartbeat
-from shared.runtime import Liveness
+from shared.wire.bus import write_event
+from shared.wire.constants import HEARTBEAT_MAXLEN, PRIVATE_STREAM_TTL_S
+from shared.wire.events import Heartbeat
+from shared.process.runtime import Liveness
 
-from shared.sessions import SESSION_FIGURES
+from shared.state.sessions import SESSION_FIGURES
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import uuid
 import redis
 
 from services.worker.engine import Engine
-from shared.bus import Bus
-from shared.constants import KV_EVENTS_MAXLEN
-from shared.events import KvEvents
+from shared.wire.bus import Bus
+from shared.wire.constants import KV_EVENTS_MAXLEN
+from shared.wire.events import KvEvents
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.bus import LUA_XADD_EVENT
+from shared.wire.bus import LUA_XADD_EVENT
 
 # KEYS: exec layers. The attempt each was placed with (nil: the context is gone).
 ATTEMPTS_LUA = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'attempt') end return out"
@@ -26,7 +26,7 @@ return -1
 
 # KEYS: the step's tokens lists and exec layers, a pair per request, then its reply streams. ARGV: the requests'
 # count, the lists' TTL; per request the attempt it is held with, the index of its first token, the count of its
-# tokens, the tokens; per reply stream its event (shared.bus.event_argv).
+# tokens, the tokens; per reply stream its event (shared.wire.bus.event_argv).
 # A step's tokens on a single Redis, in one script (publisher._publish_transaction): fenced as a whole (a request
 # placed elsewhere since, or whose context is gone, makes it write nothing and name those by position: the caller
 # leaves them out and runs it again), each list appended from where it stands (as APPEND_LUA: a step sent twice

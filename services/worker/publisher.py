@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 import redis
 
 from services.worker.publish_scripts import APPEND_LUA, ATTEMPTS_LUA, FENCED, TOKENS_LUA
-from shared.backoff import backoff_s
-from shared.bus import event_argv, write_event
-from shared.constants import Names
-from shared.redis_client import TRANSIENT_ERRORS
-from shared.context_store import ContextStore
-from shared.errors import FatalError
-from shared.events import Completed, Failed, PromptLogprobs, Scheduled, TokenDelta, TokenGenerated
-from shared.lifecycle import Lifecycle, Publish, State
-from shared.logprobs import pack as pack_logprobs
-from shared.logprobs import pack_prompt
-from shared.replies import as_text
+from shared.process.backoff import backoff_s
+from shared.wire.bus import event_argv, write_event
+from shared.wire.constants import Names
+from shared.redis_io.redis_client import TRANSIENT_ERRORS
+from shared.state.context_store import ContextStore
+from shared.wire.errors import FatalError
+from shared.wire.events import Completed, Failed, PromptLogprobs, Scheduled, TokenDelta, TokenGenerated
+from shared.state.lifecycle import Lifecycle, Publish, State
+from shared.wire.logprobs import pack as pack_logprobs
+from shared.wire.logprobs import pack_prompt
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 

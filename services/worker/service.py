@@ -23,13 +23,13 @@ from services.worker.kv_events import KvEventPublisher
 from services.worker.publisher import Active, StepPublisher
 from services.worker.sessions import SessionRecorder
 from services.worker.tracing import WorkerTracing
-from shared.service import BusService
-from shared import telemetry
-from shared.bus import Delivery
-from shared.constants import GROUP_WORKER
-from shared.dispatch import TypeDispatcher
-from shared.epoch import DatasetEpoch
-from shared.events import (
+from shared.process.service import BusService
+from shared.process import telemetry
+from shared.wire.bus import Delivery
+from shared.wire.constants import GROUP_WORKER
+from shared.wire.dispatch import TypeDispatcher
+from shared.state.epoch import DatasetEpoch
+from shared.wire.events import (
     CancelRequested,
     Failed,
     HandBack,
@@ -41,9 +41,9 @@ from shared.events import (
     Scheduled,
     TimedOut,
 )
-from shared.lifecycle import Publish, State
-from shared.runtime import Liveness, StopFlag, run_loop
-from shared.sessions import SessionStore
+from shared.state.lifecycle import Publish, State
+from shared.process.runtime import Liveness, StopFlag, run_loop
+from shared.state.sessions import SessionStore
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

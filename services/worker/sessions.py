@@ -1,4 +1,4 @@
-"""The worker's writes to conversation sessions' records (shared.sessions): what its engine did with their KV.
+"""The worker's writes to conversation sessions' records (shared.state.sessions): what its engine did with their KV.
 
 A finished turn whose KV the engine kept is paused before the step's completion is published, so a client that
 sends its next turn as soon as it has the answer finds the session PAUSED here (and its turn placed here). Later
@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from services.worker.engine.kv.session_kv import SessionEvent
-from shared.redis_client import TRANSIENT_ERRORS
-from shared.sessions import SessionStore, pause, released, swapped
+from shared.redis_io.redis_client import TRANSIENT_ERRORS
+from shared.state.sessions import SessionStore, pause, released, swapped
 
 logger = logging.getLogger(__name__)
 

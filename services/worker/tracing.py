@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span
 
 from services.worker.engine.protocol import Engine
-from shared import telemetry
-from shared.events import State
+from shared.process import telemetry
+from shared.wire.events import State
 
 
 @dataclass

@@ -84,7 +84,7 @@ class CommonSettings(BaseSettings):
     health_dir: str = Field(
         "",
         description="folder where each process writes, after each liveness write, until when it is live "
-        "(<health_dir>/<service>, read by `conveyor health`: shared/health_file.py); empty = none",
+        "(<health_dir>/<service>, read by `conveyor health`: shared/process/health_file.py); empty = none",
     )
     read_block_ms: int = Field(100, ge=1, le=5000, description="XREADGROUP BLOCK; must stay below socket timeout")
     socket_timeout_s: float = Field(10.0, gt=0, description="Redis client socket timeout")
@@ -130,15 +130,15 @@ class CommonSettings(BaseSettings):
         return v
 
     def names(self):
-        """The deployment's stream and key names (shared.constants.Names)."""
-        from shared.constants import Names
+        """The deployment's stream and key names (shared.wire.constants.Names)."""
+        from shared.wire.constants import Names
 
         return Names(self.namespace, self.partitions, self.redis_cluster)
 
     @property
     def partitions(self) -> int:
         """redis_partitions, with 0 (auto) resolved: 1 on a single Redis, 16 on a cluster."""
-        from shared.constants import CLUSTER_PARTITIONS
+        from shared.wire.constants import CLUSTER_PARTITIONS
 
         return self.redis_partitions or (CLUSTER_PARTITIONS if self.redis_cluster else 1)
 

@@ -10,8 +10,8 @@ import httpx
 import openai
 import redis
 
-from shared.constants import Names
-from shared.liveness import read_live
+from shared.wire.constants import Names
+from shared.process.liveness import read_live
 from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.cache import CACHE_DIR
 from tests.support.openai_fixtures import MODEL, async_openai_client

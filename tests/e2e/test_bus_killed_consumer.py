@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from shared.constants import GROUP_TOKENIZER
+from shared.wire.constants import GROUP_TOKENIZER
 from tests.redis.test_bus import _bus
 from tests.support.factories import request_received
 
@@ -23,8 +23,8 @@ def test_unacked_event_of_a_killed_consumer_is_claimed_by_another(redis_server, 
     # A real process reads the event, then dies by SIGKILL before acknowledging it.
     script = textwrap.dedent(f"""
         import os, signal, redis
-        from shared.bus import Bus
-        from shared.constants import Names
+        from shared.wire.bus import Bus
+        from shared.wire.constants import Names
         bus = Bus(redis.Redis.from_url({redis_server.url!r}), Names({names.ns!r}), "doomed", 50, 200, 3)
         assert len(bus.read([Names({names.ns!r}).received_stream(0)], {GROUP_TOKENIZER!r})) == 1
         os.kill(os.getpid(), signal.SIGKILL)

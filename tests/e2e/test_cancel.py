@@ -10,8 +10,8 @@ import httpx
 import pytest
 import redis
 
-from shared.constants import Names
-from shared.liveness import read_live
+from shared.wire.constants import Names
+from shared.process.liveness import read_live
 from tests.support.openai_fixtures import MODEL
 from tests.support.waiting import wait_for
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from shared.constants import Names
+from shared.wire.constants import Names
 from tests.support.cluster import cluster_fixture
 from tests.support.openai_fixtures import MODEL, request_id, worker_idle
 from tests.support.sim_reference import SIM

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import redis
 
-from shared.redis_server import free_port
+from shared.redis_io.redis_server import free_port
 from tests.support.cache import CACHE_DIR
 from tests.support.cluster import KEY_A, auth
 from tests.support.waiting import wait_for

@@ -11,12 +11,12 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from shared import liveness
-from shared.constants import Names
-from shared.context_store import ContextStore
-from shared.constants import EVENT_FIELD
-from shared.events import SCHEMA_VERSION, RequestReceived, Sampling, Scheduled, decode, encode
-from shared.lifecycle import Lifecycle, Owner, State
+from shared.process import liveness
+from shared.wire.constants import Names
+from shared.state.context_store import ContextStore
+from shared.wire.constants import EVENT_FIELD
+from shared.wire.events import SCHEMA_VERSION, RequestReceived, Sampling, Scheduled, decode, encode
+from shared.state.lifecycle import Lifecycle, Owner, State
 from tests.support.waiting import wait_for
 from tests.support.metrics import scrape
 

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import redis
 
-from shared.constants import Names
-from shared.liveness import read_live
-from shared.redis_server import RedisServer
+from shared.wire.constants import Names
+from shared.process.liveness import read_live
+from shared.redis_io.redis_server import RedisServer
 from tests.support.cluster import Cluster
 from tests.support.sim_reference import SIM, sim_greedy
 from tests.support.waiting import wait_for
@@ -225,7 +225,7 @@ def test_redis_restart_with_append_only_file_finishes_queued_and_running(start_c
 
 def test_gateway_killed_with_streams_open_other_gateway_serves_and_blocks_are_freed(start_cluster):
     c = start_cluster(env={**FAST, **SIM})
-    other_port = __import__("shared.redis_server", fromlist=["free_port"]).free_port()
+    other_port = __import__("shared.redis_io.redis_server", fromlist=["free_port"]).free_port()
     c.start_service("gateway2", {"CONVEYOR_PORT": str(other_port)})
     wait_for(lambda: _ok(f"http://127.0.0.1:{other_port}/ready"), 120, what="second gateway")
 

@@ -1,6 +1,6 @@
 """`conveyor health SERVICE`, the containers' healthcheck: exit 0 only while this host's own process of SERVICE
 has its liveness entry live, read from the health file that process writes after each liveness write
-(shared/health_file.py), by a probe that imports neither redis-py nor the settings (0.4-0.6 s of CPU a probe)."""
+(shared/process/health_file.py), by a probe that imports neither redis-py nor the settings (0.4-0.6 s of CPU a probe)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared import health_file
+from shared.process import health_file
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 HEAVY = ("redis", "pydantic", "pydantic_settings", "opentelemetry", "fastapi", "torch", "msgspec")

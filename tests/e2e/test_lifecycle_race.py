@@ -7,15 +7,15 @@ import multiprocessing as mp
 
 import pytest
 
-from shared.context_store import ContextStore
-from shared.lifecycle import TERMINAL, Lifecycle, State
+from shared.state.context_store import ContextStore
+from shared.state.lifecycle import TERMINAL, Lifecycle, State
 from tests.redis.test_lifecycle import _at
 
 
 def _racer(url, ns, rid, state, barrier, results):
     import redis
 
-    from shared.constants import Names
+    from shared.wire.constants import Names
 
     client = redis.Redis.from_url(url)
     lc = Lifecycle(client, Names(ns), f"racer-{state}", 60)

@@ -16,11 +16,11 @@ import httpx
 import pytest
 from redis.cluster import RedisCluster
 
-from shared.constants import CLUSTER_PARTITIONS, Names
-from shared.context_store import ContextStore
-from shared.errors import FatalError
-from shared.lifecycle import Lifecycle, State
-from shared.liveness import read_live
+from shared.wire.constants import CLUSTER_PARTITIONS, Names
+from shared.state.context_store import ContextStore
+from shared.wire.errors import FatalError
+from shared.state.lifecycle import Lifecycle, State
+from shared.process.liveness import read_live
 from tests.support.cluster import Cluster
 from tests.support.cache import CACHE_DIR
 from tests.support.waiting import wait_for

@@ -15,8 +15,8 @@ import threading
 import httpx
 import redis
 
-from shared.constants import Names
-from shared.liveness import read_live
+from shared.wire.constants import Names
+from shared.process.liveness import read_live
 from tests.support.cluster import cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import RedisServer
+from shared.redis_io.redis_server import RedisServer
 from tests.support.cluster import Cluster, cluster_fixture
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for

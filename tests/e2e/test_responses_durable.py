@@ -10,8 +10,8 @@ import signal
 import httpx
 import redis
 
-from shared.constants import Names
-from shared.redis_server import RedisServer, free_port
+from shared.wire.constants import Names
+from shared.redis_io.redis_server import RedisServer, free_port
 from tests.support.openai_fixtures import MODEL, openai_client
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for

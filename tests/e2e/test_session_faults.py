@@ -8,7 +8,7 @@ import signal
 
 import httpx
 
-from shared.redis_server import free_port
+from shared.redis_io.redis_server import free_port
 from tests.support.openai_fixtures import MODEL
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for

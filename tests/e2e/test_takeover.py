@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from shared.constants import Names
+from shared.wire.constants import Names
 from tests.support.cluster import Cluster
 from tests.support.sim_reference import SIM
 from tests.support.waiting import wait_for
@@ -18,8 +18,8 @@ from tests.support.waiting import wait_for
 def _live_tokenizers(cluster: Cluster) -> list[str]:
     import redis
 
-    from shared.constants import Names
-    from shared.liveness import read_live
+    from shared.wire.constants import Names
+    from shared.process.liveness import read_live
 
     return list(read_live(redis.Redis.from_url(cluster.redis.url), Names(cluster.ns), "tokenizer"))
 

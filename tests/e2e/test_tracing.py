@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from shared import telemetry
+from shared.process import telemetry
 from tests.support.cluster import Cluster, running
 from tests.support.cache import CACHE_DIR
 from tests.support.otlp_receiver import OtlpReceiver

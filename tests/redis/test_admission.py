@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from services.gateway.session import admission
 from services.gateway.session.core import GatewayCore
 from services.gateway.edge.errors import Overloaded, Unavailable
-from shared.runtime import Liveness
+from shared.process.runtime import Liveness
 from shared.settings import GatewaySettings
 from tests.support.inproc import TTL_S, calls, mark_live, small
 

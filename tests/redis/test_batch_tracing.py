@@ -9,8 +9,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.scheduler import batch
-from shared import telemetry
-from shared.bus import Delivery
+from shared.process import telemetry
+from shared.wire.bus import Delivery
 from tests.support.scheduling import heartbeat, preprocessed_request, scheduled_on, scheduler
 
 

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from shared.bus import Bus
-from shared.constants import PRIVATE_STREAM_TTL_S
-from shared.context_store import ContextStore
-from shared.lifecycle import Lifecycle, Owner, Publish, State
+from shared.wire.bus import Bus
+from shared.wire.constants import PRIVATE_STREAM_TTL_S
+from shared.state.context_store import ContextStore
+from shared.state.lifecycle import Lifecycle, Owner, Publish, State
 from tests.support.factories import request_received
 
 CONTEXT_TTL_S = 60

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from shared.bus import Bus
-from shared.constants import EVENT_FIELD, GROUP_TOKENIZER
+from shared.wire.bus import Bus
+from shared.wire.constants import EVENT_FIELD, GROUP_TOKENIZER
 from tests.support.factories import request_received
 
 

@@ -7,8 +7,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from shared.context_store import ContextJanitor, ContextStore
-from shared.lifecycle import Lifecycle, State
+from shared.state.context_store import ContextJanitor, ContextStore
+from shared.state.lifecycle import Lifecycle, State
 from tests.support.factories import request_received
 
 

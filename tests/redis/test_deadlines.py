@@ -94,7 +94,7 @@ def test_a_queued_request_past_its_allowance_with_no_live_worker_times_out(redis
 def _behind_a_long_queue(redis_server, names, adaptive: bool):
     """A cluster whose only worker (1 slot, 1 s a step) is busy, a request queued that needs 2,000 steps, then one
     whose timeout is 60 s: it cannot even start in time."""
-    from shared.events import decode
+    from shared.wire.events import decode
 
     s = scheduler(redis_server, names)
     s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=1.0, decode_s_per_token=1.0))
@@ -136,7 +136,7 @@ def test_a_queued_request_is_refused_once_slower_steps_mean_it_cannot_start_in_t
     """Judged on arrival with fast steps it could start in time; then the machine got busy (the overload benchmark's
     CPU hogs): judged again each second with the latest costs, it is refused then (429 with Retry-After), not held
     until its timeout gives a 504."""
-    from shared.events import decode
+    from shared.wire.events import decode
 
     s = scheduler(redis_server, names)
     s.on_heartbeat(heartbeat(max_num_seqs=1, num_running=1, step_time_s=0.01, decode_s_per_token=0.01))

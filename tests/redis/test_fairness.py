@@ -11,7 +11,7 @@ import pytest
 from services.gateway.app import create_app
 from services.gateway.edge.auth import key_id
 from services.gateway.edge.errors import Overloaded
-from shared.lifecycle import Lifecycle, State
+from shared.state.lifecycle import Lifecycle, State
 from shared.settings import GatewaySettings
 from tests.support.inproc import gateway_core, mark_live, small
 

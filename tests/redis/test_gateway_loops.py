@@ -12,13 +12,13 @@ import redis
 from services.gateway.session.core import GatewayCore, cancel_until_done
 from services.gateway.edge.errors import Unavailable
 from services.gateway.session.handle import RequestHandle
-from shared.constants import EVENT_FIELD, GROUP_GATEWAY
-from shared.events import TokenDelta, TokenGenerated, encode
-from shared.liveness import read_live
-from shared.redis_client import async_client
+from shared.wire.constants import EVENT_FIELD, GROUP_GATEWAY
+from shared.wire.events import TokenDelta, TokenGenerated, encode
+from shared.process.liveness import read_live
+from shared.redis_io.redis_client import async_client
 from shared.settings import GatewaySettings
 from services.gateway.session.tracing import start_trace
-from shared.events import Sampling
+from shared.wire.events import Sampling
 from tests.support.inproc import calls, gateway_core, mark_live, small, started
 from tests.support.factories import completed
 

@@ -9,11 +9,11 @@ import time
 
 
 from services.gateway.session.handle import RequestHandle
-from shared.constants import EVENT_FIELD
+from shared.wire.constants import EVENT_FIELD
 from services.gateway.session import reconcile
-from shared.context_store import ContextStore
-from shared.events import Completed, TokenDelta, TokenGenerated, encode
-from shared.lifecycle import Lifecycle, Owner, State
+from shared.state.context_store import ContextStore
+from shared.wire.events import Completed, TokenDelta, TokenGenerated, encode
+from shared.state.lifecycle import Lifecycle, Owner, State
 from tests.support.factories import completed, request_received
 from tests.support.inproc import gateway_core, started
 

@@ -1,4 +1,4 @@
-"""The health file (shared/health_file.py): written after each liveness write Redis accepted, never before,
+"""The health file (shared/process/health_file.py): written after each liveness write Redis accepted, never before,
 gone when the entry is cleared: what `conveyor health` reads in a container instead of Redis."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from services.worker.heartbeat import Heartbeater
-from shared import health_file
-from shared.events import Heartbeat
-from shared.redis_server import free_port
-from shared.runtime import Liveness
+from shared.process import health_file
+from shared.wire.events import Heartbeat
+from shared.redis_io.redis_server import free_port
+from shared.process.runtime import Liveness
 
 TTL_S = 5.0
 IDLE = dict.fromkeys(

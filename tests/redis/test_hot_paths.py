@@ -16,11 +16,11 @@ from services.gateway.responses import store, takeover
 from services.gateway.ops.introspection import router as introspection_router
 from services.gateway.session.metrics import cluster_figures
 from services.scheduler.service import SchedulerService
-from shared.constants import LAYERS
-from shared.context_store import ContextJanitor
-from shared.lifecycle import Lifecycle, State
-from shared.liveness import GatewayWatch
-from shared.runtime import Liveness
+from shared.wire.constants import LAYERS
+from shared.state.context_store import ContextJanitor
+from shared.state.lifecycle import Lifecycle, State
+from shared.process.liveness import GatewayWatch
+from shared.process.runtime import Liveness
 from shared.settings import SchedulerSettings
 from tests.support.inproc import TTL_S, calls, gateway_core, mark_live, small
 

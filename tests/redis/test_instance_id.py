@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from shared.errors import FatalError
-from shared.liveness import read_live
-from shared.runtime import Liveness
+from shared.wire.errors import FatalError
+from shared.process.liveness import read_live
+from shared.process.runtime import Liveness
 from tests.support.inproc import gateway_core
 
 FAST = {"liveness_ttl_s": 1.0, "heartbeat_interval_s": 0.2}

@@ -10,9 +10,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from shared.context_store import ContextStore, WaitingBounds, WaitingFull
-from shared.janitor import ContextJanitor, JanitorLoop
-from shared.lifecycle import Lifecycle, State
+from shared.state.context_store import ContextStore, WaitingBounds, WaitingFull
+from shared.state.janitor import ContextJanitor, JanitorLoop
+from shared.state.lifecycle import Lifecycle, State
 from tests.support.factories import request_received
 from tests.redis.test_round_trips import RoundTrips
 from tests.support.waiting import wait_for

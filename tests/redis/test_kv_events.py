@@ -11,10 +11,10 @@ from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.sim.sim_model import SimTiming
 from services.worker.engine.sim.sim_runner import SimRunner
 from services.worker.kv_events import KvEventPublisher
-from shared.block_hash import block_hashes
-from shared.bus import Bus
-from shared.constants import EVENT_FIELD
-from shared.events import KvResyncRequested, encode, decode
+from shared.wire.block_hash import block_hashes
+from shared.wire.bus import Bus
+from shared.wire.constants import EVENT_FIELD
+from shared.wire.events import KvResyncRequested, encode, decode
 from tests.support.scheduling import heartbeat, scheduler
 
 TIMING = SimTiming(0.0, 0.0, 0.0, 0.0)
@@ -65,7 +65,7 @@ def test_block_manager_notes_nothing_when_not_tracking():
 
 def test_the_tokenizer_attaches_the_block_hashes_the_engine_computes(redis_server, names, vocab):
     from services.tokenizer.service import TokenizerService
-    from shared.events import RequestReceived, Sampling
+    from shared.wire.events import RequestReceived, Sampling
     from shared.settings import TokenizerSettings
 
     tok = TokenizerService(TokenizerSettings(redis_url=redis_server.url, namespace=names.ns))

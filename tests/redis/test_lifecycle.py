@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.context_store import ContextStore
-from shared.lifecycle import ALLOWED, TERMINAL, Lifecycle, Outcome, State
+from shared.state.context_store import ContextStore
+from shared.state.lifecycle import ALLOWED, TERMINAL, Lifecycle, Outcome, State
 from tests.support.factories import request_received
 
 # A path through the table that reaches every non-terminal state.
@@ -92,8 +92,8 @@ def test_terminal_transition_sets_ttl_on_every_layer(redis_client, names):
 
 
 def test_transition_publishes_its_events_atomically(redis_client, names):
-    from shared.events import decode
-    from shared.lifecycle import Publish
+    from shared.wire.events import decode
+    from shared.state.lifecycle import Publish
 
     lc, rid = _at(redis_client, names, State.PREPROCESSED)
     ev = request_received(request_id=rid)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.constants import LIFECYCLE_FEED_MAXLEN
-from shared.context_store import ContextStore, WaitingBounds
-from shared.lifecycle import Lifecycle, Outcome, Owner, State
-from shared.lifecycle_feed import decode_record
+from shared.wire.constants import LIFECYCLE_FEED_MAXLEN
+from shared.state.context_store import ContextStore, WaitingBounds
+from shared.state.lifecycle import Lifecycle, Outcome, Owner, State
+from shared.state.lifecycle_feed import decode_record
 from tests.support.factories import request_received
 
 PATH = [State.PREPROCESSED, State.QUEUED, State.SCHEDULED, State.PREFILLING, State.DECODING, State.FINISHED]

@@ -7,9 +7,9 @@ import time
 import msgspec
 
 from services.worker.heartbeat import Heartbeater
-from shared import liveness
-from shared.events import Heartbeat
-from shared.runtime import Liveness
+from shared.process import liveness
+from shared.wire.events import Heartbeat
+from shared.process.runtime import Liveness
 
 
 def test_an_entry_is_live_while_younger_than_its_ttl():

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from shared.errors import FatalError
+from shared.wire.errors import FatalError
 from tests.support import redis_cluster
 from tests.support.redis_cluster import LocalRedisCluster
 

@@ -19,9 +19,9 @@ import pytest
 
 from services.gateway.text import logprobs as gateway_logprobs
 from services.gateway.app import create_app
-from shared import grammar
-from shared.events import TokenDelta
-from shared.logprobs import TokenLogprob, pack
+from shared.text import grammar
+from shared.wire.events import TokenDelta
+from shared.wire.logprobs import TokenLogprob, pack
 from shared.settings import GatewaySettings
 from tests.support.cache import CACHE_DIR
 from tests.support.inproc import mark_live

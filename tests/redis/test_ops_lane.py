@@ -13,7 +13,7 @@ from services.gateway.edge.errors import Unavailable
 from services.gateway.ops.introspection import router as introspection_router
 from services.gateway.session.request import GenerateRequest
 from services.gateway.session.core import GatewayCore
-from shared.redis_client import async_client
+from shared.redis_io.redis_client import async_client
 from shared.settings import GatewaySettings
 from tests.support.inproc import mark_live
 

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import pytest
 
 from services.scheduler.service import SchedulerService
-from shared.events import HandBack
-from shared.lifecycle import Lifecycle, State
+from shared.wire.events import HandBack
+from shared.state.lifecycle import Lifecycle, State
 from shared.settings import SchedulerSettings
 from tests.support.scheduling import WORKER, deliver, heartbeat, preprocessed_request, scheduled_on, scheduler
 from tests.redis.test_redis_cluster_recovery import _preprocessed

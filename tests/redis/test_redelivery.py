@@ -14,9 +14,9 @@ from services.scheduler.service import SchedulerService
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.heartbeat import Heartbeater
 from services.worker.publisher import Active
-from shared.events import CancelRequested, HandBack, decode
-from shared.lifecycle import Lifecycle, Publish, State
-from shared.runtime import Liveness
+from shared.wire.events import CancelRequested, HandBack, decode
+from shared.state.lifecycle import Lifecycle, Publish, State
+from shared.process.runtime import Liveness
 from tests.support.scheduling import (
     WORKER,
     deliver,

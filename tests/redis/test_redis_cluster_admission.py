@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from shared.context_store import ContextStore, WaitingBounds, WaitingFull
-from shared.redis_client import async_client
+from shared.state.context_store import ContextStore, WaitingBounds, WaitingFull
+from shared.redis_io.redis_client import async_client
 from shared.settings import CommonSettings
 from tests.support.factories import request_received
 

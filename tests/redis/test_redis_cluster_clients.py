@@ -1,4 +1,4 @@
-"""The Redis clients on a Redis Cluster (shared/redis_client.py): found from one node, scripts and transactions on
+"""The Redis clients on a Redis Cluster (shared/redis_io/redis_client.py): found from one node, scripts and transactions on
 one slot, what cannot span slots, bounded connections; plain clients otherwise (a master's failover:
 test_redis_cluster_failover.py)."""
 
@@ -12,7 +12,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException, WatchError
 
-from shared.redis_client import async_client, is_cluster, key_slot, sync_client
+from shared.redis_io.redis_client import async_client, is_cluster, key_slot, sync_client
 from shared.settings import CommonSettings
 from tests.support.redis_cluster import APPEND_LUA, cluster_settings
 

@@ -1,4 +1,4 @@
-"""The Redis clients on a Redis Cluster riding out a master's failover (shared/redis_client.py): a write after the
+"""The Redis clients on a Redis Cluster riding out a master's failover (shared/redis_io/redis_client.py): a write after the
 master's SIGKILL lands once its replica is promoted, pipelines and scripts sent meanwhile run each command once, a
 script is loaded again on a master that lost it, slots with no master left end in an error at the retry deadline."""
 
@@ -11,9 +11,9 @@ import pytest
 import redis
 from redis.exceptions import NoScriptError
 
-import shared.redis_client as rc
-import shared.redis_cluster_client
-from shared.redis_client import async_client, sync_client
+import shared.redis_io.redis_client as rc
+import shared.redis_io.redis_cluster_client
+from shared.redis_io.redis_client import async_client, sync_client
 from tests.support.redis_cluster import APPEND_LUA, cluster_settings
 
 
@@ -155,7 +155,7 @@ def test_registered_script_in_a_pipeline_is_loaded_again_on_a_master_that_lost_i
 
 
 def test_command_on_slots_with_no_master_left_raises_after_the_retry_deadline(redis_cluster, monkeypatch):
-    monkeypatch.setattr(shared.redis_cluster_client, "CLUSTER_RETRY_S", 1.5)  # where the retries read it
+    monkeypatch.setattr(shared.redis_io.redis_cluster_client, "CLUSTER_RETRY_S", 1.5)  # where the retries read it
     r = sync_client(cluster_settings(redis_cluster))
     r.set("{d}x", 1)
     master = redis_cluster.master_for_key("{d}x")

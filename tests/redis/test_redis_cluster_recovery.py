@@ -10,12 +10,12 @@ import uuid
 from services.scheduler.service import SchedulerService
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.publisher import Active
-from shared.bus import entry_key
-from shared.context_store import ContextStore
-from shared.constants import EVENT_FIELD
-from shared.events import Completed, Preprocessed, Sampling, TokenGenerated, decode
-from shared.lifecycle import Lifecycle, State
-from shared.redis_client import async_client
+from shared.wire.bus import entry_key
+from shared.state.context_store import ContextStore
+from shared.wire.constants import EVENT_FIELD
+from shared.wire.events import Completed, Preprocessed, Sampling, TokenGenerated, decode
+from shared.state.lifecycle import Lifecycle, State
+from shared.redis_io.redis_client import async_client
 from shared.settings import SchedulerSettings
 from tests.support.scheduling import WORKER, deliver, heartbeat, step_publisher
 

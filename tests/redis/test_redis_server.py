@@ -8,9 +8,9 @@ import stat
 import pytest
 import redis
 
-from shared import redis_server
-from shared.errors import FatalError
-from shared.redis_server import RedisServer
+from shared.redis_io import redis_server
+from shared.wire.errors import FatalError
+from shared.redis_io.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from services.scheduler.sync import _READ_LUA
-from shared.errors import FatalError
-from shared.redis_server import find_redis_server, free_port
+from shared.wire.errors import FatalError
+from shared.redis_io.redis_server import find_redis_server, free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.redis

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 
 from services.gateway.edge.errors import NotFound
 from services.gateway.responses import store, takeover
-from shared.context_store import ContextStore
-from shared.liveness import GatewayWatch
+from shared.state.context_store import ContextStore
+from shared.process.liveness import GatewayWatch
 
 TTL_S = 600
 

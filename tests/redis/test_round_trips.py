@@ -9,8 +9,8 @@ import asyncio
 from redis.connection import AbstractConnection
 
 from services.tokenizer.service import TokenizerService
-from shared.constants import EVENT_FIELD, GROUP_SCHEDULER, GROUP_TOKENIZER
-from shared.events import encode
+from shared.wire.constants import EVENT_FIELD, GROUP_SCHEDULER, GROUP_TOKENIZER
+from shared.wire.events import encode
 from shared.settings import TokenizerSettings
 from tests.support.cache import CACHE_DIR
 from tests.support.inproc import gateway_core, mark_live, small

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from shared.redis_server import free_port
+from shared.redis_io.redis_server import free_port
 from shared.settings import GatewaySettings
 from tests.support.cache import CACHE_DIR
 from tests.support.gateway_log import logged_gateway

@@ -1,12 +1,12 @@
-"""Conversation sessions' records in Redis (shared.sessions): the moves of the table, their fences, the owner's
+"""Conversation sessions' records in Redis (shared.state.sessions): the moves of the table, their fences, the owner's
 limit, the stale-turn takeover and closing, each one script against a real Redis."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.events import SessionReason, SessionState as S
-from shared.sessions import (
+from shared.wire.events import SessionReason, SessionState as S
+from shared.state.sessions import (
     ALLOWED,
     Move,
     Moved,
@@ -134,14 +134,14 @@ def test_a_move_of_a_session_never_opened_finds_it_missing(store):
 
 
 def _session_feed(client, names) -> list:
-    from shared.lifecycle_feed import decode_record
+    from shared.state.lifecycle_feed import decode_record
 
     records = [decode_record(i, f) for p in names.all_partitions for i, f in client.xrange(names.lifecycle_feed(p))]
     return sorted((r for r in records if r.session), key=lambda r: r.id)
 
 
 def test_every_applied_session_move_is_one_lifecycle_feed_record_in_its_turns_partition(redis_client):
-    from shared.constants import Names
+    from shared.wire.constants import Names
 
     names = Names("tfeed", partitions=4)
     store = SessionStore(redis_client, names, ttl_s=60)

@@ -8,7 +8,7 @@ import time
 
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.publisher import Active
-from shared.events import decode
+from shared.wire.events import decode
 from tests.support.scheduling import WORKER, heartbeat, placed, scheduled_on, scheduler, step_publisher
 
 

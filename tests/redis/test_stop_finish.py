@@ -15,10 +15,10 @@ from services.gateway.session.outcome import ending
 from services.gateway.session.drive import drive, final_body
 from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import start_trace
-from shared.context_store import ContextStore
-from shared.events import Sampling, TimedOut, TokenDelta
-from shared.lifecycle import Lifecycle, Owner, State
-from shared.tokenization import load_tokenizer
+from shared.state.context_store import ContextStore
+from shared.wire.events import Sampling, TimedOut, TokenDelta
+from shared.state.lifecycle import Lifecycle, Owner, State
+from shared.text.tokenization import load_tokenizer
 from tests.support.factories import request_received
 from tests.support.inproc import gateway_core, small
 

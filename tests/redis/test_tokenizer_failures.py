@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from services.tokenizer.service import TokenizerService
-from shared import telemetry
-from shared.constants import EVENT_FIELD, GROUP_TOKENIZER
-from shared.events import decode
+from shared.process import telemetry
+from shared.wire.constants import EVENT_FIELD, GROUP_TOKENIZER
+from shared.wire.events import decode
 from shared.settings import TokenizerSettings
 from services.gateway.session.request import GenerateRequest, Message
 from tests.support.cache import CACHE_DIR

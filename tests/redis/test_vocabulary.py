@@ -12,8 +12,8 @@ from services.scheduler import assignments
 from services.scheduler.state import WorkerView
 from services.worker.engine.outputs import RequestOutput, StepResult
 from services.worker.publisher import Active
-from shared import lifecycle
-from shared.events import (
+from shared.state import lifecycle
+from shared.wire.events import (
     CancelRequested,
     Failed,
     KvResyncRequested,
@@ -24,7 +24,7 @@ from shared.events import (
     decode,
     encode,
 )
-from shared.lifecycle import TERMINAL, lua_in
+from shared.state.lifecycle import TERMINAL, lua_in
 from tests.support.scheduling import heartbeat, placed, scheduler, step_publisher
 
 
@@ -89,8 +89,8 @@ def test_a_feed_record_is_written_with_exactly_the_fields_its_decoder_reads():
     or unknown to the decoder cannot be written."""
     import pytest
 
-    from shared.constants import LIFECYCLE_FEED_FIELDS
-    from shared.lifecycle import lua_feed_xadd
+    from shared.wire.constants import LIFECYCLE_FEED_FIELDS
+    from shared.state.lifecycle import lua_feed_xadd
 
     values = {("from_" if f == "from" else f): f"v{i}" for i, f in enumerate(LIFECYCLE_FEED_FIELDS)}
     line = lua_feed_xadd("KEYS[1]", "ARGV[1]", **values)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.constants import EVENT_FIELD, GROUP_WORKER
-from shared.events import Constraint, Failed, Sampling, decode
-from shared.grammar import ANY_OBJECT, KIND_JSON_SCHEMA
+from shared.wire.constants import EVENT_FIELD, GROUP_WORKER
+from shared.wire.events import Constraint, Failed, Sampling, decode
+from shared.text.grammar import ANY_OBJECT, KIND_JSON_SCHEMA
 from tests.support.scheduling import delivered_tokens, place, sim_worker, state
 
 JSON_OUT = Sampling(max_tokens=4, temperature=0.0, constraint=Constraint(kind=KIND_JSON_SCHEMA, spec=ANY_OBJECT))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shared.events import Sampling
+from shared.wire.events import Sampling
 from tests.support.scheduling import deliver, heartbeat, preprocessed_request, scheduler, sim_worker
 
 STEP = re.compile(

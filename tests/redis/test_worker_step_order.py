@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shared.constants import EVENT_FIELD
-from shared.events import Sampling, TimedOut, TokenGenerated, decode
+from shared.wire.constants import EVENT_FIELD
+from shared.wire.events import Sampling, TimedOut, TokenGenerated, decode
 from tests.support.scheduling import (
     delivered_tokens,
     heartbeat,
@@ -121,7 +121,7 @@ def test_a_request_placed_elsewhere_gets_no_tokens_after_its_move(worker, redis_
 
 
 def test_a_draining_worker_hands_back_every_token_it_published(worker, redis_server, redis_client, names, monkeypatch):
-    from shared.events import HandBack
+    from shared.wire.events import HandBack
 
     rid = _generating(worker, redis_server, redis_client, names)
     _slowed(worker, monkeypatch, 0.2)

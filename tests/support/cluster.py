@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.constants import Names
-from shared.ready import wait_ok
-from shared.redis_server import RedisServer, die_with_parent, free_port
+from shared.wire.constants import Names
+from shared.process.ready import wait_ok
+from shared.redis_io.redis_server import RedisServer, die_with_parent, free_port
 from shared.settings import CommonSettings
 from tests.support.cache import CACHE_DIR
 from tests.support.xdist import sharing_the_cores

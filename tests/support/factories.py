@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from shared.events import ChatMessage, Completed, RequestReceived, Sampling
+from shared.wire.events import ChatMessage, Completed, RequestReceived, Sampling
 
 
 def request_received(reply_to: str = "reply", prompt: str = "Hello", max_tokens: int = 8, **kw) -> RequestReceived:

@@ -9,8 +9,8 @@ import redis.asyncio as aioredis
 
 from services.gateway.session.core import GatewayCore
 from services.gateway.session.request import GenerateRequest
-from shared.constants import Names
-from shared.runtime import Liveness
+from shared.wire.constants import Names
+from shared.process.runtime import Liveness
 from shared.settings import GatewaySettings
 
 TTL_S = 5.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from shared.liveness import read_live
-from shared.model_files import DEFAULT_MODEL_NAME
+from shared.process.liveness import read_live
+from shared.text.model_files import DEFAULT_MODEL_NAME
 
 MODEL = DEFAULT_MODEL_NAME
 

@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from shared.redis_server import free_port
+from shared.redis_io.redis_server import free_port
 
 
 @dataclass

@@ -20,8 +20,8 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from shared.errors import FatalError
-from shared.redis_server import die_with_parent, find_redis_cli, find_redis_server
+from shared.wire.errors import FatalError
+from shared.redis_io.redis_server import die_with_parent, find_redis_cli, find_redis_server
 from shared.settings import CommonSettings
 
 SLOTS = 16384

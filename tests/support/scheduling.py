@@ -10,11 +10,11 @@ import redis.asyncio as aioredis
 
 from services.scheduler import batch
 from services.scheduler.service import SchedulerService
-from shared.bus import Delivery
-from shared.constants import EVENT_FIELD, GROUP_WORKER
-from shared.context_store import ContextStore
-from shared.events import Heartbeat, Preprocessed, Sampling, TokenGenerated, decode
-from shared.lifecycle import Lifecycle, State
+from shared.wire.bus import Delivery
+from shared.wire.constants import EVENT_FIELD, GROUP_WORKER
+from shared.state.context_store import ContextStore
+from shared.wire.events import Heartbeat, Preprocessed, Sampling, TokenGenerated, decode
+from shared.state.lifecycle import Lifecycle, State
 from shared.settings import SchedulerSettings, WorkerSettings
 from tests.support.cache import CACHE_DIR
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.worker.engine.sim.sim_model import load_vocab, sequence_key
-from shared.tokenization import load_tokenizer
+from shared.text.tokenization import load_tokenizer
 
 SIM = {"CONVEYOR_ENGINE": "sim"}  # a Cluster env entry: its workers run the simulated engine
 

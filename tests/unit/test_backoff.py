@@ -1,10 +1,10 @@
-"""The one backoff (shared/backoff.py) and the one service table (shared/service_table.py)."""
+"""The one backoff (shared/process/backoff.py) and the one service table (shared/process/service_table.py)."""
 
 from __future__ import annotations
 
 from services.cli import SERVICE_NAMES
-from shared.backoff import REDIS_CAP_S, backoff_s
-from shared.service_table import BUS_SERVICES, SERVICES
+from shared.process.backoff import REDIS_CAP_S, backoff_s
+from shared.process.service_table import BUS_SERVICES, SERVICES
 
 
 def test_the_pause_doubles_from_its_base_up_to_its_cap():

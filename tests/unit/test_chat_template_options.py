@@ -1,4 +1,4 @@
-"""How the tokenizer writes a request's messages (shared/chat_template.py, from RequestReceived's fields): with the
+"""How the tokenizer writes a request's messages (shared/text/chat_template.py, from RequestReceived's fields): with the
 assistant turn's opening, without it, ending inside the last message (continue_final_message), and with the
 template variables of chat_template_kwargs."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from tests.support.factories import chat_received
 from services.tokenizer.service import Preprocessor, PromptError
-from shared.chat_template import kwargs_problem
-from shared.tokenization import load_tokenizer
+from shared.text.chat_template import kwargs_problem
+from shared.text.tokenization import load_tokenizer
 
 PREFILL = [("user", "Name a colour."), ("assistant", "My favourite colour is")]
 

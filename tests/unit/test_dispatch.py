@@ -1,11 +1,11 @@
-"""shared/dispatch.py: a service loop's event type -> handler table."""
+"""shared/wire/dispatch.py: a service loop's event type -> handler table."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.dispatch import TypeDispatcher
-from shared.events import CancelRequested, HandBack, KvResyncRequested
+from shared.wire.dispatch import TypeDispatcher
+from shared.wire.events import CancelRequested, HandBack, KvResyncRequested
 
 
 def test_each_event_goes_to_the_handler_of_its_type():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.worker.engine.kv.block_manager import BlockManager
-from shared.block_hash import chain_hash, extend_block_hashes
+from shared.wire.block_hash import chain_hash, extend_block_hashes
 
 
 def test_hash_chain_depends_on_every_earlier_token():

@@ -11,7 +11,7 @@ import time
 from services.gateway.session.handle import RequestHandle
 from services.gateway.session.drive import drive
 from services.gateway.text.stop_strings import TextStream
-from shared.events import Cancelled
+from shared.wire.events import Cancelled
 from tests.support.factories import completed
 
 TIMEOUT_S = 60.0

@@ -7,7 +7,7 @@ import time
 from services.scheduler.affinity import GroupAffinity
 from services.scheduler.routing import Router
 from services.scheduler.state import RequestQueue, WorkerView
-from shared.events import Preprocessed, Sampling
+from shared.wire.events import Preprocessed, Sampling
 from shared.settings import SchedulerSettings
 from tests.support.scheduling import heartbeat
 

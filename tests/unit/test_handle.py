@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway.session.handle import RequestHandle
 from services.gateway.text.stop_strings import TextStream
-from shared.events import TokenDelta
+from shared.wire.events import TokenDelta
 from tests.support.factories import completed
 
 
@@ -60,7 +60,7 @@ def test_deltas_queued_together_come_out_as_one_chunk_then_the_end(tokenizer):
 
 def _lp(*values: float):
     """A delta's packed log probabilities: one token per value, each with itself as its one alternative."""
-    from shared.logprobs import TokenLogprob, pack
+    from shared.wire.logprobs import TokenLogprob, pack
 
     return pack([TokenLogprob(v, (i,), (v,)) for i, v in enumerate(values)])
 

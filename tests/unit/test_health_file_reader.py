@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared import health_file
-from shared.constants import Names
-from shared.runtime import Liveness
+from shared.process import health_file
+from shared.wire.constants import Names
+from shared.process.runtime import Liveness
 from shared.settings import CommonSettings
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.scheduler.kv_index import KvIndex
-from shared.block_hash import block_hashes
-from shared.events import KvEvents
+from shared.wire.block_hash import block_hashes
+from shared.wire.events import KvEvents
 
 A, B = block_hashes(list(range(64)), 16), block_hashes(list(range(100, 164)), 16)  # two prompts, 4 blocks each
 

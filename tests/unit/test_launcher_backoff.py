@@ -14,7 +14,7 @@ import httpx
 
 from services import launcher as launcher_module
 from services.launcher import Child, Launcher
-from shared.runtime import StopFlag
+from shared.process.runtime import StopFlag
 
 
 def _launcher_with(child: Child) -> Launcher:

@@ -1,4 +1,4 @@
-"""What every process's log setup (shared.runtime.setup_logging) lets through: the HTTP client libraries' line per
+"""What every process's log setup (shared.process.runtime.setup_logging) lets through: the HTTP client libraries' line per
 request stays out at INFO (the launcher polls /ready every 0.5 s during a start), their warnings stay in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shared.runtime import QUIET_LIBRARIES, setup_logging
+from shared.process.runtime import QUIET_LIBRARIES, setup_logging
 
 
 @pytest.fixture

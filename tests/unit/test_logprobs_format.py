@@ -8,8 +8,8 @@ import math
 import msgspec
 
 from services.gateway.text.logprobs import CompletionLogprobs, chat, native
-from shared.events import TokenDelta, TokenGenerated, decode, encode
-from shared.logprobs import TokenLogprob, pack, unpack
+from shared.wire.events import TokenDelta, TokenGenerated, decode, encode
+from shared.wire.logprobs import TokenLogprob, pack, unpack
 
 
 def test_pack_round_trips_in_float32_and_keeps_minus_infinity():

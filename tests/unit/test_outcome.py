@@ -9,9 +9,9 @@ import pytest
 from services.gateway.edge.errors import GatewayError
 from services.gateway.session.metrics import GatewayMetrics
 from services.gateway.session.outcome import FAILED_ROWS, OUTCOMES, ending, ending_from_context
-from shared.context_store import Snapshot
-from shared.events import Cancelled, Failed, TimedOut
-from shared.lifecycle import TERMINAL, State
+from shared.state.context_store import Snapshot
+from shared.wire.events import Cancelled, Failed, TimedOut
+from shared.state.lifecycle import TERMINAL, State
 from tests.support.factories import completed
 
 

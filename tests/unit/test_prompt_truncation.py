@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from services.tokenizer.service import Preprocessor
-from shared.events import RequestReceived, Sampling
-from shared.tokenization import load_tokenizer
+from shared.wire.events import RequestReceived, Sampling
+from shared.text.tokenization import load_tokenizer
 
 WINDOW = 64
 

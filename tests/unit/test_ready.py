@@ -1,11 +1,11 @@
-"""shared.ready.wait_ok: the one wait for an HTTP endpoint (`conveyor up`, the benchmarks, the test clusters)."""
+"""shared.process.ready.wait_ok: the one wait for an HTTP endpoint (`conveyor up`, the benchmarks, the test clusters)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.ready import wait_ok
-from shared.redis_server import free_port
+from shared.process.ready import wait_ok
+from shared.redis_io.redis_server import free_port
 
 CLOSED = f"http://127.0.0.1:{free_port()}/ready"  # nothing listens there
 

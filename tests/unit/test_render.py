@@ -12,7 +12,7 @@ import pytest
 
 from services.gateway.text import render
 from services.gateway.text.logprobs import CompletionLogprobs, TokenStrings, chat, chat_sliced, native, native_sliced
-from shared.logprobs import TokenLogprob
+from shared.wire.logprobs import TokenLogprob
 
 COMPACT = {"ensure_ascii": False, "allow_nan": False, "indent": None, "separators": (",", ":")}  # JSONResponse
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.worker.build import sampling_options
 from services.worker.engine.request import GrammarSpec
-from shared.events import Constraint, Sampling
+from shared.wire.events import Constraint, Sampling
 
 
 def test_every_sampling_field_reaches_the_engine_options():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from services.scheduler.state import QueuedRequest, RequestQueue, WorkerView
-from shared.events import Preprocessed, Sampling
+from shared.wire.events import Preprocessed, Sampling
 from tests.support.scheduling import heartbeat
 
 BURST = 400

@@ -9,7 +9,7 @@ import pytest
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.sim.sim_model import SimTiming
 from services.worker.engine.sim.sim_runner import SimRunner
-from shared.events import SessionReason
+from shared.wire.events import SessionReason
 
 TIMING = SimTiming(step_overhead_s=0.0, prefill_s_per_token=0.0, decode_s_per_seq=0.0, decode_s_per_kv_token=0.0)
 BS = 16

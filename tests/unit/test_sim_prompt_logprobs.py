@@ -10,8 +10,8 @@ import pytest
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.sim.sim_model import SimTiming
 from services.worker.engine.sim.sim_runner import SimRunner
-from shared.events import TokenDelta, TokenGenerated
-from shared.logprobs import pack_prompt, unpack_prompt
+from shared.wire.events import TokenDelta, TokenGenerated
+from shared.wire.logprobs import pack_prompt, unpack_prompt
 
 TIMING = SimTiming(step_overhead_s=0.0, prefill_s_per_token=0.0, decode_s_per_seq=0.0, decode_s_per_kv_token=0.0)
 PROMPT = list(range(1000, 1100))  # six full 16-token blocks and a part

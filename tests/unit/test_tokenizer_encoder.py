@@ -1,4 +1,4 @@
-"""The tokenizer service's prompts tokenized by the Rust tokenizer directly (shared.tokenization.encoder): the same
+"""The tokenizer service's prompts tokenized by the Rust tokenizer directly (shared.text.tokenization.encoder): the same
 ids as transformers' encode, which it skips only where it gives them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import TokenizersBackend
 
-from shared.tokenization import encoder
+from shared.text.tokenization import encoder
 
 VOCAB = {"[UNK]": 0, "<s>": 1, "hello": 2, "world": 3, "a": 4, "b": 5}
 

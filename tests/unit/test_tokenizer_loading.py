@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from shared.tokenization import load_tokenizer
+from shared.text.tokenization import load_tokenizer
 
 TEXTS = ["Hello, world!", "  two spaces, a tab\tand ünïcödé 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -14,7 +14,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_the_bundled_models_tokenizer_loads_without_importing_torch(model_dir):
     code = (
-        "import sys; from pathlib import Path; from shared.tokenization import load_tokenizer; "
+        "import sys; from pathlib import Path; from shared.text.tokenization import load_tokenizer; "
         f"load_tokenizer(Path({str(model_dir)!r})); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

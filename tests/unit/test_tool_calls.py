@@ -13,7 +13,7 @@ from services.gateway.openai.schemas import ChatCompletionRequest
 from services.gateway.openai.tools import ToolShaper, message
 from services.gateway.openai.structured_output import plan_chat
 from services.gateway.openai.tool_calls import CallParser, Tool, call_schema
-from shared.grammar import grammar_for
+from shared.text.grammar import grammar_for
 
 CALLS = (
     '[{"name": "get_weather", "arguments": {"city": "Par}is\\\\", "q": "a\\"b", "n": [1, {"a": 2}]}}, '

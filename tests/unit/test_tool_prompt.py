@@ -1,4 +1,4 @@
-"""The tokenizer puts a request's tools into its prompt (shared/chat_template.py): SmolLM2's template
+"""The tokenizer puts a request's tools into its prompt (shared/text/chat_template.py): SmolLM2's template
 has no tool support, so they go into a system turn with the call format the gateway reads back."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from tests.support.factories import chat_received
 from services.tokenizer.service import Preprocessor
-from shared.chat_template import template_takes_tools
-from shared.tokenization import load_tokenizer
+from shared.text.chat_template import template_takes_tools
+from shared.text.tokenization import load_tokenizer
 
 TOOLS = [
     {

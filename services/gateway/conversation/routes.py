@@ -18,9 +18,9 @@ from services.gateway.edge.auth import caller
 from services.gateway.edge.deps import Core
 from services.gateway.edge.errors import Conflict, NotFound, Overloaded
 from services.gateway.edge.openapi_doc import error_responses
-from shared.bus import write_event
-from shared.events import SessionClosed
-from shared.sessions import Moved, close, open_session
+from shared.wire.bus import write_event
+from shared.wire.events import SessionClosed
+from shared.state.sessions import Moved, close, open_session
 
 router = APIRouter(tags=["Sessions"])
 

@@ -2,7 +2,7 @@
 
 The session comes from the `session_id` body field, or the `X-Session-ID` header (the name AIPerf and Dynamo
 clients send), or `X-Correlation-ID`. A turn starts before its request is created: the session moves to RUNNING
-with the turn's request id (shared.sessions), so a second turn meanwhile gets a 409, and the worker that kept the
+with the turn's request id (shared.state.sessions), so a second turn meanwhile gets a 409, and the worker that kept the
 conversation's KV after the last turn is handed to the scheduler as the place for this one. A turn that ends with
 its KV kept was paused by its worker already; any other end (failed, cancelled, timed out, nothing kept) moves the
 session back to OPEN here. A gateway that dies mid-turn ends nothing: the next turn finds the session RUNNING
@@ -16,9 +16,9 @@ import re
 from typing import TYPE_CHECKING
 
 from services.gateway.edge.errors import Conflict, InvalidRequest, Overloaded
-from shared.events import Completed
-from shared.lifecycle import TERMINAL
-from shared.sessions import Moved, begin_turn, end_turn
+from shared.wire.events import Completed
+from shared.state.lifecycle import TERMINAL
+from shared.state.sessions import Moved, begin_turn, end_turn
 
 if TYPE_CHECKING:
     from fastapi import Request

@@ -22,7 +22,7 @@ import time
 
 import uvicorn
 
-from shared.events import Cancelled
+from shared.wire.events import Cancelled
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes (its serving_tokenization): token-counting clients and
 benchmarks call them. A chat's prompt is rendered exactly as the tokenizer service renders a request's
-(shared.chat_template), so the count is what a request would be charged."""
+(shared.text.chat_template), so the count is what a request would be charged."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from services.gateway.edge.openapi_doc import error_responses
 from services.gateway.session.intake import check_chat_options
 from services.gateway.session.request import INT32_MAX, Shallow
 from services.gateway.text.render import off_loop
-from shared.chat_template import TemplateRefused, render
+from shared.text.chat_template import TemplateRefused, render
 
 router = APIRouter(tags=["Tokenization"])
 STRICT = ConfigDict(strict=True, extra="forbid")

@@ -226,7 +226,7 @@ class ChatCompletionRequest(OpenAIRequest):
         None, description="none | auto | required | a named function"
     )
     parallel_tool_calls: bool | None = None
-    # vLLM's: how the chat template writes the messages (shared.chat_template.render)
+    # vLLM's: how the chat template writes the messages (shared.text.chat_template.render)
     add_generation_prompt: bool | None = Field(None, description="end with the assistant turn's opening (default)")
     continue_final_message: bool | None = Field(
         None, description="the answer continues the last (assistant) message, no new turn; add_generation_prompt false"

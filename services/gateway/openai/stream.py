@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import Choices, Chunk
     from services.gateway.text.logprobs import TokenStrings
-    from shared.events import PromptLogprobs
-    from shared.logprobs import TokenLogprob
+    from shared.wire.events import PromptLogprobs
+    from shared.wire.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Shape:
     ) -> dict:
         """The non-stream answer, from the native body (text, token_ids, finish_reason, usage) and the output's
         log probabilities (the handle's, one per token id) when the request asked for them; prompt: the handle's
-        prompt log probabilities (shared.events.PromptLogprobs), when asked for."""
+        prompt log probabilities (shared.wire.events.PromptLogprobs), when asked for."""
         text, ids, logprobs = self._echoed(native["text"], native["token_ids"], logprobs, prompt)
         native = {**native, "text": text}
         lp = self._logprobs(ids, logprobs)

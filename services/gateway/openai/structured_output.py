@@ -1,7 +1,7 @@
 """What a request's output must be (response_format, vLLM's structured_outputs, tools, tool_choice), checked at the
 gateway.
 
-Every schema is compiled here (shared/grammar.py) before the request is created, so a bad one is a 400 naming
+Every schema is compiled here (shared/text/grammar.py) before the request is created, so a bad one is a 400 naming
 its field and never reaches a worker. That is up to 128 tools' schemas (~1 s for a 1 MB body): the endpoint runs
 plan_chat off the event loop (render.off_loop, plan_weight), and a schema found valid before is not compiled
 again (grammar.check: agents send the same tools every turn). The result, an OutputPlan, says what the worker
@@ -19,8 +19,8 @@ from services.gateway.edge.errors import InvalidRequest
 from services.gateway.text.render import HEAVY
 from services.gateway.openai.schemas import MAX_PATTERN, StructuredOutputs
 from services.gateway.openai.tool_calls import Tool, auto_grammar, call_schema, check_tools, chosen
-from shared.events import Constraint
-from shared.grammar import (
+from shared.wire.events import Constraint
+from shared.text.grammar import (
     ANY_OBJECT,
     GrammarError,
     KIND_JSON_SCHEMA,

@@ -1,6 +1,6 @@
 """Tool calls: the request's tools checked, the grammar of a valid call, and the model's calls shaped as OpenAI's.
 
-With tool_choice "required" or a named function the output is constrained (shared/grammar.py) to a JSON array
+With tool_choice "required" or a named function the output is constrained (shared/text/grammar.py) to a JSON array
 of calls, `[{"name": "<one of the tools>", "arguments": <that function's parameters>}, ...]` (one call when
 parallel_tool_calls is false or a function is named), written compactly with ", " and ": " as separators and the
 keys in that order. CallParser reads exactly that text as it streams and cuts it into OpenAI's tool-call deltas
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.edge.errors import InvalidRequest
-from shared.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, check
+from shared.text.grammar import JSON_OPTIONS, GrammarError, KIND_JSON_SCHEMA, check
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request

@@ -37,7 +37,7 @@ from services.gateway.edge.sse import SseResponse
 from services.gateway.ops.dashboard_data import detail, read_rows, snapshot
 from services.gateway.ops.introspection import cancel_owned
 from services.gateway.session.feed_hub import sse
-from shared.lifecycle import TERMINAL, State
+from shared.state.lifecycle import TERMINAL, State
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore

@@ -12,7 +12,7 @@ from services.gateway.edge.auth import owned_snapshot, visible_owner
 from services.gateway.edge.deps import Core
 from services.gateway.edge.openapi_doc import error_responses
 from services.gateway.session.groups import members
-from shared.lifecycle import TERMINAL, State
+from shared.state.lifecycle import TERMINAL, State
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore

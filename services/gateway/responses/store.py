@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.gateway.edge.errors import NotFound
-from shared.replies import as_text
+from shared.redis_io.replies import as_text
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore

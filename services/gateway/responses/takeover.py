@@ -40,11 +40,11 @@ from services.gateway.session.reconcile import catch_up
 from services.gateway.session.tracing import untraced
 from services.gateway.text.render import off_loop
 from services.gateway.text.stop_strings import TextStream
-from shared.liveness import GatewayWatch, aread_live
+from shared.process.liveness import GatewayWatch, aread_live
 
 if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
-    from shared.context_store import Snapshot
+    from shared.state.context_store import Snapshot
 
 logger = logging.getLogger(__name__)
 

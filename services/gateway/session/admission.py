@@ -26,8 +26,8 @@ import time
 import redis
 
 from services.gateway.edge.errors import Overloaded, Unavailable
-from shared.context_store import WaitingBounds, WaitingFull
-from shared.events import Event
+from shared.state.context_store import WaitingBounds, WaitingFull
+from shared.wire.events import Event
 
 logger = logging.getLogger(__name__)
 

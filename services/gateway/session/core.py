@@ -28,16 +28,16 @@ from services.gateway.text.logprobs import TokenStrings
 from services.gateway.session.metrics import GatewayMetrics
 from services.gateway.text.stop_strings import TextStream
 from services.gateway.session.tracing import active, finish_trace, published, refused, start_trace
-from shared.context_store import ContextStore
-from shared.errors import FatalError
-from shared.events import CancelRequested, Cancelled, Constraint, TimedOut
-from shared.lifecycle import Lifecycle, Publish, State
-from shared import liveness
-from shared.epoch import DatasetEpoch
-from shared.redis_client import async_client, sync_client
-from shared.runtime import Liveness, LivenessThread, instance_id
-from shared.sessions import SessionStore
-from shared.service_table import BUS_SERVICES
+from shared.state.context_store import ContextStore
+from shared.wire.errors import FatalError
+from shared.wire.events import CancelRequested, Cancelled, Constraint, TimedOut
+from shared.state.lifecycle import Lifecycle, Publish, State
+from shared.process import liveness
+from shared.state.epoch import DatasetEpoch
+from shared.redis_io.redis_client import async_client, sync_client
+from shared.process.runtime import Liveness, LivenessThread, instance_id
+from shared.state.sessions import SessionStore
+from shared.process.service_table import BUS_SERVICES
 from shared.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOOP_STALE_S = 10.0  # a background loop with no good round for this long (plus its interval) makes /ready 503
-# The liveness entry is refreshed by a thread (shared.runtime.LivenessThread) while the event loop moved within
+# The liveness entry is refreshed by a thread (shared.process.runtime.LivenessThread) while the event loop moved within
 # this long: a stall of seconds is not a dead gateway, an event loop stuck for a minute is.
 LOOP_DEAD_S = 60.0
 LOOP_CONNECTIONS = 2  # the background loops' own Redis connections: the reply reader's and the liveness refresh's

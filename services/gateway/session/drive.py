@@ -18,7 +18,7 @@ from services.gateway.session.outcome import CLIENT_GONE, SIBLING_FAILED, ending
 from services.gateway.session.stop import finish_at_stop
 from services.gateway.session.timing import request_metrics
 from services.gateway.text import logprobs as lp_shapes
-from shared.events import PromptLogprobs, TimedOut
+from shared.wire.events import PromptLogprobs, TimedOut
 
 if TYPE_CHECKING:
     from fastapi import Request

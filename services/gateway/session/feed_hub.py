@@ -18,10 +18,10 @@ import time
 import msgspec
 import redis
 
-from shared import liveness
-from shared.constants import Names
-from shared.lifecycle_feed import FeedRecord, decode_record
-from shared.sessions import SESSION_FIGURES
+from shared.process import liveness
+from shared.wire.constants import Names
+from shared.state.lifecycle_feed import FeedRecord, decode_record
+from shared.state.sessions import SESSION_FIGURES
 
 logger = logging.getLogger(__name__)
 

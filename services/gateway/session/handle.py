@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.events import AnyEvent, PromptLogprobs, TokenDelta
-from shared.logprobs import TokenLogprob, unpack
+from shared.wire.events import AnyEvent, PromptLogprobs, TokenDelta
+from shared.wire.logprobs import TokenLogprob, unpack
 
 if TYPE_CHECKING:
     from services.gateway.text.stop_strings import TextStream

@@ -15,8 +15,8 @@ from services.gateway.edge.errors import InvalidRequest
 from services.gateway.session.groups import choice_body
 from services.gateway.session.handle import Choices
 from services.gateway.session.outcome import SIBLING_FAILED
-from shared.chat_template import kwargs_problem
-from shared.sessions import end_turn
+from shared.text.chat_template import kwargs_problem
+from shared.state.sessions import end_turn
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from services.gateway.session.core import GatewayCore
     from services.gateway.session.handle import RequestHandle
     from services.gateway.session.request import GenerateRequest
-    from shared.events import Constraint
+    from shared.wire.events import Constraint
     from shared.settings import GatewaySettings
 
 

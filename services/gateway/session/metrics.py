@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.gateway.session.outcome import ending
-from shared import liveness
-from shared.constants import Names
-from shared.lifecycle import TERMINAL, State
-from shared.sessions import SESSION_FIGURES
+from shared.process import liveness
+from shared.wire.constants import Names
+from shared.state.lifecycle import TERMINAL, State
+from shared.state.sessions import SESSION_FIGURES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 # Token counts and request parameters: vLLM's 1-2-5 series (its build_1_2_5_buckets), so dashboards carry over.

@@ -23,9 +23,9 @@ from services.gateway.edge.errors import (
     RequestTimedOut,
     Unavailable,
 )
-from shared.context_store import Snapshot
-from shared.events import AnyEvent, Cancelled, Completed, Failed, TimedOut
-from shared.lifecycle import State
+from shared.state.context_store import Snapshot
+from shared.wire.events import AnyEvent, Cancelled, Completed, Failed, TimedOut
+from shared.state.lifecycle import State
 
 
 # Why the gateway cancels a request it holds: its client left, or a sibling choice ended the request first.
@@ -66,7 +66,7 @@ OUTCOMES: Mapping[str, Outcome] = MappingProxyType(
         "client_gone": Outcome(State.CANCELLED, RequestCancelled, "cancelled", None),
     }
 )
-# A failure's row by its reason (shared.events.Failed.reason); any other reason is "failed", a 500.
+# A failure's row by its reason (shared.wire.events.Failed.reason); any other reason is "failed", a 500.
 FAILED_ROWS: Mapping[str, str] = MappingProxyType(
     {
         "invalid": "invalid",

@@ -1,5 +1,5 @@
 """What a validated request becomes before it is created: its sampling, its RequestReceived event, its context's
-input layer. Pure mappings from the wire body (request.GenerateRequest) to the contract's structs (shared.events),
+input layer. Pure mappings from the wire body (request.GenerateRequest) to the contract's structs (shared.wire.events),
 apart from the core that creates them (core.GatewayCore.submit), so the core reads as the steps it takes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.events import ChatMessage, Constraint, RequestReceived, Sampling
+from shared.wire.events import ChatMessage, Constraint, RequestReceived, Sampling
 
 if TYPE_CHECKING:
     from services.gateway.session.request import GenerateRequest

@@ -1,7 +1,7 @@
 """Repairs what a Redis Cluster can leave undelivered to this gateway (nothing to do on a single Redis).
 
 On a cluster a transition and the events that follow it for the gateway are on different hash slots: the events
-are published right after the transition (shared.lifecycle), and the tokens reach the request's tokens list in
+are published right after the transition (shared.state.lifecycle), and the tokens reach the request's tokens list in
 one transaction and the reply stream after it (services.worker.publisher). A process dying between the two, or a
 failover losing a write Redis had acknowledged (replication is asynchronous), can leave tokens in the list that
 never reached the reply stream, or a request settled whose ending never comes. The context store is the truth:
@@ -23,9 +23,9 @@ import logging
 import redis
 
 from services.gateway.session.outcome import ending_from_context
-from shared.backoff import backoff_s
-from shared.events import Failed, TokenDelta
-from shared.lifecycle import TERMINAL, State
+from shared.process.backoff import backoff_s
+from shared.wire.events import Failed, TokenDelta
+from shared.state.lifecycle import TERMINAL, State
 
 logger = logging.getLogger(__name__)
 

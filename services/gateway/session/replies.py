@@ -15,8 +15,8 @@ import redis
 
 from services.gateway.session import reconcile
 from services.gateway.session.tracing import reply_processed
-from shared.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
-from shared.events import Failed, SchemaError, TokenGenerated, decode
+from shared.wire.constants import EVENT_FIELD, GROUP_GATEWAY, PRIVATE_STREAM_TTL_S
+from shared.wire.events import Failed, SchemaError, TokenGenerated, decode
 
 if TYPE_CHECKING:
     from services.gateway.session.handle import RequestHandle

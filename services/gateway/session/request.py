@@ -132,7 +132,7 @@ class GenerateRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX, description="vLLM's: keep the prompt's last k tokens (-1: what max_tokens leaves)"
     )
-    # messages: how the chat template writes them (vLLM's fields; shared.chat_template.render)
+    # messages: how the chat template writes them (vLLM's fields; shared.text.chat_template.render)
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
     continue_final_message: bool = Field(
         False, description="messages: the output continues the last message (no new turn); add_generation_prompt false"

@@ -19,8 +19,8 @@ import logging
 
 from typing import TYPE_CHECKING
 
-from shared.events import CancelRequested, Completed
-from shared.lifecycle import Publish, State
+from shared.wire.events import CancelRequested, Completed
+from shared.state.lifecycle import Publish, State
 
 if TYPE_CHECKING:
     from services.gateway.session.handle import Chunk, RequestHandle

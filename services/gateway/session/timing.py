@@ -12,7 +12,7 @@ import statistics
 
 import redis
 
-from shared.lifecycle import TERMINAL, State, parse_history
+from shared.state.lifecycle import TERMINAL, State, parse_history
 
 logger = logging.getLogger(__name__)
 

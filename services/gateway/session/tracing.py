@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from services.gateway.session.outcome import ending
-from shared import telemetry
+from shared.process import telemetry
 
 
 @dataclass

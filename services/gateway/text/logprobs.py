@@ -21,8 +21,8 @@ import re
 from typing import Sequence
 
 from services.gateway.text.render import exact, sliced
-from shared.events import PromptLogprobs
-from shared.logprobs import TokenLogprob, unpack_prompt
+from shared.wire.events import PromptLogprobs
+from shared.wire.logprobs import TokenLogprob, unpack_prompt
 
 logger = logging.getLogger(__name__)
 

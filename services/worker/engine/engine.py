@@ -28,7 +28,7 @@ from services.worker.engine.kv.session_kv import SessionEvent, SessionKV
 from services.worker.engine.sampling.spec import check_drafts
 from services.worker.engine.step_costs import StepCosts
 from services.worker.engine.sampling.structured import MaskJob, StructuredOutputs
-from shared.events import SessionReason, State
+from shared.wire.events import SessionReason, State
 
 logger = logging.getLogger(__name__)
 

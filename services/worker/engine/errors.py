@@ -1,4 +1,4 @@
-"""Errors raised by the engine, split like shared.errors into recoverable and fatal.
+"""Errors raised by the engine, split like shared.wire.errors into recoverable and fatal.
 
 Errors that concern a single request never escape `LLMEngine.step()`: that request is
 failed alone and reported through `RequestOutput.error_reason` (one of the reasons below).
@@ -6,8 +6,8 @@ failed alone and reported through `RequestOutput.error_reason` (one of the reaso
 
 from __future__ import annotations
 
-from shared.errors import ConveyorError, FatalError, RecoverableError
-from shared.events import Reason
+from shared.wire.errors import ConveyorError, FatalError, RecoverableError
+from shared.wire.events import Reason
 
 # `RequestOutput.error_reason` values: the contract's, sent on as the Failed event's reason.
 TOO_LONG = Reason.TOO_LONG  # the request can never fit the KV pool / context window

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.events import Reason, State
+from shared.wire.events import Reason, State
 
 
 @dataclass(frozen=True)

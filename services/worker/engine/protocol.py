@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
 
 from services.worker.engine.outputs import EngineStats, StepResult, TokenLogprobs
 from services.worker.engine.request import EngineRequest, Sequence
-from shared.events import State
+from shared.wire.events import State
 
 OnScheduled = Callable[[list[tuple[str, State]]], None]
 

@@ -21,9 +21,9 @@ MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A request's output constraint (the wire's shared.events.Constraint), compiled by structured.py."""
+    """A request's output constraint (the wire's shared.wire.events.Constraint), compiled by structured.py."""
 
-    kind: str  # shared.grammar.KINDS
+    kind: str  # shared.text.grammar.KINDS
     spec: str  # for json_schema: the JSON Schema's text
 
 

@@ -28,8 +28,8 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.sampling.prompt_logprobs import max_cached_tokens
 from services.worker.engine.request import Sequence, SequenceStatus
 from services.worker.engine.kv.session_kv import PARKED, SessionKV
-from shared.block_hash import extend_block_hashes
-from shared.events import State
+from shared.wire.block_hash import extend_block_hashes
+from shared.wire.events import State
 
 logger = logging.getLogger(__name__)
 

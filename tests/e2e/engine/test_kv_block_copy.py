@@ -9,7 +9,7 @@ from tests.support.engine import PASSAGE, run_to_completion
 
 from services.worker.engine import EngineRequest, LLMEngine, SamplingOptions
 from services.worker.engine.kv.kv_tier import DiskTier, SwappedKV
-from shared.block_hash import block_hashes
+from shared.wire.block_hash import block_hashes
 
 N = 16
 GREEDY = SamplingOptions(temperature=0, max_tokens=N)

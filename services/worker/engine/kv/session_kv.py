@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from services.worker.engine.kv.block_manager import BlockManager
 from services.worker.engine.request import Sequence, SequenceStatus
-from shared.block_hash import extend_block_hashes
-from shared.events import SessionReason
+from shared.wire.block_hash import extend_block_hashes
+from shared.wire.events import SessionReason
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Grammar-constrained decoding: one matcher per constrained sequence, a bitmask of allowed tokens per step.
 
-The grammar of each distinct constraint is built once (shared/grammar.py) into a template matcher kept in a
+The grammar of each distinct constraint is built once (shared/text/grammar.py) into a template matcher kept in a
 bounded LRU table; a sequence gets a copy of it (a copy costs ~15 us, building one ~1-3 ms). A sequence that
 arrives with outputs already generated (moved from another worker: Scheduled.output_token_ids) has them replayed
 into its matcher. Preemption inside this worker keeps the Sequence and its tokens, so its matcher stays in step
@@ -28,7 +28,7 @@ import numpy as np
 
 from services.worker.engine.errors import InvalidRequestError
 from services.worker.engine.request import GrammarSpec, Sequence
-from shared.grammar import GrammarError, grammar_for
+from shared.text.grammar import GrammarError, grammar_for
 
 logger = logging.getLogger(__name__)
 

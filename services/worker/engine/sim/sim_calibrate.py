@@ -23,8 +23,8 @@ import sys
 
 from services.worker.engine import EngineRequest, LLMEngine, SamplingOptions
 from services.worker.build import engine_config
-from shared.model_files import resolve_model_dir
-from shared.runtime import setup_logging
+from shared.text.model_files import resolve_model_dir
+from shared.process.runtime import setup_logging
 from shared.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.worker.engine.config import EngineConfig
-from shared.errors import ModelLoadError
-from shared.tokenization import model_info
+from shared.wire.errors import ModelLoadError
+from shared.text.tokenization import model_info
 
 _MIN_WORDS = 64  # fewer plain-word tokens than this: the tokenizer is unusual, emit any non-special id
 

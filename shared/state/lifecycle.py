@@ -7,7 +7,7 @@ same step, publishes the events that must follow it (so "state changed" and "eve
 can never disagree after a crash). Terminal states have no way out: the first terminal
 transition wins, every later attempt is a counted no-op.
 
-On a Redis Cluster the script touches one hash slot only, its request's partition (shared.constants): the
+On a Redis Cluster the script touches one hash slot only, its request's partition (shared.wire.constants): the
 request's keys, the partition's indexes and feed, and the streams of that slot. An event for a stream of
 another slot (a worker's inbox, a gateway's replies, the control stream) is published right after the script
 says the transition applied: the change is still atomic, its delivery is at-least-once and eventual.
@@ -22,11 +22,11 @@ import logging
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from shared import telemetry
-from shared.bus import LUA_XADD_EVENT, event_argv, write_event
-from shared.constants import LIFECYCLE_FEED_FIELDS, LIFECYCLE_FEED_MAXLEN, Names
-from shared.events import Event, State
-from shared.replies import as_text
+from shared.process import telemetry
+from shared.wire.bus import LUA_XADD_EVENT, event_argv, write_event
+from shared.wire.constants import LIFECYCLE_FEED_FIELDS, LIFECYCLE_FEED_MAXLEN, Names
+from shared.wire.events import Event, State
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ _WAITING_EFFECT = {State.QUEUED: "1", State.SCHEDULED: "-1", **{t: "-1" for t in
 
 
 def lua_feed_xadd(key: str, maxlen: str, **values: str) -> str:
-    """The Lua XADD of one feed record, its fields written from shared.constants.LIFECYCLE_FEED_FIELDS (in that
+    """The Lua XADD of one feed record, its fields written from shared.wire.constants.LIFECYCLE_FEED_FIELDS (in that
     order; `from` as from_): a script cannot give a field the decoder does not know or leave one out."""
     given = {k.rstrip("_"): v for k, v in values.items()}
     if set(given) != set(LIFECYCLE_FEED_FIELDS):
@@ -81,7 +81,7 @@ def predecessors(to: State) -> list[str]:
 # ARGV: to, allowed-from (comma list), service, reason, terminal(0|1), ttl, request id, waiting(1|0|-1),
 #       number of from-state sets, fence attempt ('' = none), owner attempt ('' = none), owner worker (JSON),
 #       feed maxlen, placement nonce (JSON, '' = none), then per stream: payload, stream ttl ('0' = none), maxlen.
-# The feed record (shared.constants.LIFECYCLE_FEED_FIELDS) is appended here and only here, after every check: a
+# The feed record (shared.wire.constants.LIFECYCLE_FEED_FIELDS) is appended here and only here, after every check: a
 # record exists if and only if the transition happened.
 # Fencing: a write that a stale owner could make carries the attempt it was placed with; it is refused
 # ('fenced') unless exec.attempt still equals it, so a hung worker that wakes up after its request moved on

@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-from shared.constants import Names
+from shared.wire.constants import Names
 
 PRUNE_TTLS = 10  # readers delete entries dead for this many TTLs
 HASH_TTLS = 10  # the hash expires this many TTLs after the last write...

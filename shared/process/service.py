@@ -6,11 +6,11 @@ not one: it is asynchronous and answers HTTP (services/gateway/session/core.py b
 
 from __future__ import annotations
 
-from shared.bus import Bus, DeadHandler
-from shared.context_store import ContextStore
-from shared.lifecycle import Lifecycle
-from shared.redis_client import sync_client
-from shared.runtime import instance_id
+from shared.wire.bus import Bus, DeadHandler
+from shared.state.context_store import ContextStore
+from shared.state.lifecycle import Lifecycle
+from shared.redis_io.redis_client import sync_client
+from shared.process.runtime import instance_id
 from shared.settings import CommonSettings
 
 

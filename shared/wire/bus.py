@@ -20,10 +20,10 @@ import msgspec
 import redis
 from msgspec import msgpack
 
-from shared import telemetry
-from shared.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
-from shared.events import AnyEvent, Event, SchemaError, decode, encode
-from shared.replies import as_text
+from shared.process import telemetry
+from shared.wire.constants import EVENT_FIELD, STREAM_MAXLEN, Names, private_stream_ttl
+from shared.wire.events import AnyEvent, Event, SchemaError, decode, encode
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Reading the lifecycle change feed (issue 14).
 
 The feed (`Names.lifecycle_feed`, capped at LIFECYCLE_FEED_MAXLEN) gets one flat record per transition, appended by
-the creating script (shared/context_store.py) and the transition script (shared/lifecycle.py) in the same atomic
-step as the change itself. A conversation session's moves (shared.sessions) are recorded too, in the partition of
+the creating script (shared/state/context_store.py) and the transition script (shared/state/lifecycle.py) in the same atomic
+step as the change itself. A conversation session's moves (shared.state.sessions) are recorded too, in the partition of
 the session's turn, right after the move applied: the session's record lives in its owner's slot, which no script
 of a Redis Cluster can write together with a request's partition (a process dying between the two loses the
 record, never the move). This module only decodes what they wrote.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.constants import LIFECYCLE_FEED_FIELDS
-from shared.replies import as_text
+from shared.wire.constants import LIFECYCLE_FEED_FIELDS
+from shared.redis_io.replies import as_text
 
 
 class FeedRecord(msgspec.Struct, frozen=True):

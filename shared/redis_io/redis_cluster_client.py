@@ -1,4 +1,4 @@
-"""redis-py's cluster clients, made to run Conveyor's code and to ride out a failover (shared.redis_client
+"""redis-py's cluster clients, made to run Conveyor's code and to ride out a failover (shared.redis_io.redis_client
 builds them when settings.redis_cluster is set).
 
 On a single Redis (the default) these are redis-py's plain clients. With settings.redis_cluster the Redis at redis_url
@@ -53,7 +53,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from shared.replies import as_text
+from shared.redis_io.replies import as_text
 
 CLUSTER_RETRY_S = 10.0  # a cluster command failing for a retryable reason is retried for this long in all
 _CLUSTER_BACKOFF = ExponentialWithJitterBackoff(base=0.05, cap=0.5)  # pauses up to 0.1, 0.2, 0.4, 0.5, 0.5... s

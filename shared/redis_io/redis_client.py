@@ -1,7 +1,7 @@
 """Redis clients configured the same way in every service.
 
 On a single Redis (the default) these are redis-py's plain clients; with settings.redis_cluster, the cluster
-clients of shared.redis_cluster_client (what they add to redis-py's, and why, is said there).
+clients of shared.redis_io.redis_cluster_client (what they add to redis-py's, and why, is said there).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from redis.crc import key_slot as _crc_key_slot
 from redis.retry import Retry
 
 # CLUSTER_RETRY_S and NoConnectionAvailable are re-exported: callers know one module for their clients.
-from shared.backoff import REDIS_BASE_S, REDIS_CAP_S
-from shared.redis_cluster_aio import AsyncClusterClient
-from shared.redis_cluster_client import CLUSTER_RETRY_S, NoConnectionAvailable, SyncClusterClient  # noqa: F401
+from shared.process.backoff import REDIS_BASE_S, REDIS_CAP_S
+from shared.redis_io.redis_cluster_aio import AsyncClusterClient
+from shared.redis_io.redis_cluster_client import CLUSTER_RETRY_S, NoConnectionAvailable, SyncClusterClient  # noqa: F401
 from shared.settings import CommonSettings
 
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)

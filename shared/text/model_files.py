@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from shared.errors import ModelLoadError
+from shared.wire.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 from array import array
 from typing import NamedTuple, Sequence
 
-from shared.events import Logprobs, PromptLogprobs
+from shared.wire.events import Logprobs, PromptLogprobs
 
 
 class TokenLogprob(NamedTuple):

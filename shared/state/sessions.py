@@ -11,7 +11,7 @@ paused), and later swaps it or releases its KV (pressure, idle). Every move is o
 hash and its owner's index (one slot), checked against the table, with fences: a move for a turn carries that
 turn's request id, a worker's move carries the worker's id, so a late write of a turn or a worker the session has
 moved past changes nothing (a result, never an exception). Each applied move is also one record of the lifecycle
-feed (shared.lifecycle_feed), in the partition of the session's turn, written right after the move.
+feed (shared.state.lifecycle_feed), in the partition of the session's turn, written right after the move.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from shared.constants import LIFECYCLE_FEED_MAXLEN, Names
-from shared.events import SessionReason, SessionState
-from shared.lifecycle import lua_in
-from shared.redis_client import TRANSIENT_ERRORS
-from shared.replies import as_text
+from shared.wire.constants import LIFECYCLE_FEED_MAXLEN, Names
+from shared.wire.events import SessionReason, SessionState
+from shared.state.lifecycle import lua_in
+from shared.redis_io.redis_client import TRANSIENT_ERRORS
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 

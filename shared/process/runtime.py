@@ -12,9 +12,9 @@ import uuid
 
 import redis
 
-from shared import health_file, liveness
-from shared.backoff import backoff_s
-from shared.constants import Names
+from shared.process import health_file, liveness
+from shared.process.backoff import backoff_s
+from shared.wire.constants import Names
 from shared.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ class StopFlag:
 
 
 class Liveness:
-    """One process's entry in its service kind's liveness hash (shared.liveness); it stops counting as live
+    """One process's entry in its service kind's liveness hash (shared.process.liveness); it stops counting as live
     when the process stops refreshing it. With a health folder, each write Redis accepted is also told to the
-    container's healthcheck (shared.health_file): call written() after executing a pipeline queue() filled."""
+    container's healthcheck (shared.process.health_file): call written() after executing a pipeline queue() filled."""
 
     read = staticmethod(liveness.read_live)  # live instances of a service kind -> their entries (no SCAN)
 

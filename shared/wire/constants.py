@@ -35,12 +35,12 @@ KV_EVENTS_MAXLEN = 10_000
 # the last write; the shared streams (received, preprocessed, control) have no TTL.
 PRIVATE_STREAM_TTL_S = 300
 # The lifecycle change feed (issue 14): one record per transition, appended only by the scripts that make them
-# (shared/context_store.py creates, shared/lifecycle.py moves), in the same atomic step. Readers (the dashboard)
+# (shared/state/context_store.py creates, shared/state/lifecycle.py moves), in the same atomic step. Readers (the dashboard)
 # only follow its tail, so a few minutes of transitions at a high rate are plenty; older ones are trimmed.
 LIFECYCLE_FEED_MAXLEN = 10_000
 # Its flat fields, in the order the scripts write them (every record has all of them: Redis then stores the
 # names once per listpack node, not once per record).
-# `session`: set on a conversation session's move only (shared.sessions; its from/to are session states), "" on a
+# `session`: set on a conversation session's move only (shared.state.sessions; its from/to are session states), "" on a
 # request's transition.
 LIFECYCLE_FEED_FIELDS = ("rid", "from", "to", "reason", "service", "at", "owner", "worker", "attempt", "session")
 
@@ -92,7 +92,7 @@ class Names:
     ns: str = "conveyor"
     partitions: int = 1
     # On a Redis Cluster a script may only write keys of its own slot: events to a stream of another slot are
-    # published right after the transition instead of inside it (see shared.lifecycle).
+    # published right after the transition instead of inside it (see shared.state.lifecycle).
     cluster: bool = False
 
     def __post_init__(self):
@@ -223,7 +223,7 @@ class Names:
 
     # --- conversation sessions: one slot per owner (an API key), its sessions and their index together ---------
     def session(self, owner: str, session_id: str) -> str:
-        """Hash: one session (shared.sessions). Keyed by its owner too: two API keys' sessions never collide, and
+        """Hash: one session (shared.state.sessions). Keyed by its owner too: two API keys' sessions never collide, and
         another key cannot even name it."""
         return f"{self._session_prefix(owner)}:s:{session_id}"
 

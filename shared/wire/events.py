@@ -16,7 +16,7 @@ SCHEMA_VERSION = 1
 
 
 class State(enum.StrEnum):
-    """A request's lifecycle state (shared/lifecycle.py holds the table of moves between them). StrEnum: each is
+    """A request's lifecycle state (shared/state/lifecycle.py holds the table of moves between them). StrEnum: each is
     its own name on the wire, in Redis, in logs and in f-strings."""
 
     RECEIVED = "RECEIVED"  # gateway accepted it
@@ -69,7 +69,7 @@ class ResyncReason(enum.StrEnum):
 
 
 class SessionState(enum.StrEnum):
-    """A conversation session's state (shared/sessions.py holds the table of moves between them)."""
+    """A conversation session's state (shared/state/sessions.py holds the table of moves between them)."""
 
     OPEN = "OPEN"  # no turn running and no KV kept: its next turn computes the whole conversation
     RUNNING = "RUNNING"  # one of its turns is a request in flight (another turn meanwhile is a 409)
@@ -97,9 +97,9 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 
 class Constraint(msgspec.Struct, frozen=True):
-    """What the output must be, enforced token by token (shared/grammar.py compiles it)."""
+    """What the output must be, enforced token by token (shared/text/grammar.py compiles it)."""
 
-    kind: str  # shared.grammar.KINDS: json_schema (one JSON value valid against `spec`), lark, regex
+    kind: str  # shared.text.grammar.KINDS: json_schema (one JSON value valid against `spec`), lark, regex
     spec: str  # the JSON Schema as JSON text, the Lark grammar, the regular expression
 
 
@@ -144,11 +144,11 @@ class RequestReceived(Event, tag="request_received", kw_only=True):
     group_id: str = ""  # the choices of one request with n > 1 share it: placed together, prompt prefilled once
     group_size: int = 1  # how many requests share group_id (n)
     tools: str = ""  # OpenAI tool definitions (a JSON list) the tokenizer renders into the prompt ("" = none)
-    # messages: how the chat template writes them (shared.chat_template.render)
+    # messages: how the chat template writes them (shared.text.chat_template.render)
     add_generation_prompt: bool = True  # end with the assistant turn's opening
     continue_final_message: bool = False  # end inside the last message: the output continues it
     chat_template_kwargs: str = ""  # the template's variables, a JSON object ("" = none)
-    session: str = ""  # the conversation session's key (shared.sessions) this turn belongs to ("" = none)
+    session: str = ""  # the conversation session's key (shared.state.sessions) this turn belongs to ("" = none)
     session_worker: str = ""  # the worker that kept the session's KV after its last turn ("" = none known)
 
 
@@ -162,7 +162,7 @@ class Preprocessed(Event, tag="preprocessed", kw_only=True):
     adaptive_deadline: bool = False  # no client timeout: the scheduler predicts one (deadline is the cap)
     received_at: float  # epoch seconds at the gateway's receipt
     block_size: int = 0  # tokens per block of block_hashes (0: none attached)
-    block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/block_hash.py)
+    block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block (shared/wire/block_hash.py)
     group_id: str = ""  # the choices of one request with n > 1 share it ("" = alone)
     group_size: int = 1  # how many requests share group_id (n)
     session: str = ""  # the conversation session's key this turn belongs to ("" = none)
@@ -204,7 +204,7 @@ class HandBack(Event, tag="hand_back", kw_only=True):
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True):
-    """Log probabilities of a TokenDelta's tokens, packed (shared/logprobs.py packs and unpacks them)."""
+    """Log probabilities of a TokenDelta's tokens, packed (shared/wire/logprobs.py packs and unpacks them)."""
 
     top: int  # alternatives given per token
     values: bytes  # float32 little-endian; per token: its own log probability, then its `top` alternatives'

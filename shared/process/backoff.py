@@ -2,7 +2,7 @@
 
 Used wherever a loop waits out Redis (a service's tick, a worker's step publish, the gateway's token reads) and
 for a crash-looping child of the launcher, so their pauses grow the same way. The Redis clients' own retries
-(shared/redis_client.py) take the same base and cap.
+(shared/redis_io/redis_client.py) take the same base and cap.
 """
 
 from __future__ import annotations

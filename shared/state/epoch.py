@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from shared.constants import Names
+from shared.wire.constants import Names
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The asyncio half of shared.redis_cluster_client (the gateway's cluster client): what it adds to redis-py's
+"""The asyncio half of shared.redis_io.redis_cluster_client (the gateway's cluster client): what it adds to redis-py's
 and why is said there."""
 
 from __future__ import annotations
@@ -13,12 +13,19 @@ from redis._parsers import AsyncCommandsParser
 from redis.asyncio import cluster as _async_cluster
 from redis.exceptions import NoScriptError
 
-from shared.redis_cluster_client import NoConnectionAvailable, _Attempts, _Deadline, _retryable, _Scripts, known_keys
-from shared.replies import as_text
+from shared.redis_io.redis_cluster_client import (
+    NoConnectionAvailable,
+    _Attempts,
+    _Deadline,
+    _retryable,
+    _Scripts,
+    known_keys,
+)
+from shared.redis_io.replies import as_text
 
 
 class _CommandsParser(AsyncCommandsParser):
-    """Finds the keys of stream reads and scripts itself (shared.redis_cluster_client.known_keys says why)."""
+    """Finds the keys of stream reads and scripts itself (shared.redis_io.redis_cluster_client.known_keys says why)."""
 
     async def get_keys(self, *args):
         keys = known_keys(args)

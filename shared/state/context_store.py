@@ -6,7 +6,7 @@ Five hashes per request, one per layer (vLLM article in the seeds, "hierarchical
   exec    worker, attempt, step progress
   kv      blocks held, prompt tokens served from the prefix cache
   output  token ids, text, finish reason, metrics
-plus a history list (one JSON entry per transition, written by shared.lifecycle).
+plus a history list (one JSON entry per transition, written by shared.state.lifecycle).
 Field values are JSON, so types survive the round trip. Keys expire `context_ttl_s` after
 the request ends; until then a generous TTL bounds what an abandoned request can leave.
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 import msgspec
 
-from shared.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
-from shared.events import Event, encode
-from shared.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
-from shared.lifecycle import State, lua_feed_xadd, parse_history
-from shared.replies import as_text
+from shared.wire.constants import LAYERS, LIFECYCLE_FEED_MAXLEN, Names
+from shared.wire.events import Event, encode
+from shared.state.janitor import ContextJanitor  # noqa: F401 (its home was here: importers keep working)
+from shared.state.lifecycle import State, lua_feed_xadd, parse_history
+from shared.redis_io.replies import as_text
 
 _json = msgspec.json.Encoder()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from shared.errors import FatalError
+from shared.wire.errors import FatalError
 
 logger = logging.getLogger(__name__)
 

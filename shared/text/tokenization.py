@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from shared.errors import ModelLoadError
-from shared.model_files import converted_by_conveyor
+from shared.wire.errors import ModelLoadError
+from shared.text.model_files import converted_by_conveyor
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def model_info(model_dir: Path) -> ModelInfo:
 
 def load_tokenizer(model_dir: Path):
     """The model's tokenizer, of the class transformers' AutoTokenizer picks. A folder Conveyor converted from GGUF
-    (shared/model_files.py) names in tokenizer_config.json the class AutoTokenizer picked when it was written; when
+    (shared/text/model_files.py) names in tokenizer_config.json the class AutoTokenizer picked when it was written; when
     that is the plain `TokenizersBackend` it is loaded by that name, without AutoTokenizer, whose imports load torch:
     3 s of CPU and 250 MB more in each tokenizer and gateway process, which never run the model."""
     try:

@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from shared.bus import Bus
-from shared.constants import Names
-from shared.lifecycle import TERMINAL, State
-from shared.redis_client import sync_client
+from shared.wire.bus import Bus
+from shared.wire.constants import Names
+from shared.state.lifecycle import TERMINAL, State
+from shared.redis_io.redis_client import sync_client
 from shared.settings import SchedulerSettings
-from shared.replies import as_text
+from shared.redis_io.replies import as_text
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+"""Redis itself: the clients every service makes (redis_client), their Redis Cluster subclasses that ride out a
+failover (redis_cluster_client, redis_cluster_aio), a local redis-server (redis_server), and its replies as Python
+values (replies)."""
