@@ -169,7 +169,7 @@ def test_workers_starting_together_measure_each_shape_once(tmp_path):
     code = (
         "import logging, sys, time\n"
         "from torch import nn\n"
-        "from services.worker.engine import gemm\n"
+        "from services.worker.engine.cpu import gemm\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "gemm.others_busy = lambda before, after: 0.0  # each other's start is not load to re-measure for\n"
         "real = gemm.measure\n"
