@@ -75,7 +75,7 @@ test-docker: $(STAMP)
 	CONVEYOR_DOCKER_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/docker $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.engine_throughput
+	$(PY) -m benchmarks.engine.engine_throughput
 
 clean:
 	rm -rf $(VENV)

@@ -79,7 +79,7 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process on 127.0.0.1; with unix_socket, also on a Unix socket in its data folder, and
     `url` names that socket. Why: a loopback TCP round trip goes through the TCP stack twice; on this project's 2-core
-    VM a PING or a step's publish script took 0.95-1.16x as long on TCP as on the socket (benchmarks/redis_socket.py,
+    VM a PING or a step's publish script took 0.95-1.16x as long on TCP as on the socket (benchmarks/scale/redis_socket.py,
     docs/benchmarks.md), and each hop of a request's way and each step's publish is one. The port stays open (tools,
     redis-cli)."""
 

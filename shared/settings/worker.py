@@ -68,7 +68,7 @@ class WorkerSettings(CommonSettings):
         description="speculative decoding of greedy requests: up to this many tokens drafted per step from "
         "n-grams of the sequence's own text (prompt lookup) and checked in the same forward pass; exact, the "
         "output is unchanged (engine/spec.py; 1.15-2.6x faster per token for a single stream in "
-        "benchmarks/spec_decode.py); 0 = off",
+        "benchmarks/engine/spec_decode.py); 0 = off",
     )
     spec_ngram_min: int = Field(2, ge=1, description="shortest n-gram a draft is looked up by")
     spec_ngram_max: int = Field(4, ge=1, description="longest n-gram a draft is looked up by")
@@ -99,7 +99,7 @@ class WorkerSettings(CommonSettings):
     sim_step_log_dir: str = Field(
         "",
         description="sim: folder where each worker appends one line per step "
-        "(its modelled time and shape; benchmarks/control_plane.py reads it); empty = none",
+        "(its modelled time and shape; benchmarks/scale/control_plane.py reads it); empty = none",
     )
     session_max_blocks: int = Field(
         4096, ge=0, description="most KV blocks a paused session keeps between turns (its leading ones); 0 = none"

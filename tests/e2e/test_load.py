@@ -1,5 +1,5 @@
 """Under a burst the gateway queues for Redis connections instead of reporting Redis as down: every request of
-a burst within the configured bounds is answered 200 (the 1,000-client figure is in benchmarks/burst.py)."""
+a burst within the configured bounds is answered 200 (the 1,000-client figure is in benchmarks/peer/burst.py)."""
 
 from __future__ import annotations
 

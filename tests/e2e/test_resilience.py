@@ -87,7 +87,7 @@ def test_greedy_requests_beside_cpu_hogs_are_never_timed_out_by_a_predicted_dead
     1.5x margin could cover. Its floor is 0.05 s: with a 1 s floor the deadline was the floor, and on a fast CPU (a
     Xeon, 2026-12-07) a request of 16 tokens finished beside the hogs in 0.98 s, inside it; at 0.05 s the requests
     end 25-250x past their deadlines there. The heavy version (8 prompts x 64 tokens, one at a
-    time and 4 at once, beside the same hogs) is benchmarks/cpu_contention.py."""
+    time and 4 at once, beside the same hogs) is benchmarks/cluster/cpu_contention.py."""
     expected = [hf_reference(hf_reference.prompt_ids(p), GREEDY_TOKENS) for p in GREEDY_PROMPTS]  # before the hogs
     c = start_cluster(env={"CONVEYOR_TIMEOUT_MIN_S": "0.05", "CONVEYOR_TIMEOUT_SAFETY_FACTOR": "1"})
     stop = mp.Event()

@@ -1,5 +1,5 @@
 """The redis-server `conveyor up` starts: its services reach it on a Unix socket (a round trip without the TCP
-stack: benchmarks/redis_socket.py), and its port stays open for tools."""
+stack: benchmarks/scale/redis_socket.py), and its port stays open for tools."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks.isa_hold: both servers held to AVX2 on a wider CPU; vLLM's kernel-library choice through the shim."""
+"""benchmarks.peer.isa_hold: both servers held to AVX2 on a wider CPU; vLLM's kernel-library choice through the shim."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import isa_hold
+from benchmarks.peer import isa_hold
 
 ASK = "import torch.cpu; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
 

@@ -1,9 +1,9 @@
-"""benchmarks/multiturn.py's reading of AIPerf's records, of /metrics and of the servers' logs (no server, no AIPerf)."""
+"""benchmarks/peer/multiturn.py's reading of AIPerf's records, of /metrics and of the servers' logs (no server, no AIPerf)."""
 
 import json
 
-from benchmarks.multiturn import kv_capacity_tokens, parse_counters
-from benchmarks.multiturn_report import load_records, report, summarize
+from benchmarks.peer.multiturn import kv_capacity_tokens, parse_counters
+from benchmarks.peer.multiturn_report import load_records, report, summarize
 
 
 def record(conv: int, turn: int, ttft: float, prompt: int, cached: int, error: dict | None = None) -> dict:

@@ -1,8 +1,8 @@
-"""The Redis Cluster benchmark's report (benchmarks/redis_cluster_report.py) reads the same from one run to the next."""
+"""The Redis Cluster benchmark's report (benchmarks/scale/redis_cluster_report.py) reads the same from one run to the next."""
 
 from __future__ import annotations
 
-from benchmarks.redis_cluster_report import command_diff_table
+from benchmarks.scale.redis_cluster_report import command_diff_table
 
 COMMANDS = [f"cmd{i:02d}" for i in range(12)]
 

@@ -1,4 +1,4 @@
-"""benchmarks.serve_vs_vllm's CPU accounting around a round: the server measured, the other one idling beside it
+"""benchmarks.peer.serve_vs_vllm's CPU accounting around a round: the server measured, the other one idling beside it
 and the client, each apart, read from real processes."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import psutil
 import pytest
 
-from benchmarks.serve_vs_vllm import measured
+from benchmarks.peer.serve_vs_vllm import measured
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""benchmarks.soak's sample schedule: one sample in each interval, at a varied point of it, so that periodic work
+"""benchmarks.cluster.soak's sample schedule: one sample in each interval, at a varied point of it, so that periodic work
 of the cluster (the janitor's 10 s sweeps) is not seen at one phase and its slow drift read as a step."""
 
 import random
 
 import pytest
 
-from benchmarks.soak import next_sample
+from benchmarks.cluster.soak import next_sample
 
 pytestmark = pytest.mark.unit
 

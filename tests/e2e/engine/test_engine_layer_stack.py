@@ -121,7 +121,7 @@ def test_past_its_attention_the_last_layer_runs_on_the_logits_rows_only(make_eng
 
 def test_a_profile_of_a_step_names_each_stage_of_the_stack(make_engine):
     """To the dispatcher the stack is one op: the stages inside it are profiler ranges of their own, so that
-    torch.profiler (benchmarks.engine_profile --profile) says where a step's time goes."""
+    torch.profiler (benchmarks.engine.engine_profile --profile) says where a step's time goes."""
     engine, _ = stacked_engine(make_engine)
     add_ragged_requests(engine, n=2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
