@@ -1,7 +1,8 @@
 """Redis clients configured the same way in every service.
 
-On a single Redis (the default) these are redis-py's plain clients; with settings.redis_cluster, the cluster
-clients of shared.redis_io.redis_cluster_client (what they add to redis-py's, and why, is said there).
+On a single Redis (the default) these are redis-py's plain clients, their pipelines checking a registered script
+once a connection (shared.redis_io.scripts); with settings.redis_cluster, the cluster clients of
+shared.redis_io.redis_cluster_client (what they add to redis-py's, and why, is said there).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from redis.retry import Retry
 from shared.process.backoff import REDIS_BASE_S, REDIS_CAP_S
 from shared.redis_io.redis_cluster_aio import AsyncClusterClient
 from shared.redis_io.redis_cluster_client import CLUSTER_RETRY_S, NoConnectionAvailable, SyncClusterClient  # noqa: F401
+from shared.redis_io.scripts import AsyncRedis, Redis
 from shared.settings import CommonSettings
 
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -57,7 +59,7 @@ def sync_client(settings: CommonSettings) -> redis.Redis | _sync_cluster.RedisCl
             retry=Retry(NoBackoff(), 0),
             **_auth(settings),
         )
-    return redis.Redis.from_url(
+    return Redis.from_url(
         settings.redis_url,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=5,
@@ -101,4 +103,4 @@ def async_client(
         retry_on_error=list(_RETRY_ERRORS),
         **_auth(settings),
     )
-    return aioredis.Redis(connection_pool=pool)
+    return AsyncRedis(connection_pool=pool)

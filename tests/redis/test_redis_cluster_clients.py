@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisClusterException, WatchError
 
 from shared.redis_io.redis_client import async_client, is_cluster, key_slot, sync_client
+from shared.redis_io import scripts
 from shared.settings import CommonSettings
 from tests.support.redis_cluster import APPEND_LUA, cluster_settings
 
@@ -296,9 +297,9 @@ def test_async_cluster_client_gives_up_waiting_for_a_turn_after_pool_timeout(red
 def test_settings_without_redis_cluster_give_the_plain_clients():
     settings = CommonSettings(redis_url="redis://127.0.0.1:1/0")  # never connected to
     r = sync_client(settings)
-    assert type(r) is redis.Redis and not is_cluster(r)
+    assert type(r) is scripts.Redis and isinstance(r, redis.Redis) and not is_cluster(r)
     a = async_client(settings, max_connections=3, pool_timeout_s=1)
-    assert type(a) is aioredis.Redis and not is_cluster(a)
+    assert type(a) is scripts.AsyncRedis and isinstance(a, aioredis.Redis) and not is_cluster(a)
     assert isinstance(a.connection_pool, aioredis.BlockingConnectionPool) and a.connection_pool.max_connections == 3
     assert settings.partitions == 1 and CommonSettings(redis_cluster=True).partitions == 16
     assert CommonSettings(redis_cluster=True, redis_partitions=4).partitions == 4
