@@ -128,7 +128,7 @@ def profile_table(fn, rows: int = 18) -> str:
     return p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="base,tuned,fused,kernel,all")
     ap.add_argument("--rounds", type=int, default=3)
@@ -144,15 +144,15 @@ def main() -> None:
         help="torch intra-op threads (default: torch's choice); "
         "1 is steadier on a shared machine (no thread waits for a descheduled peer)",
     )
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cache_dir = str(CommonSettings().cache_dir)
-    names = args.variants.split(",")
-    engines = {n: build(n, cache_dir, args.dtype) for n in names}
-    decode = {n: [] for n in names}
-    prefill = {n: [] for n in names}
-    for r in range(args.rounds + 1):  # prefills on idle engines (one step each); round 0 warms up
+    return ap.parse_args()
+
+
+def measure(engines: dict, args) -> tuple[dict, dict]:
+    """Each variant's prefill times (on idle engines, one step each; round 0 warms up), then its decode steps at
+    args.batch sequences, variants taking turns each round."""
+    decode = {n: [] for n in engines}
+    prefill = {n: [] for n in engines}
+    for r in range(args.rounds + 1):
         for n, e in engines.items():
             t = time_prefill(e, args.prefill, 1000 + r)
             if r:
@@ -162,6 +162,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for n, e in engines.items():
             decode[n] += time_steps(e, args.steps)
+    return decode, prefill
+
+
+def report(decode: dict, prefill: dict, args) -> None:
+    names = list(decode)
     base = statistics.median(decode[names[0]])
     print(
         f"threads {torch.get_num_threads()}; batch-{args.batch} decode step (ctx ~200) and {args.prefill}-token "
@@ -174,16 +179,25 @@ def main() -> None:
             f"{n:8} {min(d) * 1e3:10.1f} {statistics.median(d) * 1e3:8.1f} {base / statistics.median(d):9.2f} "
             f"{min(p) * 1e3:11.1f} {statistics.median(p) * 1e3:8.1f}"
         )
+
+
+def print_profiles(name: str, e, args) -> None:
+    print(f"\n[{name}] 3 decode steps at batch {args.batch}\n" + profile_table(lambda: time_steps(e, 3)))
+    for seq in list(e.scheduler.running):
+        e.abort_request(seq.request_id)
+    e.step()
+    print(f"\n[{name}] one {args.prefill}-token prefill\n" + profile_table(lambda: time_prefill(e, args.prefill, 7)))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache_dir = str(CommonSettings().cache_dir)
+    engines = {n: build(n, cache_dir, args.dtype) for n in args.variants.split(",")}
+    report(*measure(engines, args), args)
     if args.profile:
-        e = engines[args.profile]
-        print(f"\n[{args.profile}] 3 decode steps at batch {args.batch}\n" + profile_table(lambda: time_steps(e, 3)))
-        for seq in list(e.scheduler.running):
-            e.abort_request(seq.request_id)
-        e.step()
-        print(
-            f"\n[{args.profile}] one {args.prefill}-token prefill\n"
-            + profile_table(lambda: time_prefill(e, args.prefill, 7))
-        )
+        print_profiles(args.profile, engines[args.profile], args)
 
 
 if __name__ == "__main__":
