@@ -29,6 +29,17 @@ from shared.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
+# Short chat prompts the cluster benchmarks send (cpu_contention, tracing_overhead): the same in each.
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "Why is the sky blue?",
+    "Tell me a fun fact about octopuses.",
+    "What is photosynthesis?",
+    "Give three tips for a job interview.",
+]
 MODEL_NAME = DEFAULT_MODEL_NAME  # the name both servers answer to
 # Settings a benchmark keeps from the caller's environment; every other CONVEYOR_* is dropped so that
 # "defaults" means the defaults, not whatever a shell happened to export.

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import (
+    PROMPTS,
     DEFAULT_OUT,
     ConveyorUp,
     log_summary,
@@ -32,17 +33,6 @@ from benchmarks.common import (
     stop_hogs,
     write_json,
 )
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Why is the sky blue?",
-    "Tell me a fun fact about octopuses.",
-    "What is photosynthesis?",
-    "Give three tips for a job interview.",
-]
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:

@@ -26,20 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common import PROMPTS
 from tests.support.cluster import Cluster
 from tests.support.cache import CACHE_DIR
 from tests.support.otlp_receiver import OtlpReceiver
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity in one sentence.",
-    "List three fruits.",
-    "Why is the sky blue?",
-    "Tell me a fun fact about octopuses.",
-    "What is photosynthesis?",
-    "Give three tips for a job interview.",
-]
 
 
 SETTLE_S = 2.5  # > the batch span processor's export interval (CONVEYOR_OTEL_SCHEDULE_DELAY_MS, 2 s)
