@@ -1,8 +1,8 @@
 """Burst: 1,000 concurrent clients against Conveyor, then against vLLM, on the same machine in one run.
 
 The servers run one after the other, never both at once: `conveyor up --workers 1` (defaults), then vLLM's
-CPU build (`../shared/peers/vllm-cpu.sh serve`), both serving the bundled SmolLM2-135M-Instruct.
-  --client vllm (default): vLLM's own client, `vllm bench serve` (the peers script's `bench` verb): random
+CPU build (benchmarks/peer/vllm_cpu.py), both serving the bundled SmolLM2-135M-Instruct.
+  --client vllm (default): vLLM's own client, `vllm bench serve` (vllm_cpu.bench_command): random
       dataset, 32-token prompts, 16 output tokens with --ignore-eos, --num-prompts 1000, --max-concurrency 1000,
       request rate inf.
   --client httpx: the same burst from an async httpx client in this process (OpenAI /v1/completions, a mix of
@@ -36,7 +36,7 @@ from benchmarks.peer.burst_client import (
     random_prompts,
 )
 from benchmarks.peer.vllm_peer import (
-    PEERS_SCRIPT,
+    INSTALL,
     VllmServe,
     run_vllm_bench,
     vllm_installed,
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     if not args.skip_vllm and not vllm_installed():
-        ap.error(f"vLLM is not installed ({PEERS_SCRIPT} install), or pass --skip-vllm")
+        ap.error(f"vLLM is not installed ({INSTALL}), or pass --skip-vllm")
     if args.client == "vllm" and not vllm_installed():
         ap.error("--client vllm needs vLLM's venv; use --client httpx")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ leaves out X-Session-ID (an A/B against the same server without the header Conve
 
 The servers run one after the other, never both at once, each started fresh, warmed up by a few requests outside
 the measurement, measured, stopped:
-  vllm      ../shared/peers/vllm-cpu.sh serve (vLLM 0.32 CPU, float32, both cores) with --enable-prefix-caching
+  vllm      benchmarks/peer/vllm_cpu.py (vLLM 0.32 CPU, float32, both cores) with --enable-prefix-caching
             --enable-prompt-tokens-details (per-request cached tokens) and VLLM_CPU_KVCACHE_SPACE=--kv-gib
   conveyor  `conveyor up --workers 1` with CONVEYOR_KV_CACHE_BYTES=--kv-gib GiB; --conveyor-env KEY=VALUE
             (repeatable) and --conveyor-args pass the session settings the server side adds; --conveyor-root
@@ -73,7 +73,7 @@ from benchmarks.common import (
 from benchmarks.peer.multiturn_aiperf import AIPERF_VENV, AIPERF_VERSION, aiperf_cmd, aiperf_installed, install_aiperf
 from benchmarks.peer.multiturn_report import load_records, plot, report, summarize
 from benchmarks.peer.vllm_peer import (
-    PEERS_SCRIPT,
+    INSTALL,
     VllmServe,
     vllm_installed,
 )
@@ -153,7 +153,7 @@ class Server:
         self.log = out / f"{name}.log"
         self.env: dict[str, str] = {}
         if name == "vllm":
-            # The peers script reads VLLM_CPU_KVCACHE_SPACE (whole GiB, vLLM's CPU pool) from the environment.
+            # vllm_cpu.serve_command reads VLLM_CPU_KVCACHE_SPACE (whole GiB, vLLM's CPU pool) from the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
             extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details", *args.vllm_args]
             self.impl = VllmServe(model, self.log, extra=extra)
@@ -281,7 +281,7 @@ def servers_to_run(args) -> list[str]:
     if not aiperf_installed():
         raise SystemExit(f"AIPerf is not installed: {sys.executable} -m benchmarks.peer.multiturn --install")
     if "vllm" in servers and not args.vllm_from and not vllm_installed():
-        raise SystemExit(f"vLLM is not installed: bash {PEERS_SCRIPT} install (or --servers conveyor)")
+        raise SystemExit(f"vLLM is not installed: {INSTALL} (or --servers conveyor)")
     return servers
 
 

