@@ -17,9 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from shared.settings import WorkerSettings
 from shared.text.model_files import resolve_model_dir
 from tests.support.cache import CACHE_DIR
 from tests.support.xdist import sharing_the_cores
+
+# A test process's own torch threads (the engine tests that run a step on two) wait at their barriers as a worker's
+# do (shared.settings.omp_environment says why), set before torch loads: make test's four processes share two
+# cores, and at libgomp's default a thread spins on for its partner while that partner waits for the core.
+os.environ.update(WorkerSettings().library_environment())
 
 # tests/docker builds an image and starts a compose cluster (minutes): `make test-docker` runs it, `make test` not.
 collect_ignore = [] if os.environ.get("CONVEYOR_DOCKER_TESTS") else ["docker"]

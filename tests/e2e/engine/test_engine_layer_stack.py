@@ -152,10 +152,12 @@ def threads():
 
 
 def add_short_requests(engine, n: int) -> None:
-    """n greedy requests of 3 to 2n + 1 prompt tokens: no context reaches the 64 tokens past which the decode kernel
-    splits one sequence between threads, so the loop's attention and each run's take the same sums."""
+    """n greedy requests of 3 to 33 prompt tokens (3, 5, ..., 33, then again): no context reaches the 64 tokens past
+    which the decode kernel splits one sequence between threads, so the loop's attention and each run's take the
+    same sums; and their prompts' step is short (it runs on the test's two threads, beside make test's other
+    processes)."""
     for i in range(n):
-        prompt = [(53 * i + 7 * j) % 5000 + 100 for j in range(3 + 2 * i)]
+        prompt = [(53 * i + 7 * j) % 5000 + 100 for j in range(3 + 2 * (i % 16))]
         engine.add_request(
             EngineRequest(f"s{i}", prompt, SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True))
         )
